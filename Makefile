@@ -1,0 +1,28 @@
+# The two commands: `make demo` (the main job) and `make test` (the test suite).
+# Each creates the virtual environment .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch is pinned: on a CPU-only machine an unpinned torch pulls the CUDA build.
+	$(PY) -m pip install --quiet "torch==$${DPGRAD_TORCH_VERSION:-2.13.0}"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m dpgrad demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) -m pytest benchmarks -q --benchmark-enable
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,87 @@
+"""Per-sample gradients of any layer through ``torch.func`` (vmap of grad).
+
+Used for layers with trainable parameters but no registered grad sampler, and for every
+layer under ``force_functorch=True``. The layer's forward is re-run on one sample at a time,
+vectorised by vmap, on a parameter-free copy of the layer.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Dict, List
+
+import torch
+import torch.nn as nn
+from torch.func import functional_call, grad, vmap
+
+
+def _meta_copy(layer: nn.Module) -> nn.Module:
+    """A deep copy of ``layer`` whose parameters live on the meta device (no weight copies)."""
+    memo = {
+        id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        for p in layer.parameters()
+    }
+    clone = copy.deepcopy(layer, memo)
+    # Hooks of the live layer must not run inside the functional re-computation.
+    for m in clone.modules():
+        m._forward_hooks.clear()
+        m._forward_pre_hooks.clear()
+    return clone
+
+
+def _first_tensor(output):
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)):
+        for item in output:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+def prepare_layer(layer: nn.Module, batch_first: bool = True) -> None:
+    """Attach ``layer.ft_compute_sample_grad(params, activations, backprops) -> {name: (B, ...)}``.
+
+    ``params`` maps the layer's parameter names to tensors; gradients are returned for those
+    that require grad. Raises NotImplementedError for layers with buffers.
+    """
+    if len(list(layer.buffers())) > 0:
+        raise NotImplementedError(
+            f"{type(layer).__name__} has buffers; their state is shared across samples, so "
+            "per-sample gradients are undefined"
+        )
+    stateless = _meta_copy(layer)
+    # Each sample is fed back with a batch dimension of one, where the layer expects it.
+    batch_dim = 0 if batch_first else 1
+
+    def compute(params: Dict[str, torch.Tensor], activations: List, backprops: torch.Tensor):
+        names = [n for n, p in params.items() if p.requires_grad]
+        frozen = {n: p.detach() for n, p in params.items() if not p.requires_grad}
+
+        def sample_loss(trainable, acts, bp):
+            inputs = tuple(a.unsqueeze(batch_dim) if isinstance(a, torch.Tensor) else a for a in acts)
+            out = functional_call(stateless, {**frozen, **dict(zip(names, trainable))}, inputs)
+            return (_first_tensor(out) * bp.unsqueeze(batch_dim)).sum()
+
+        in_dims = (None, tuple(0 if isinstance(a, torch.Tensor) else None for a in activations), 0)
+        trainable = tuple(params[n].detach() for n in names)
+        grads = vmap(grad(sample_loss), in_dims=in_dims)(trainable, tuple(activations), backprops)
+        return dict(zip(names, grads))
+
+    layer.ft_compute_sample_grad = compute
+
+
+def ft_compute_per_sample_gradient(
+    layer: nn.Module, activations: List, backprops: torch.Tensor
+) -> Dict[nn.Parameter, torch.Tensor]:
+    """Grad sampler for any layer: ``{parameter: (B, *parameter.shape)}`` via torch.func."""
+    if not hasattr(layer, "ft_compute_sample_grad"):
+        prepare_layer(layer)
+    params = dict(layer.named_parameters())
+    acts = [
+        a.to(backprops.dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+        for a in activations
+    ]
+    grads = layer.ft_compute_sample_grad(params, acts, backprops)
+    return {params[name]: g for name, g in grads.items()}

@@ -1,0 +1,184 @@
+"""Eager-PyTorch versions of every dpgrad launcher.
+
+This file is both the CPU fallback and the test oracle of the Triton kernels. Tensors in,
+tensors out: no modules, no hooks, no autograd.
+
+Shapes (B batch, T tokens, d in-features, p out-features, V vocabulary):
+    A    (B, T, d)  layer inputs (activations)
+    G    (B, T, p)  gradients of each sample's loss w.r.t. the layer outputs (backprops)
+    ids  (B, T)     token ids of an embedding layer
+
+Norms are returned *squared*, one per sample, in float32 (float64 when an input is float64).
+Large intermediates are built one slice of the batch at a time, so memory stays bounded
+whatever B is.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Iterator, Optional
+
+import torch
+
+# Upper bound on the elements of one batch slice's intermediate tensor.
+CHUNK_ELEMENTS = 1 << 24
+# Above this many elements a (B, V, d) embedding grad sample gets a warning.
+EMBEDDING_GRAD_SAMPLE_WARN_ELEMENTS = 1 << 28
+
+
+def accumulation_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """float64 if any input is float64, else float32 (half inputs accumulate in fp32)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def batch_slices(batch: int, elements_per_sample: int) -> Iterator[slice]:
+    """Slices of range(batch) whose intermediates hold at most CHUNK_ELEMENTS elements."""
+    step = max(1, CHUNK_ELEMENTS // max(1, elements_per_sample))
+    for start in range(0, batch, step):
+        yield slice(start, min(batch, start + step))
+
+
+def linear_grad_sample(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """Per-sample weight gradients ``W_b = G_b^T A_b``.
+
+    A: (B, T, d), G: (B, T, p) -> (B, p, d) in G's dtype.
+    """
+    return torch.bmm(G.transpose(1, 2), A.to(G.dtype))
+
+
+def linear_bias_grad_sample(G: torch.Tensor) -> torch.Tensor:
+    """Per-sample bias gradients ``sum_t G_b[t]``: G (B, T, p) -> (B, p)."""
+    return G.sum(dim=1)
+
+
+def linear_bias_sq_norm(G: torch.Tensor) -> torch.Tensor:
+    """Squared per-sample bias-gradient norms ``||sum_t G_b[t]||^2``: (B, T, p) -> (B,).
+
+    O(B*T*p): the bias never needs a Gram matrix.
+    """
+    acc = accumulation_dtype(G)
+    return G.sum(dim=1, dtype=acc).square().sum(dim=1)
+
+
+def linear_weight_sq_norm_direct(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """Squared per-sample weight-gradient norms from ``G_b^T A_b``, a batch slice at a time.
+
+    A: (B, T, d), G: (B, T, p) -> (B,). About 2*B*T*p*d flops.
+    """
+    acc = accumulation_dtype(A, G)
+    B, _, d = A.shape
+    p = G.shape[-1]
+    out = torch.empty(B, dtype=acc, device=A.device)
+    for s in batch_slices(B, p * d):
+        W = torch.bmm(G[s].transpose(1, 2).to(acc), A[s].to(acc))
+        out[s] = W.square().sum(dim=(1, 2))
+    return out
+
+
+def linear_weight_sq_norm_gram(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """Squared per-sample weight-gradient norms ``<A_b A_b^T, G_b G_b^T>_F`` ("ghost norm").
+
+    A: (B, T, d), G: (B, T, p) -> (B,). About 2*B*T^2*(p+d) flops in this eager form.
+    """
+    acc = accumulation_dtype(A, G)
+    B, T, _ = A.shape
+    out = torch.empty(B, dtype=acc, device=A.device)
+    for s in batch_slices(B, 2 * T * T):
+        a = A[s].to(acc)
+        g = G[s].to(acc)
+        aat = torch.bmm(a, a.transpose(1, 2))
+        ggt = torch.bmm(g, g.transpose(1, 2))
+        # Rounding can take an exact zero slightly below it.
+        out[s] = (aat * ggt).sum(dim=(1, 2)).clamp_min(0)
+    return out
+
+
+def linear_weight_sq_norm_outer(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """Squared per-sample norms when T == 1: ``||a_b||^2 * ||g_b||^2``. (B, 1, *) -> (B,)."""
+    acc = accumulation_dtype(A, G)
+    return A.to(acc).square().sum(dim=(1, 2)) * G.to(acc).square().sum(dim=(1, 2))
+
+
+def linear_norm_algorithm(T: int, d: int, p: int) -> str:
+    """The cheaper eager algorithm for a layer shape: "outer", "gram" or "direct".
+
+    Compares the eager flop counts, 2*T^2*(p+d) for the Gram form against 2*T*p*d for the
+    direct form (the Triton path measures instead of counting).
+    """
+    if T == 1:
+        return "outer"
+    return "gram" if T * (p + d) < p * d else "direct"
+
+
+def linear_weight_sq_norm(A: torch.Tensor, G: torch.Tensor, algorithm: str = "auto") -> torch.Tensor:
+    """Squared per-sample weight-gradient norms of a Linear layer, (B, T, d), (B, T, p) -> (B,)."""
+    if algorithm == "auto":
+        algorithm = linear_norm_algorithm(A.shape[1], A.shape[2], G.shape[2])
+    if algorithm == "outer":
+        if A.shape[1] != 1:
+            raise ValueError(f"the 'outer' norm needs T == 1, got T = {A.shape[1]}")
+        return linear_weight_sq_norm_outer(A, G)
+    if algorithm == "gram":
+        return linear_weight_sq_norm_gram(A, G)
+    if algorithm == "direct":
+        return linear_weight_sq_norm_direct(A, G)
+    raise ValueError(f"unknown linear norm algorithm {algorithm!r}: use auto, outer, gram or direct")
+
+
+def _embedding_rows(ids: torch.Tensor, G: torch.Tensor, padding_idx: Optional[int]):
+    """Flatten (B, T) ids and (B, T, d) backprops to kept rows, dropping padding positions."""
+    B = ids.shape[0]
+    flat_ids = ids.reshape(B, -1)
+    rows = G.reshape(B, flat_ids.shape[1], G.shape[-1])
+    sample = torch.arange(B, device=ids.device).unsqueeze(1).expand_as(flat_ids)
+    if padding_idx is not None:
+        keep = flat_ids != padding_idx
+        return flat_ids[keep], sample[keep], rows[keep]
+    return flat_ids.reshape(-1), sample.reshape(-1), rows.reshape(-1, rows.shape[-1])
+
+
+def embedding_sq_norm(
+    ids: torch.Tensor, G: torch.Tensor, num_embeddings: int, padding_idx: Optional[int] = None
+) -> torch.Tensor:
+    """Squared per-sample embedding-gradient norms ``sum_v ||sum_{t: x_bt = v} g_bt||^2``.
+
+    ids: (B, T) int, G: (B, T, d) -> (B,). Equal (sample, token) pairs are grouped and their
+    rows summed before squaring; positions holding ``padding_idx`` contribute nothing, as
+    PyTorch gives that row no gradient. O(B*T*d).
+    """
+    acc = accumulation_dtype(G)
+    B = ids.shape[0]
+    out = torch.zeros(B, dtype=acc, device=G.device)
+    tok, sample, rows = _embedding_rows(ids, G, padding_idx)
+    if tok.numel() == 0:
+        return out
+    key = sample.to(torch.int64) * num_embeddings + tok.to(torch.int64)
+    uniq, group = torch.unique(key, return_inverse=True)
+    summed = torch.zeros(uniq.numel(), rows.shape[-1], dtype=acc, device=G.device)
+    summed.index_add_(0, group, rows.to(acc))
+    out.index_add_(0, uniq // num_embeddings, summed.square().sum(dim=1))
+    return out
+
+
+def embedding_grad_sample(
+    ids: torch.Tensor, G: torch.Tensor, num_embeddings: int, padding_idx: Optional[int] = None
+) -> torch.Tensor:
+    """Per-sample embedding gradients: (B, T) ids, (B, T, d) backprops -> (B, V, d).
+
+    Inherently B*V*d memory; warns when that is large. The ``padding_idx`` row stays zero.
+    """
+    B, d = ids.shape[0], G.shape[-1]
+    numel = B * num_embeddings * d
+    if numel > EMBEDDING_GRAD_SAMPLE_WARN_ELEMENTS:
+        warnings.warn(
+            f"materialising per-sample embedding gradients of shape ({B}, {num_embeddings}, {d}) "
+            f"({numel * G.element_size() / 2**30:.1f} GiB); ghost clipping "
+            "(GradSampleModuleFastGradientClipping) computes their norms without them",
+            ResourceWarning,
+            stacklevel=3,
+        )
+    out = torch.zeros(B, num_embeddings, d, dtype=G.dtype, device=G.device)
+    tok, sample, rows = _embedding_rows(ids, G, padding_idx)
+    flat = out.view(B * num_embeddings, d)
+    flat.index_add_(0, sample.to(torch.int64) * num_embeddings + tok.to(torch.int64), rows)
+    return out
