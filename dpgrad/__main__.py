@@ -1,0 +1,5 @@
+import sys
+
+from dpgrad.cli import main
+
+sys.exit(main())

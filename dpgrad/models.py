@@ -1,0 +1,93 @@
+"""A small built-in decoder-only transformer, the default model of the demo and benchmarks.
+
+Built only from layers dpgrad has samplers for (nn.Embedding, nn.Linear, nn.LayerNorm) plus
+parameter-free attention, with random weights: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class TinyTransformerConfig:
+    """Shape of a :class:`TinyTransformer`."""
+
+    vocab_size: int = 512
+    max_seq_len: int = 256
+    d_model: int = 128
+    n_heads: int = 4
+    n_layers: int = 2
+    d_ff: int = 512
+    padding_idx: int = 0
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention and an MLP, each with a residual."""
+
+    def __init__(self, cfg: TinyTransformerConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.up = nn.Linear(cfg.d_model, cfg.d_ff)
+        self.down = nn.Linear(cfg.d_ff, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(D, dim=-1)
+        heads = [t.reshape(B, T, self.n_heads, D // self.n_heads).transpose(1, 2) for t in (q, k, v)]
+        attn = F.scaled_dot_product_attention(*heads, is_causal=True)
+        x = x + self.proj(attn.transpose(1, 2).reshape(B, T, D))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class TinyTransformer(nn.Module):
+    """Token ids (B, T) -> next-token logits (B, T, vocab_size)."""
+
+    def __init__(self, cfg: TinyTransformerConfig = TinyTransformerConfig()):
+        super().__init__()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.padding_idx)
+        self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        # Untied from the input embedding: ghost clipping does not support tied weights yet.
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # Contiguous, not expanded: Opacus's embedding norm sampler, which the benchmarks run
+        # on this model, cannot take expanded ids.
+        positions = torch.arange(ids.shape[1], device=ids.device).repeat(ids.shape[0], 1)
+        x = self.tok(ids) + self.pos(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def per_sample_lm_loss(logits: torch.Tensor, ids: torch.Tensor, padding_idx: int = 0) -> torch.Tensor:
+    """Mean next-token cross-entropy of each sequence, ignoring padding targets: (B,)."""
+    B, T, V = logits.shape
+    targets = ids[:, 1:]
+    token_loss = F.cross_entropy(
+        logits[:, :-1].reshape(-1, V), targets.reshape(-1), reduction="none", ignore_index=padding_idx
+    ).view(B, T - 1)
+    counts = (targets != padding_idx).sum(dim=1).clamp(min=1)
+    return token_loss.sum(dim=1) / counts
+
+
+def synthetic_batch(cfg: TinyTransformerConfig, batch_size: int, seq_len: int, generator=None) -> torch.Tensor:
+    """Learnable token ids (B, T): each sequence counts up from a random start by a stride of
+    1 to 4 (wrapping past padding_idx), then is right-padded to a random length."""
+    start = torch.randint(0, cfg.vocab_size - 1, (batch_size, 1), generator=generator)
+    stride = torch.randint(1, 5, (batch_size, 1), generator=generator)
+    ids = (start + stride * torch.arange(seq_len)) % (cfg.vocab_size - 1) + 1
+    lengths = torch.randint(seq_len // 2, seq_len + 1, (batch_size,), generator=generator)
+    ids[torch.arange(seq_len).unsqueeze(0) >= lengths.unsqueeze(1)] = cfg.padding_idx
+    return ids

@@ -1,0 +1,194 @@
+"""Opacus 1.6.0's own test classes, run with dpgrad's wrappers in place of Opacus's.
+
+The tests ship inside the Opacus wheel (``opacus.tests``). We subclass them here, so pytest
+collects them from this module, and substitute dpgrad's classes while each test runs:
+
+* ``grad_samples.linear_test`` / ``embedding_test`` build their wrapper through
+  ``opacus.utils.per_sample_gradients_utils.wrap_model``; it is replaced by
+  ``_dpgrad_wrap_model`` ("hooks"/"ew" -> ``dpgrad.GradSampleModule``, "functorch" -> the
+  same with ``force_functorch=True``, "ghost" -> ``dpgrad.GradSampleModuleFastGradientClipping``).
+* ``grad_sample_module_test`` / ``grad_sample_module_fast_gradient_clipping_test`` use the
+  names ``GradSampleModule``, ``GradSampleModuleFastGradientClipping`` and
+  ``register_grad_sampler`` from their module globals, which are patched to dpgrad's, and
+  ``CLS``, which our subclasses set.
+
+The substitution is checked, not assumed: while a test runs, constructing any Opacus wrapper
+raises (a tripwire on Opacus's ``AbstractGradSampleHooks.__init__``), and every test that
+builds wrappers asserts that dpgrad's were built. Only the Opacus *modules* are imported
+here: pytest collects every ``unittest.TestCase`` in this namespace, and Opacus's original
+classes must not run.
+
+Opacus's tests leak global state (``torch.set_default_dtype(torch.float64)``, the global RNG
+seed, deterministic-algorithms mode, registrations); an autouse fixture restores it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("opacus")
+pytest.importorskip("hypothesis")
+
+import torch  # noqa: E402
+from _opacus_shims import import_opacus_test_module  # noqa: E402
+from opacus.grad_sample import gsm_base  # noqa: E402
+from opacus.grad_sample.grad_sample_module import GradSampleHooks  # noqa: E402
+from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (  # noqa: E402
+    GradSampleHooksFastGradientClipping,
+)
+from opacus.utils import per_sample_gradients_utils  # noqa: E402
+
+import dpgrad  # noqa: E402
+from dpgrad import registry  # noqa: E402
+
+pytestmark = pytest.mark.opacus
+
+_linear_test = import_opacus_test_module("grad_samples.linear_test")
+_embedding_test = import_opacus_test_module("grad_samples.embedding_test")
+_gsm_test = import_opacus_test_module("grad_sample_module_test")
+_fgc_test = import_opacus_test_module("grad_sample_module_fast_gradient_clipping_test")
+
+# Types of every wrapper built while a test runs (appended by the patched dpgrad __init__).
+_BUILT: list = []
+# (grad_sample_mode, wrapper) for every call of the substituted wrap_model.
+_WRAPPED: list = []
+
+
+def _dpgrad_wrap_model(model, grad_sample_mode, wrap_model=True, *args, **kwargs):
+    """Stand-in for ``opacus.grad_sample.wrap_model`` that builds dpgrad's wrappers."""
+    if not wrap_model:
+        raise NotImplementedError("dpgrad has no hooks-only (wrap_model=False) mode")
+    if grad_sample_mode in ("hooks", "ew"):
+        cls = dpgrad.GradSampleModule
+    elif grad_sample_mode == "functorch":
+        cls = dpgrad.GradSampleModule
+        kwargs["force_functorch"] = True
+    elif grad_sample_mode == "ghost":
+        cls = dpgrad.GradSampleModuleFastGradientClipping
+    else:
+        raise ValueError(f"no dpgrad wrapper for grad_sample_mode={grad_sample_mode!r}")
+    wrapper = cls(model, *args, **kwargs)
+    _WRAPPED.append((grad_sample_mode, wrapper))
+    return wrapper
+
+
+def _refuse_opacus_wrapper(self, *args, **kwargs):
+    raise AssertionError(
+        f"Opacus's own {type(self).__name__} was built inside the dpgrad suite: the "
+        "substitution of dpgrad's wrappers did not take effect"
+    )
+
+
+@pytest.fixture(autouse=True)
+def _dpgrad_in_place_of_opacus(monkeypatch):
+    """Route every wrapper Opacus's tests build to dpgrad's classes, for one test."""
+    original_init = dpgrad.GradSampleModule.__init__
+
+    def recording_init(self, *args, **kwargs):
+        _BUILT.append(type(self))
+        original_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(dpgrad.GradSampleModule, "__init__", recording_init)
+    monkeypatch.setattr(gsm_base.AbstractGradSampleHooks, "__init__", _refuse_opacus_wrapper)
+    monkeypatch.setattr(per_sample_gradients_utils, "wrap_model", _dpgrad_wrap_model)
+    for module in (_gsm_test, _fgc_test):
+        monkeypatch.setattr(module, "GradSampleModule", dpgrad.GradSampleModule)
+    monkeypatch.setattr(_gsm_test, "register_grad_sampler", dpgrad.register_grad_sampler)
+    monkeypatch.setattr(
+        _fgc_test, "GradSampleModuleFastGradientClipping", dpgrad.GradSampleModuleFastGradientClipping
+    )
+    yield
+    _BUILT.clear()
+    _WRAPPED.clear()
+
+
+@pytest.fixture(autouse=True)
+def _restore_global_state():
+    """Undo what Opacus's tests change globally: default dtype, RNG, determinism, registries."""
+    dtype = torch.get_default_dtype()
+    rng = torch.get_rng_state()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    registries = [
+        registry.GRAD_SAMPLERS,
+        registry.NORM_SAMPLERS,
+        GradSampleHooks.GRAD_SAMPLERS,
+        GradSampleHooksFastGradientClipping.NORM_SAMPLERS,
+    ]
+    saved = [dict(r) for r in registries]
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(dtype)
+        torch.set_rng_state(rng)
+        torch.use_deterministic_algorithms(deterministic)
+        for r, content in zip(registries, saved):
+            r.clear()
+            r.update(content)
+
+
+class _BuildsDpgradWrappers:
+    """Mixin: after each test, assert that it built dpgrad wrappers (and, by the tripwire,
+    no Opacus ones). Skipped tests never reach setUp/tearDown, so they are not checked."""
+
+    def setUp(self):
+        self._built_before = len(_BUILT)
+        super().setUp()
+
+    def tearDown(self):
+        super().tearDown()
+        built = _BUILT[self._built_before :]
+        assert built, "this test built no wrapper: the substitution of dpgrad's classes is not exercised"
+        assert all(issubclass(t, dpgrad.GradSampleModule) for t in built), built
+
+
+class _ChecksWrapModel:
+    """Mixin for Opacus's ``GradSampleHooks_test``: every per-sample gradient it compares
+    with the microbatch reference must come from the dpgrad wrapper of the requested mode."""
+
+    def run_test_with_reduction(self, *args, grad_sample_mode="hooks", **kwargs):
+        start = len(_WRAPPED)
+        super().run_test_with_reduction(*args, grad_sample_mode=grad_sample_mode, **kwargs)
+        calls = _WRAPPED[start:]
+        assert len(calls) == 1, f"expected one wrap_model call, got {len(calls)}"
+        mode, wrapper = calls[0]
+        assert mode == grad_sample_mode
+        expected = (
+            dpgrad.GradSampleModuleFastGradientClipping if mode == "ghost" else dpgrad.GradSampleModule
+        )
+        assert type(wrapper) is expected, type(wrapper)
+        assert wrapper.force_functorch == (mode == "functorch")
+
+
+# ---------------------------------------------------------------- per-layer grad samplers
+class TestOpacusLinear(_ChecksWrapModel, _linear_test.Linear_test):
+    """Opacus's Linear per-sample gradient test (hooks, functorch, ew) on dpgrad."""
+
+
+class TestOpacusEmbedding(_ChecksWrapModel, _embedding_test.Embedding_test):
+    """Opacus's Embedding per-sample gradient test (hooks, functorch, ew) on dpgrad."""
+
+
+# ---------------------------------------------------------------- the wrappers
+class TestOpacusGradSampleModule(_BuildsDpgradWrappers, _gsm_test.GradSampleModuleTest):
+    """Opacus's GradSampleModule tests with ``CLS = dpgrad.GradSampleModule``."""
+
+    CLS = dpgrad.GradSampleModule
+
+
+class TestOpacusFastGradientClipping(
+    _BuildsDpgradWrappers, _fgc_test.GradSampleModuleFastGradientClippingTest
+):
+    """Opacus's ghost-clipping tests (and the inherited GradSampleModule tests) with
+    ``CLS = dpgrad.GradSampleModuleFastGradientClipping``."""
+
+    CLS = dpgrad.GradSampleModuleFastGradientClipping
+
+
+class TestOpacusFastGradientClippingEmbedding(
+    _BuildsDpgradWrappers, _fgc_test.GradSampleModuleFastGradientClippingEmbeddingLayerTest
+):
+    """Opacus's ghost-clipping tests of an Embedding layer, on dpgrad."""
+
+
+class TestOpacusDPTensorArithmetic(_fgc_test.DPTensorArithmeticTest):
+    """Opacus's arithmetic on the loss wrapper that drives dpgrad's two backward passes."""

@@ -1,0 +1,54 @@
+"""Packaging and the command line: what a user meets first."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dpgrad import cli
+
+
+def _run_elsewhere(code: str, tmp_path) -> str:
+    """Run Python code outside the repo root, so only the installed package is importable."""
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, check=True, capture_output=True, text=True
+    ).stdout
+
+
+def test_core_imports_neither_opacus_nor_a_top_level_kernels(tmp_path):
+    out = _run_elsewhere(
+        "import sys, importlib.util, dpgrad, dpgrad.kernels.reference;"
+        "print('opacus' in sys.modules, importlib.util.find_spec('kernels') is None)",
+        tmp_path,
+    )
+    assert out.split() == ["False", "True"]
+
+
+def test_demo_trains_and_reports_norms(capsys):
+    assert cli.main(["demo", "--steps", "3", "--batch-size", "4", "--seq-len", "16"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("dpgrad demo: TinyTransformer")
+    rows = [line.split() for line in lines[2:]]
+    assert [r[0] for r in rows] == ["1", "2", "3"]
+    for r in rows:
+        loss, lo, median, hi = map(float, r[1:5])
+        assert loss > 0 and 0 < lo <= median <= hi
+
+
+def test_unknown_command_is_a_usage_error(capsys):
+    assert cli.main(["nonsense"]) == 2
+    assert "usage: dpgrad" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("wrapper", ["dpgrad", "opacus"])
+def test_benchmark_step_runs(wrapper, monkeypatch):
+    """The benchmark's step function works for both wrappers (timings are not asserted)."""
+    pytest.importorskip("opacus")
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    import bench_ghost_step
+
+    step = bench_ghost_step.make_step(wrapper, seq_len=16)
+    step()
