@@ -15,6 +15,7 @@ whatever B is.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Iterator, Optional
 
@@ -128,7 +129,8 @@ def linear_weight_sq_norm(A: torch.Tensor, G: torch.Tensor, algorithm: str = "au
 def _embedding_rows(ids: torch.Tensor, G: torch.Tensor, padding_idx: Optional[int]):
     """Flatten (B, T) ids and (B, T, d) backprops to kept rows, dropping padding positions."""
     B = ids.shape[0]
-    flat_ids = ids.reshape(B, -1)
+    # Not reshape(B, -1): that is ambiguous for an empty batch.
+    flat_ids = ids.reshape(B, math.prod(ids.shape[1:]))
     rows = G.reshape(B, flat_ids.shape[1], G.shape[-1])
     sample = torch.arange(B, device=ids.device).unsqueeze(1).expand_as(flat_ids)
     if padding_idx is not None:

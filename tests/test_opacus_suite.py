@@ -3,7 +3,8 @@
 The tests ship inside the Opacus wheel (``opacus.tests``). We subclass them here, so pytest
 collects them from this module, and substitute dpgrad's classes while each test runs:
 
-* ``grad_samples.linear_test`` / ``embedding_test`` build their wrapper through
+* ``grad_samples.linear_test`` / ``embedding_test`` (and ``layer_norm_test`` /
+  ``rms_norm_test``, for dpgrad's other registered samplers) build their wrapper through
   ``opacus.utils.per_sample_gradients_utils.wrap_model``; it is replaced by
   ``_dpgrad_wrap_model`` ("hooks"/"ew" -> ``dpgrad.GradSampleModule``, "functorch" -> the
   same with ``force_functorch=True``, "ghost" -> ``dpgrad.GradSampleModuleFastGradientClipping``).
@@ -11,6 +12,11 @@ collects them from this module, and substitute dpgrad's classes while each test 
   names ``GradSampleModule``, ``GradSampleModuleFastGradientClipping`` and
   ``register_grad_sampler`` from their module globals, which are patched to dpgrad's, and
   ``CLS``, which our subclasses set.
+* ``grad_samples.embedding_norm_sample_test`` (hand-computed Embedding gradient norms) calls
+  ``embedding_norm_sample.compute_embedding_norm_sample``; that name, in the test module, is
+  pointed at dpgrad's Embedding norm sampler.
+
+Hypothesis runs Opacus's own settings (100 examples per test); no profile is changed.
 
 The substitution is checked, not assumed: while a test runs, constructing any Opacus wrapper
 raises (a tripwire on Opacus's ``AbstractGradSampleHooks.__init__``), and every test that
@@ -23,6 +29,9 @@ seed, deterministic-algorithms mode, registrations); an autouse fixture restores
 """
 
 from __future__ import annotations
+
+import sys
+import types
 
 import pytest
 
@@ -40,11 +49,15 @@ from opacus.utils import per_sample_gradients_utils  # noqa: E402
 
 import dpgrad  # noqa: E402
 from dpgrad import registry  # noqa: E402
+from dpgrad.samplers.embedding import embedding_norm_sample  # noqa: E402
 
 pytestmark = pytest.mark.opacus
 
 _linear_test = import_opacus_test_module("grad_samples.linear_test")
 _embedding_test = import_opacus_test_module("grad_samples.embedding_test")
+_layer_norm_test = import_opacus_test_module("grad_samples.layer_norm_test")
+_rms_norm_test = import_opacus_test_module("grad_samples.rms_norm_test")
+_embedding_norm_test = import_opacus_test_module("grad_samples.embedding_norm_sample_test")
 _gsm_test = import_opacus_test_module("grad_sample_module_test")
 _fgc_test = import_opacus_test_module("grad_sample_module_fast_gradient_clipping_test")
 
@@ -72,6 +85,12 @@ def _dpgrad_wrap_model(model, grad_sample_mode, wrap_model=True, *args, **kwargs
     return wrapper
 
 
+def _recording_embedding_norm_sample(layer, activations, backprops):
+    """dpgrad's Embedding norm sampler, recorded, for Opacus's embedding_norm_sample_test."""
+    _WRAPPED.append(("norm_sampler", embedding_norm_sample))
+    return embedding_norm_sample(layer, activations, backprops)
+
+
 def _refuse_opacus_wrapper(self, *args, **kwargs):
     raise AssertionError(
         f"Opacus's own {type(self).__name__} was built inside the dpgrad suite: the "
@@ -91,6 +110,12 @@ def _dpgrad_in_place_of_opacus(monkeypatch):
     monkeypatch.setattr(dpgrad.GradSampleModule, "__init__", recording_init)
     monkeypatch.setattr(gsm_base.AbstractGradSampleHooks, "__init__", _refuse_opacus_wrapper)
     monkeypatch.setattr(per_sample_gradients_utils, "wrap_model", _dpgrad_wrap_model)
+    # That test calls `embedding_norm_sample.compute_embedding_norm_sample(layer, acts, bps)`.
+    monkeypatch.setattr(
+        _embedding_norm_test,
+        "embedding_norm_sample",
+        types.SimpleNamespace(compute_embedding_norm_sample=_recording_embedding_norm_sample),
+    )
     for module in (_gsm_test, _fgc_test):
         monkeypatch.setattr(module, "GradSampleModule", dpgrad.GradSampleModule)
     monkeypatch.setattr(_gsm_test, "register_grad_sampler", dpgrad.register_grad_sampler)
@@ -159,6 +184,13 @@ class _ChecksWrapModel:
         assert wrapper.force_functorch == (mode == "functorch")
 
 
+def test_torchvision_stand_in_is_gone_after_import():
+    """The stand-in (see _opacus_shims) served the imports above and left sys.modules."""
+    mod = sys.modules.get("torchvision")
+    assert mod is None or "stand-in" not in getattr(mod, "__version__", ""), mod
+    assert _gsm_test.FakeData(size=2, image_size=(3, 4, 4), num_classes=3)[1][0].shape == (3, 4, 4)
+
+
 # ---------------------------------------------------------------- per-layer grad samplers
 class TestOpacusLinear(_ChecksWrapModel, _linear_test.Linear_test):
     """Opacus's Linear per-sample gradient test (hooks, functorch, ew) on dpgrad."""
@@ -166,6 +198,22 @@ class TestOpacusLinear(_ChecksWrapModel, _linear_test.Linear_test):
 
 class TestOpacusEmbedding(_ChecksWrapModel, _embedding_test.Embedding_test):
     """Opacus's Embedding per-sample gradient test (hooks, functorch, ew) on dpgrad."""
+
+
+class TestOpacusLayerNorm(_ChecksWrapModel, _layer_norm_test.LayerNorm_test):
+    """Opacus's LayerNorm per-sample gradient test (hooks, functorch, ew) on dpgrad."""
+
+
+class TestOpacusRMSNorm(_ChecksWrapModel, _rms_norm_test.RMSNorm_test):
+    """Opacus's RMSNorm per-sample gradient test (hooks, functorch) on dpgrad."""
+
+
+class TestOpacusEmbeddingNormSample(_embedding_norm_test.TestComputeEmbeddingNormSample):
+    """Opacus's hand-computed Embedding gradient norms, checked against dpgrad's norm sampler."""
+
+    def tearDown(self):
+        super().tearDown()
+        assert _WRAPPED and all(fn is embedding_norm_sample for _, fn in _WRAPPED), _WRAPPED
 
 
 # ---------------------------------------------------------------- the wrappers

@@ -1,0 +1,308 @@
+"""Optional integration with an installed Opacus (1.6): use dpgrad with ``PrivacyEngine``.
+
+Two ways in:
+
+* ``make_private(engine, ...)``: like ``PrivacyEngine.make_private``, but the model is wrapped
+  by dpgrad's ``GradSampleModule`` / ``GradSampleModuleFastGradientClipping``; the optimizer,
+  the loss wrapper, the data loader and the privacy accounting are Opacus's own.
+* ``register_with_opacus()``: put dpgrad's samplers for Linear, Embedding, LayerNorm and
+  RMSNorm into Opacus's registries, so that Opacus's own wrappers use them. Returns a handle
+  that undoes it (``.unregister()`` or ``with``).
+
+This module imports Opacus and is never imported by ``dpgrad/__init__.py``; import it only
+where Opacus is installed (``pip install dpgrad[opacus]``).
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+from typing import Dict, Iterable, List, Optional, Tuple, Type
+
+import torch.nn as nn
+from opacus.grad_sample.grad_sample_module import GradSampleHooks
+from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
+    GradSampleHooksFastGradientClipping,
+)
+
+from dpgrad import registry
+from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping
+from dpgrad.grad_sample_module import GradSampleModule
+
+__all__ = ["OpacusRegistration", "make_private", "register_with_opacus"]
+
+# Layer types whose samplers register_with_opacus hands to Opacus by default.
+DEFAULT_LAYERS: Tuple[Type[nn.Module], ...] = tuple(
+    cls for cls in (nn.Linear, nn.Embedding, nn.LayerNorm, getattr(nn, "RMSNorm", None)) if cls is not None
+)
+
+# grad_sample_mode -> the dpgrad wrapper that make_private builds.
+_WRAPPERS = {
+    "ghost": GradSampleModuleFastGradientClipping,
+    "hooks": GradSampleModule,
+    "functorch": GradSampleModule,
+}
+
+_MISSING = object()
+
+
+# ---------------------------------------------------------------------- registration
+class OpacusRegistration:
+    """What ``register_with_opacus`` replaced in Opacus's registries, and how to put it back.
+
+    ``replaced`` maps ``(registry name, layer type)`` to Opacus's previous sampler (None where
+    there was none). Call ``unregister()`` (idempotent) or use the object as a context manager.
+    """
+
+    def __init__(self, changes: List[Tuple[str, Dict, Type[nn.Module], object]]):
+        self._changes = changes
+        self.active = True
+
+    @property
+    def replaced(self) -> Dict[Tuple[str, Type[nn.Module]], Optional[object]]:
+        return {(name, cls): (None if old is _MISSING else old) for name, _, cls, old in self._changes}
+
+    def unregister(self) -> None:
+        """Restore Opacus's registries as they were before ``register_with_opacus``."""
+        if not self.active:
+            return
+        for _, table, cls, old in reversed(self._changes):
+            if old is _MISSING:
+                table.pop(cls, None)
+            else:
+                table[cls] = old
+        self.active = False
+
+    def __enter__(self) -> "OpacusRegistration":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.unregister()
+
+    def __repr__(self) -> str:
+        names = sorted({f"{name}[{cls.__name__}]" for name, _, cls, _ in self._changes})
+        return f"OpacusRegistration(active={self.active}, entries={names})"
+
+
+def register_with_opacus(layers: Iterable[Type[nn.Module]] = DEFAULT_LAYERS) -> OpacusRegistration:
+    """Make Opacus's own wrappers use dpgrad's samplers for ``layers``.
+
+    Opacus 1.6 keeps one grad-sampler dict, shared by ``GradSampleModule`` and
+    ``GradSampleModuleFastGradientClipping`` (``GradSampleHooks.GRAD_SAMPLERS``), and one
+    norm-sampler dict (``GradSampleHooksFastGradientClipping.NORM_SAMPLERS``). For each layer
+    type, dpgrad's grad sampler and norm sampler, where dpgrad has one, replace Opacus's.
+    Among other things this gives correct per-sample gradients and norms for an
+    ``nn.Embedding`` with ``padding_idx`` (Opacus counts the padding positions).
+
+    Returns:
+        An ``OpacusRegistration``; its ``unregister()`` restores Opacus's samplers.
+
+    Example::
+
+        with dpgrad.opacus.register_with_opacus():
+            model, optimizer, data_loader = PrivacyEngine().make_private(...)
+            train(model)  # Opacus's wrapper, dpgrad's samplers
+    """
+    tables = [
+        ("GRAD_SAMPLERS", GradSampleHooks.GRAD_SAMPLERS, registry.GRAD_SAMPLERS),
+        ("NORM_SAMPLERS", GradSampleHooksFastGradientClipping.NORM_SAMPLERS, registry.NORM_SAMPLERS),
+    ]
+    changes = []
+    for cls in layers:
+        for name, opacus_table, ours in tables:
+            if cls in ours:
+                changes.append((name, opacus_table, cls, opacus_table.get(cls, _MISSING)))
+                opacus_table[cls] = ours[cls]
+    return OpacusRegistration(changes)
+
+
+# ---------------------------------------------------------------------- make_private
+def _refuse_distributed(module: nn.Module) -> None:
+    from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    distributed: Tuple[type, ...] = (DPDDP, DDP)
+    try:
+        from torch.distributed._composable.fsdp import FSDPModule
+
+        distributed += (FSDPModule,)
+    except ImportError:  # torch built without distributed support
+        pass
+    if isinstance(module, distributed):
+        raise ValueError(
+            f"dpgrad.opacus.make_private got a {type(module).__name__}: distributed training "
+            "is not supported. Pass the plain nn.Module, or use PrivacyEngine.make_private."
+        )
+
+
+def _check_optimizer_params(module: nn.Module, optimizer) -> None:
+    model_parameters = set(module.parameters())
+    for p in chain.from_iterable(group["params"] for group in optimizer.param_groups):
+        if p not in model_parameters:
+            raise ValueError(
+                f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not a "
+                "parameter of the module: build the optimizer from module.parameters()"
+            )
+
+
+def _wrap(module: nn.Module, *, grad_sample_mode: str, batch_first: bool, loss_reduction: str, max_grad_norm: float):
+    cls = _WRAPPERS[grad_sample_mode]
+    if isinstance(module, GradSampleModule):
+        # A dpgrad wrapper is reused only if it already is what this call would build.
+        mismatch = (
+            type(module) is not cls
+            or module.batch_first != batch_first
+            or module.loss_reduction != loss_reduction
+            or module.force_functorch != (grad_sample_mode == "functorch")
+            or (cls is GradSampleModuleFastGradientClipping and module.max_grad_norm != max_grad_norm)
+        )
+        if mismatch:
+            raise ValueError(
+                f"the module is already a {type(module).__name__} (batch_first="
+                f"{module.batch_first}, loss_reduction={module.loss_reduction!r}) that does not "
+                f"match grad_sample_mode={grad_sample_mode!r}, batch_first={batch_first}, "
+                f"loss_reduction={loss_reduction!r}, max_grad_norm={max_grad_norm}: pass the "
+                "plain module (wrapper.to_standard_module())"
+            )
+        return module
+    kwargs = dict(batch_first=batch_first, loss_reduction=loss_reduction)
+    if grad_sample_mode == "functorch":
+        kwargs["force_functorch"] = True
+    if cls is GradSampleModuleFastGradientClipping:
+        kwargs["max_grad_norm"] = max_grad_norm
+    return cls(module, **kwargs)
+
+
+def make_private(
+    privacy_engine,
+    *,
+    module: nn.Module,
+    optimizer,
+    data_loader,
+    noise_multiplier: float,
+    max_grad_norm: float,
+    criterion=None,
+    batch_first: bool = True,
+    loss_reduction: str = "mean",
+    poisson_sampling: bool = True,
+    grad_sample_mode: str = "ghost",
+    noise_generator=None,
+    clipping: str = "flat",
+    wrap_model: bool = True,
+    rand_on_empty: bool = False,
+    **kwargs,
+):
+    """``PrivacyEngine.make_private`` with the model wrapped by dpgrad.
+
+    Assembled from the engine's own pieces, in the order ``PrivacyEngine.make_private``
+    (Opacus 1.6) uses them: the engine's module validation, its data loader (Poisson
+    sampling), its DP optimizer, its accountant (hooked on ``optimizer.step``) and, under
+    ghost clipping, its ``DPLossFastGradientClipping``. So ``privacy_engine.get_epsilon``
+    accounts for training done with the returned objects.
+
+    Args:
+        privacy_engine: an ``opacus.PrivacyEngine``.
+        module, optimizer, data_loader, noise_multiplier, max_grad_norm, batch_first,
+        loss_reduction, poisson_sampling, noise_generator, rand_on_empty: as for
+            ``PrivacyEngine.make_private``.
+        criterion: the loss (reduction ``loss_reduction``), wrapped for ghost clipping;
+            defaults to ``nn.CrossEntropyLoss(reduction=loss_reduction)``. Unused otherwise.
+        grad_sample_mode: "ghost" (``dpgrad.GradSampleModuleFastGradientClipping``, the
+            default), "hooks" (``dpgrad.GradSampleModule``) or "functorch" (the same with
+            ``force_functorch=True``).
+        clipping: only "flat" (one ``max_grad_norm`` over all parameters).
+        wrap_model: only True; dpgrad always wraps the model.
+        **kwargs: passed to the DP optimizer, as ``PrivacyEngine.make_private`` does.
+
+    Returns:
+        ``(module, optimizer, criterion, data_loader)`` for "ghost";
+        ``(module, optimizer, data_loader)`` otherwise.
+
+    Raises:
+        ValueError: for distributed modules, clipping other than "flat", several clipping
+            bounds, an unknown ``grad_sample_mode``, or optimizer parameters that are not the
+            module's.
+
+    Example::
+
+        from opacus import PrivacyEngine
+        import dpgrad.opacus
+
+        engine = PrivacyEngine()
+        model, optimizer, criterion, train_loader = dpgrad.opacus.make_private(
+            engine,
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=train_loader,
+            criterion=nn.CrossEntropyLoss(),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )
+        for x, y in train_loader:
+            optimizer.zero_grad()
+            loss = criterion(model(x), y)
+            loss.backward()  # both backward passes of ghost clipping
+            optimizer.step()
+        print(engine.get_epsilon(delta=1e-5))
+    """
+    if grad_sample_mode not in _WRAPPERS:
+        raise ValueError(
+            f"grad_sample_mode={grad_sample_mode!r} is not supported by dpgrad.opacus.make_private: "
+            f"use one of {sorted(_WRAPPERS)}"
+        )
+    if clipping != "flat":
+        raise ValueError(
+            f"clipping={clipping!r} is not supported by dpgrad.opacus.make_private: only 'flat' "
+            "(one max_grad_norm over all parameters)"
+        )
+    if isinstance(max_grad_norm, (list, tuple)):
+        raise ValueError("flat clipping takes one max_grad_norm, not a list of per-layer bounds")
+    if not wrap_model:
+        raise ValueError("dpgrad always wraps the model: wrap_model=False is not supported")
+    if noise_generator is not None and privacy_engine.secure_mode:
+        raise ValueError("Passing seed is prohibited in secure mode")
+    _refuse_distributed(module)
+    _check_optimizer_params(module, optimizer)
+
+    privacy_engine.validate(module=module, optimizer=None, data_loader=None)
+    module = _wrap(
+        module,
+        grad_sample_mode=grad_sample_mode,
+        batch_first=batch_first,
+        loss_reduction=loss_reduction,
+        max_grad_norm=max_grad_norm,
+    )
+    if poisson_sampling:
+        module.forbid_grad_accumulation()
+
+    data_loader = privacy_engine._prepare_data_loader(
+        data_loader,
+        distributed=False,
+        poisson_sampling=poisson_sampling,
+        batch_first=batch_first,
+        rand_on_empty=rand_on_empty,
+    )
+    sample_rate = 1 / len(data_loader)
+    expected_batch_size = int(len(data_loader.dataset) * sample_rate)
+
+    optimizer = privacy_engine._prepare_optimizer(
+        optimizer=optimizer,
+        noise_multiplier=noise_multiplier,
+        max_grad_norm=max_grad_norm,
+        expected_batch_size=expected_batch_size,
+        loss_reduction=loss_reduction,
+        noise_generator=noise_generator,
+        distributed=False,
+        clipping=clipping,
+        grad_sample_mode="ghost" if grad_sample_mode == "ghost" else "hooks",
+        **kwargs,
+    )
+    optimizer.attach_step_hook(privacy_engine.accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
+
+    if grad_sample_mode == "ghost":
+        if criterion is None:
+            criterion = nn.CrossEntropyLoss(reduction=loss_reduction)
+        criterion = privacy_engine._prepare_criterion(
+            module=module, optimizer=optimizer, criterion=criterion, loss_reduction=loss_reduction, **kwargs
+        )
+        return module, optimizer, criterion, data_loader
+    return module, optimizer, data_loader

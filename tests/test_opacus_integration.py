@@ -1,0 +1,319 @@
+"""dpgrad with a real Opacus PrivacyEngine: ``dpgrad.opacus.make_private`` and
+``dpgrad.opacus.register_with_opacus``, end to end on a small synthetic task."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+pytest.importorskip("opacus")
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from opacus import PrivacyEngine  # noqa: E402
+from opacus.data_loader import DPDataLoader  # noqa: E402
+from opacus.grad_sample import GradSampleModule as OpacusGradSampleModule  # noqa: E402
+from opacus.grad_sample import (  # noqa: E402
+    GradSampleModuleFastGradientClipping as OpacusGradSampleModuleFastGradientClipping,
+)
+from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping  # noqa: E402
+from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import dpgrad  # noqa: E402
+import dpgrad.opacus  # noqa: E402
+
+pytestmark = pytest.mark.opacus
+
+V, T, D, C, N, BATCH = 20, 6, 8, 3, 64, 8
+
+
+class TinyTextClassifier(nn.Module):
+    """Embedding -> Linear over tokens -> LayerNorm -> mean over tokens -> Linear head."""
+
+    def __init__(self, padding_idx=None):
+        super().__init__()
+        self.embedding = nn.Embedding(V, D, padding_idx=padding_idx)
+        self.proj = nn.Linear(D, D)
+        self.norm = nn.LayerNorm(D)
+        self.head = nn.Linear(D, C)
+
+    def forward(self, ids):
+        h = self.norm(torch.tanh(self.proj(self.embedding(ids))))  # [B, T, D]
+        return self.head(h.mean(dim=1))  # [B, C]
+
+
+def _dataset(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, V, (N, T), generator=g)
+    labels = torch.randint(0, C, (N,), generator=g)
+    return TensorDataset(ids, labels)
+
+
+def _model(seed=0, **kwargs):
+    torch.manual_seed(seed)
+    return TinyTextClassifier(**kwargs)
+
+
+def _train(model, optimizer, criterion, loader, steps):
+    taken = 0
+    for ids, labels in loader:
+        optimizer.zero_grad()
+        loss = criterion(model(ids), labels)
+        loss.backward()
+        optimizer.step()
+        taken += 1
+        if taken == steps:
+            break
+    return taken
+
+
+# ---------------------------------------------------------------------- make_private
+@pytest.mark.parametrize("mode", ["ghost", "hooks"])
+def test_make_private_trains_and_accounts(mode):
+    torch.manual_seed(0)  # Poisson sampling draws from the global generator
+    engine = PrivacyEngine(accountant="rdp")
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    out = dpgrad.opacus.make_private(
+        engine,
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(_dataset(), batch_size=BATCH),
+        criterion=nn.CrossEntropyLoss(),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        grad_sample_mode=mode,
+    )
+    if mode == "ghost":
+        module, optimizer, criterion, loader = out
+        assert type(module) is dpgrad.GradSampleModuleFastGradientClipping
+        assert isinstance(optimizer, DPOptimizerFastGradientClipping)
+        assert isinstance(criterion, DPLossFastGradientClipping)
+        assert module.max_grad_norm == 1.0
+    else:
+        module, optimizer, loader = out
+        assert type(module) is dpgrad.GradSampleModule
+        assert isinstance(optimizer, DPOptimizer)
+        assert not isinstance(optimizer, DPOptimizerFastGradientClipping)
+        criterion = nn.CrossEntropyLoss()
+    assert isinstance(loader, DPDataLoader)
+    assert not module.grad_accumulation_allowed  # Poisson sampling forbids it
+
+    steps = _train(module, optimizer, criterion, loader, steps=3)
+
+    assert steps == 3
+    assert sum(n for _, _, n in engine.accountant.history) == steps
+    eps = engine.get_epsilon(delta=1e-5)
+    assert 0 < eps < float("inf")
+    after = list(module.parameters())
+    assert all(not torch.equal(a, b) for a, b in zip(after, before))
+    assert all(torch.isfinite(p).all() for p in after)
+
+
+@pytest.mark.parametrize("mode", ["ghost", "hooks"])
+def test_one_step_matches_opacus_ghost_clipping(mode):
+    """No noise, no Poisson sampling: dpgrad's update equals Opacus's own ghost clipping."""
+    max_grad_norm = 0.05  # small enough that every sample is clipped, by its own factor
+    dataset = _dataset()
+    reference_model = _model()
+    model = copy.deepcopy(reference_model)
+
+    def loader():
+        return DataLoader(dataset, batch_size=BATCH, shuffle=False)
+
+    theirs = PrivacyEngine(accountant="rdp").make_private(
+        module=reference_model,
+        optimizer=torch.optim.SGD(reference_model.parameters(), lr=1.0),
+        criterion=nn.CrossEntropyLoss(),
+        data_loader=loader(),
+        noise_multiplier=0.0,
+        max_grad_norm=max_grad_norm,
+        poisson_sampling=False,
+        grad_sample_mode="ghost",
+    )
+    assert type(theirs[0]) is OpacusGradSampleModuleFastGradientClipping
+    ours = dpgrad.opacus.make_private(
+        PrivacyEngine(accountant="rdp"),
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        criterion=nn.CrossEntropyLoss(),
+        data_loader=loader(),
+        noise_multiplier=0.0,
+        max_grad_norm=max_grad_norm,
+        poisson_sampling=False,
+        grad_sample_mode=mode,
+    )
+    if mode == "hooks":
+        ours = (ours[0], ours[1], nn.CrossEntropyLoss(), ours[2])
+
+    for module, optimizer, criterion, data in (theirs, ours):
+        start = [p.detach().clone() for p in module.parameters()]
+        assert _train(module, optimizer, criterion, data, steps=1) == 1
+        module.update = [p.detach() - s for p, s in zip(module.parameters(), start)]
+
+    if mode == "ghost":
+        norms = ours[0].per_sample_gradient_norms
+        assert (norms > max_grad_norm).all(), "the test should exercise clipping"
+    for name, (u_ours, u_theirs) in zip(
+        [n for n, _ in model.named_parameters()], zip(ours[0].update, theirs[0].update)
+    ):
+        assert u_theirs.abs().max() > 0, name
+        torch.testing.assert_close(u_ours, u_theirs, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+def test_make_private_default_criterion_follows_loss_reduction():
+    model = _model()
+    _, _, criterion, _ = dpgrad.opacus.make_private(
+        PrivacyEngine(accountant="rdp"),
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(_dataset(), batch_size=BATCH),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        loss_reduction="sum",
+    )
+    assert isinstance(criterion.criterion, nn.CrossEntropyLoss)
+    assert criterion.loss_reduction == criterion.criterion.reduction == "sum"
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(clipping="per_layer"), "only 'flat'"),
+        (dict(max_grad_norm=[1.0, 1.0]), "one max_grad_norm"),
+        (dict(grad_sample_mode="ew"), "not supported"),
+        (dict(wrap_model=False), "always wraps"),
+    ],
+)
+def test_make_private_refuses_what_it_does_not_support(kwargs, match):
+    model = _model()
+    args = dict(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(_dataset(), batch_size=BATCH),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+    )
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        dpgrad.opacus.make_private(PrivacyEngine(accountant="rdp"), **args)
+
+
+def test_make_private_refuses_foreign_optimizer_parameters():
+    model = _model()
+    with pytest.raises(ValueError, match="not a parameter of the module"):
+        dpgrad.opacus.make_private(
+            PrivacyEngine(accountant="rdp"),
+            module=model,
+            optimizer=torch.optim.SGD(_model(seed=1).parameters(), lr=0.1),
+            data_loader=DataLoader(_dataset(), batch_size=BATCH),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )
+
+
+# ---------------------------------------------------------------------- register_with_opacus
+def _reference_per_sample_grads(model, ids, labels):
+    """Per-sample gradients of each sample's own loss, by a loop over samples."""
+    grads = {name: [] for name, _ in model.named_parameters()}
+    for i in range(len(ids)):
+        model.zero_grad()
+        nn.functional.cross_entropy(model(ids[i : i + 1]), labels[i : i + 1]).backward()
+        for name, p in model.named_parameters():
+            grads[name].append(p.grad.detach().clone())
+    return {name: torch.stack(g) for name, g in grads.items()}
+
+
+def _padded_batch():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, V, (BATCH, T), generator=g)
+    ids[:, T // 2 :] = 0  # every sample ends in padding
+    ids[0, 1] = 0
+    labels = torch.randint(0, C, (BATCH,), generator=g)
+    return ids, labels
+
+
+def _opacus_grad_samples(model, ids, labels):
+    gsm = OpacusGradSampleModule(copy.deepcopy(model), loss_reduction="mean")
+    nn.functional.cross_entropy(gsm(ids), labels).backward()
+    return {name: p.grad_sample for name, p in gsm._module.named_parameters()}
+
+
+def test_register_with_opacus_swaps_and_restores_samplers():
+    opacus_grad = dict(OpacusGradSampleModule.GRAD_SAMPLERS)
+    opacus_norm = dict(OpacusGradSampleModuleFastGradientClipping.NORM_SAMPLERS)
+
+    registration = dpgrad.opacus.register_with_opacus()
+    try:
+        assert registration.active
+        for cls in (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm):
+            # One dict serves both Opacus wrappers.
+            assert OpacusGradSampleModule.GRAD_SAMPLERS[cls] is dpgrad.GRAD_SAMPLERS[cls]
+            assert OpacusGradSampleModuleFastGradientClipping.GRAD_SAMPLERS[cls] is dpgrad.GRAD_SAMPLERS[cls]
+            assert registration.replaced[("GRAD_SAMPLERS", cls)] is opacus_grad[cls]
+        for cls in (nn.Linear, nn.Embedding):
+            assert OpacusGradSampleModuleFastGradientClipping.NORM_SAMPLERS[cls] is dpgrad.NORM_SAMPLERS[cls]
+            assert registration.replaced[("NORM_SAMPLERS", cls)] is opacus_norm[cls]
+        assert nn.Conv2d not in {cls for _, cls in registration.replaced}  # others untouched
+    finally:
+        registration.unregister()
+    registration.unregister()  # idempotent
+
+    assert not registration.active
+    assert OpacusGradSampleModule.GRAD_SAMPLERS == opacus_grad
+    assert all(OpacusGradSampleModule.GRAD_SAMPLERS[c] is f for c, f in opacus_grad.items())
+    assert OpacusGradSampleModuleFastGradientClipping.NORM_SAMPLERS == opacus_norm
+
+
+def test_register_with_opacus_fixes_embedding_padding_idx_under_opacus_wrapper():
+    model = _model(padding_idx=0).double()
+    ids, labels = _padded_batch()
+    expected = _reference_per_sample_grads(copy.deepcopy(model), ids, labels)
+    assert expected["embedding.weight"][:, 0].abs().max() == 0  # PyTorch: no grad for padding
+
+    # Opacus's own sampler puts the padding positions' gradients into row 0; this is what
+    # makes the check below meaningful.
+    before = _opacus_grad_samples(model, ids, labels)
+    assert before["embedding.weight"][:, 0].abs().max() > 0
+
+    with dpgrad.opacus.register_with_opacus() as registration:
+        assert registration.active
+        got = _opacus_grad_samples(model, ids, labels)
+    assert not registration.active
+
+    assert got.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
+
+    # Ghost clipping in Opacus's own wrapper: the norms now come from dpgrad's norm samplers.
+    with dpgrad.opacus.register_with_opacus():
+        fgc = OpacusGradSampleModuleFastGradientClipping(copy.deepcopy(model), max_grad_norm=1.0)
+        nn.functional.cross_entropy(fgc(ids), labels).backward()
+        got_norms = fgc.get_norm_sample()
+    expected_norms = torch.cat([g.flatten(1) for g in expected.values()], dim=1).norm(dim=1)
+    torch.testing.assert_close(got_norms.double(), expected_norms, rtol=1e-10, atol=1e-12)
+
+    after = _opacus_grad_samples(model, ids, labels)  # unregistered: Opacus's sampler again
+    torch.testing.assert_close(after["embedding.weight"], before["embedding.weight"])
+
+
+def test_make_private_reuses_a_matching_dpgrad_wrapper_only():
+    def call(module, **kwargs):
+        return dpgrad.opacus.make_private(
+            PrivacyEngine(accountant="rdp"),
+            module=module,
+            optimizer=torch.optim.SGD(module.parameters(), lr=0.1),
+            data_loader=DataLoader(_dataset(), batch_size=BATCH),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            **kwargs,
+        )
+
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(_model(), max_grad_norm=1.0)
+    assert call(wrapped)[0] is wrapped
+    with pytest.raises(ValueError, match="already a GradSampleModuleFastGradientClipping"):
+        call(wrapped, grad_sample_mode="hooks")
+    module, _, _ = call(_model(), grad_sample_mode="functorch")
+    assert type(module) is dpgrad.GradSampleModule and module.force_functorch
