@@ -19,15 +19,17 @@ from dpgrad.grad_sample_module import GradSampleModule
 
 def _refuse_tied(m: nn.Module) -> None:
     """Raise before touching ``m`` if a trainable parameter is shared by a ghost-clipped layer."""
-    owners: Dict[nn.Parameter, List[str]] = {}
+    # One module registered under two names is hooked once, so it is not tying.
+    owners: Dict[nn.Parameter, Dict[nn.Module, str]] = {}
     ghost = set()
     for name, layer in m.named_modules(remove_duplicate=False):
         for p in layer.parameters(recurse=False):
             if p.requires_grad:
-                owners.setdefault(p, []).append(name)
+                owners.setdefault(p, {}).setdefault(layer, name)
                 if type(layer) in registry.NORM_SAMPLERS:
                     ghost.add(p)
-    for p, names in owners.items():
+    for p, layers in owners.items():
+        names = list(layers.values())
         if len(names) > 1 and p in ghost:
             raise NotImplementedError(
                 f"parameter tying is not supported with ghost clipping: layers {names} share one "
@@ -141,7 +143,11 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
                 "no per-sample gradient norms yet: run forward and backward (with hooks enabled) "
                 "before get_norm_sample / get_clipping_coef"
             )
-        skipped = [n for n in missing if n is not None and n.rpartition(".")[0] in self._skipped]
+        # Parameters of a skipped layer, and of its children when torch.func would have taken
+        # the layer whole (they were not hooked either): their norms are unknown, not zero.
+        skipped = [
+            n for n in missing if n is not None and any(s == "" or n.startswith(s + ".") for s in self._skipped)
+        ]
         if skipped:
             raise RuntimeError(
                 f"parameters {skipped} belong to layers skipped under strict=False and have no "

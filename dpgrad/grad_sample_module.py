@@ -103,6 +103,10 @@ class GradSampleModule(nn.Module):
 
     # ------------------------------------------------------------------ module plumbing
     def forward(self, *args, **kwargs):
+        if self._pass_open:
+            # A backward pass that raised (in any hook, not only ours) never reached its
+            # end-of-pass callback; its partial per-sample state must not leak into this step.
+            self._abort_pass()
         self._forward_batch = None
         self._forward_seen = set()
         return self._module(*args, **kwargs)
@@ -145,6 +149,17 @@ class GradSampleModule(nn.Module):
                         name,
                     )
                 )
+            elif isinstance(m, nn.Embedding) and m.scale_grad_by_freq:
+                errors.append(
+                    NotImplementedError(
+                        f"layer '{name}' (Embedding) has scale_grad_by_freq=True: each row's "
+                        "gradient is scaled by its frequency in the whole batch, so one sample's "
+                        "gradient depends on the others and per-sample gradients are undefined. "
+                        "Construct it with scale_grad_by_freq=False, freeze it with "
+                        "requires_grad_(False), or pass strict=False to skip it.",
+                        name,
+                    )
+                )
         if strict and errors:
             raise NotImplementedError("\n".join(e.args[0] for e in errors))
         if errors:
@@ -164,15 +179,23 @@ class GradSampleModule(nn.Module):
         return type(module) in registry.GRAD_SAMPLERS or not list(module.buffers())
 
     # ------------------------------------------------------------------ hooks
-    def _layers_to_hook(self, module: nn.Module, prefix: str = "") -> Iterator[Tuple[str, nn.Module]]:
+    def _layers_to_hook(
+        self, module: nn.Module, prefix: str = "", seen: Optional[set] = None
+    ) -> Iterator[Tuple[str, nn.Module]]:
         """Layers with own trainable parameters; a layer without a registered sampler is
-        handled whole by torch.func, so its children are not visited."""
+        handled whole by torch.func, so its children are not visited. A layer registered
+        under several names (one module in two containers) is yielded once: two hooks
+        would count each of its uses twice."""
+        seen = set() if seen is None else seen
+        if module in seen:
+            return
+        seen.add(module)
         if _own_trainable(module):
             yield prefix, module
             if type(module) not in self.GRAD_SAMPLERS:
                 return
         for name, child in module.named_children():
-            yield from self._layers_to_hook(child, f"{prefix}.{name}" if prefix else name)
+            yield from self._layers_to_hook(child, f"{prefix}.{name}" if prefix else name, seen)
 
     def add_hooks(self, *, loss_reduction: str = "mean", batch_first: bool = True, force_functorch: bool = False) -> None:
         """Hook every layer with trainable parameters (Opacus's signature)."""
@@ -218,15 +241,17 @@ class GradSampleModule(nn.Module):
         recurse = layer in self._functorch_layers
         return [p for p in layer.parameters(recurse=recurse) if p.requires_grad]
 
-    def _batch_size(self, name: str, activations: list) -> int:
+    def _batch_size(self, layer: nn.Module, name: str, activations: list) -> int:
         x = next((a for a in activations if isinstance(a, torch.Tensor)), None)
         batch_dim = 0 if self.batch_first else 1
-        if x is None or x.dim() <= batch_dim:
+        # A Linear given one sample's (d,) would otherwise take its features for the batch.
+        if x is None or x.dim() <= batch_dim + _feature_dims(layer):
             shape = None if x is None else tuple(x.shape)
             raise ValueError(
                 f"layer '{name}' got an input of shape {shape} with no batch dimension "
-                f"{batch_dim} (batch_first={self.batch_first}): feed a batch of samples, "
-                "e.g. x.unsqueeze(0) for a single one"
+                f"{batch_dim} (batch_first={self.batch_first}, so inputs are "
+                f"{'[B, ...]' if self.batch_first else '[K, B, ...]'}): feed a batch of samples, "
+                f"e.g. x.unsqueeze({batch_dim}) for a single one"
             )
         n = x.shape[batch_dim]
         if self._forward_batch is None:
@@ -250,7 +275,7 @@ class GradSampleModule(nn.Module):
             return
         name = self._layer_names[layer]
         activations = [a.detach() if isinstance(a, torch.Tensor) else a for a in inputs]
-        batch_size = self._batch_size(name, activations)
+        batch_size = self._batch_size(layer, name, activations)
         self._on_forward(layer, name, params)
         out.register_hook(partial(self._capture_backprops, layer, activations, batch_size))
 
@@ -394,6 +419,16 @@ class GradSampleModule(nn.Module):
         """Return the wrapped module with no trace of hooks or per-sample fields."""
         self.cleanup()
         return self._module
+
+
+def _feature_dims(layer: nn.Module) -> int:
+    """Trailing input dimensions a layer consumes at each position (the rest are batch and
+    tokens): 1 for Linear, the normalised shape's for LayerNorm and RMSNorm, else 0."""
+    if isinstance(layer, nn.Linear):
+        return 1
+    if isinstance(layer, (nn.LayerNorm, nn.RMSNorm)):
+        return len(layer.normalized_shape)
+    return 0
 
 
 def _batch_to_front(x):

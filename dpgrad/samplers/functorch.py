@@ -58,6 +58,9 @@ def prepare_layer(layer: nn.Module, batch_first: bool = True) -> None:
     def compute(params: Dict[str, torch.Tensor], activations: List, backprops: torch.Tensor):
         names = [n for n, p in params.items() if p.requires_grad]
         frozen = {n: p.detach() for n, p in params.items() if not p.requires_grad}
+        if backprops.shape[0] == 0:
+            # vmap over an empty batch fails in some layers' backward (nn.Embedding's).
+            return {n: params[n].new_zeros((0, *params[n].shape)) for n in names}
 
         def sample_loss(trainable, acts, bp):
             inputs = tuple(a.unsqueeze(batch_dim) if isinstance(a, torch.Tensor) else a for a in acts)

@@ -1,0 +1,607 @@
+"""Bad input gets a clear error, and leaves the model usable.
+
+Each error must name the layer (its qualified name in the model) and say what to do. After
+it, either the wrapper still computes correct per-sample results on good input (checked
+against the float64 torch.func reference), or, for errors raised at construction, the
+original module carries no trace of dpgrad and trains normally.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import dpgrad
+from dpgrad.grad_sample_module import PARAM_ATTRS
+from per_sample_reference import (
+    assert_norms_close,
+    assert_tensor_close,
+    norms_of,
+    per_sample_grads,
+    total_norm,
+)
+
+GSM = dpgrad.GradSampleModule
+FGC = dpgrad.GradSampleModuleFastGradientClipping
+# (wrapper class, extra kwargs): plain per-sample gradients, ghost clipping, and FGC without it.
+WRAPPERS = {
+    "gsm": (GSM, {}),
+    "fgc_ghost": (FGC, {"use_ghost_clipping": True}),
+    "fgc": (FGC, {"use_ghost_clipping": False}),
+}
+
+
+# ---------------------------------------------------------------------------- models
+class Encoder(nn.Module):
+    def __init__(self, d: int, h: int):
+        super().__init__()
+        self.inp = nn.Linear(d, h)
+        self.proj = nn.Linear(h, h)
+        self.fold = False  # fold the batch into the token dimension before proj (a bug)
+        self.reuse = False  # call proj twice
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        if self.fold:
+            B = h.shape[0]
+            return self.proj(h.reshape(-1, h.shape[-1])).reshape(B, -1, h.shape[-1])
+        if self.reuse:
+            h = torch.tanh(self.proj(h))
+        return self.proj(h)
+
+
+class Net(nn.Module):
+    """x (B, T, d) -> logits (B, c); layers 'encoder.inp', 'encoder.proj', 'head'."""
+
+    def __init__(self, d: int = 5, h: int = 6, c: int = 3):
+        super().__init__()
+        self.encoder = Encoder(d, h)
+        self.head = nn.Linear(h, c)
+
+    def forward(self, x):
+        return self.head(self.encoder(x).mean(dim=1))
+
+
+class TiedLM(nn.Module):
+    """ids (B, T) -> logits (B, T, V), the input embedding tied to the output layer."""
+
+    def __init__(self, V: int = 7, d: int = 4):
+        super().__init__()
+        self.emb = nn.Embedding(V, d, padding_idx=0)
+        self.mix = nn.Linear(d, d)
+        self.lm_head = nn.Linear(d, V, bias=False)
+        self.lm_head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.lm_head(torch.tanh(self.mix(self.emb(ids))))
+
+
+def ce(logits, y):
+    """Per-sample cross entropy (B,), averaged over tokens for (B, T, V) logits."""
+    if logits.dim() == 3:
+        return F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(dim=1)
+    return F.cross_entropy(logits, y, reduction="none")
+
+
+def batch(B=4, T=3, d=5, c=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, T, d, generator=g), torch.randint(0, c, (B,), generator=g)
+
+
+def lm_batch(B=4, T=5, V=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    ids[0, :2] = 0
+    return ids, torch.randint(0, V, (B, T), generator=g)
+
+
+def make(model_cls=Net, seed=0, **kwargs):
+    """A model and a pristine copy of it (the reference is computed on the copy)."""
+    torch.manual_seed(seed)
+    model = model_cls(**kwargs)
+    return model, copy.deepcopy(model)
+
+
+# ---------------------------------------------------------------------------- checks
+def assert_step_correct(wrapped, pristine, x, y, loss_reduction="sum"):
+    """One forward/backward through ``wrapped`` matches the float64 reference."""
+    ref = per_sample_grads(pristine, x, y, ce)
+    wrapped.zero_grad()
+    losses = ce(wrapped(x), y)
+    (losses.mean() if loss_reduction == "mean" else losses.sum()).backward()
+    params = dict(wrapped._module.named_parameters())
+    if isinstance(wrapped, FGC):
+        for n, g in norms_of(ref).items():
+            assert_norms_close(params[n]._norm_sample, g, n)
+        assert_norms_close(wrapped.get_norm_sample(), total_norm(ref))
+    else:
+        for n, g in ref.items():
+            assert_tensor_close(params[n].grad_sample, g, n)
+
+
+def assert_untouched(model: nn.Module):
+    """No hooks and no per-parameter fields of dpgrad (or Opacus) on the model."""
+    for name, m in model.named_modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks, name
+        assert not m._backward_hooks and not m._backward_pre_hooks, name
+        assert not hasattr(m, "autograd_grad_sample_hooks"), name
+        assert not hasattr(m, "ft_compute_sample_grad"), name
+    for name, p in model.named_parameters():
+        for attr in PARAM_ATTRS:
+            assert attr not in p.__dict__, (name, attr)
+
+
+def assert_trains_normally(model, pristine, x, y):
+    """Plain PyTorch training gives the same gradients as on an untouched copy."""
+    model.zero_grad()
+    pristine.zero_grad()
+    ce(model(x), y).sum().backward()
+    ce(pristine(x), y).sum().backward()
+    for (n, p), q in zip(model.named_parameters(), pristine.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=n)
+
+
+def says(err, *fragments):
+    """The error message holds every fragment (case-sensitive, literal)."""
+    message = str(err.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in: {message}"
+
+
+# ---------------------------------------------------------------------------- unsupported layers
+class WithBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 4)
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.block(self.fc(x))))
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_batchnorm_under_strict_raises_before_any_change(wrapper):
+    cls, kwargs = WRAPPERS[wrapper]
+    model, pristine = make(WithBatchNorm)
+    with pytest.raises(NotImplementedError) as err:
+        cls(model, **kwargs)
+    says(err, "'block.1'", "BatchNorm1d", "GroupNorm", "requires_grad_(False)", "strict=False")
+    assert_untouched(model)
+    x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
+    assert_trains_normally(model, pristine, x, y)
+
+
+def test_batchnorm_strict_false_warns_and_skips_it():
+    model, _ = make(WithBatchNorm)
+    with pytest.warns(UserWarning, match=re.escape("'block.1'")):
+        wrapped = GSM(model, strict=False, loss_reduction="sum")
+    x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
+    ce(wrapped(x), y).sum().backward()
+    bn = model.block[1]
+    assert bn.weight.grad_sample is None and bn.bias.grad_sample is None
+    assert bn.weight.grad is not None  # ordinary training of that layer goes on
+    # The other layers' per-sample gradients add up to their gradients (batch statistics
+    # couple the samples, so there is no per-sample reference to compare with).
+    for layer in (model.fc, model.block[0], model.head):
+        for p in layer.parameters():
+            assert p.grad_sample.shape == (6, *p.shape)
+            torch.testing.assert_close(p.grad_sample.sum(0), p.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("use_ghost_clipping", [True, False])
+def test_fgc_norms_of_a_skipped_trainable_layer_raise(use_ghost_clipping):
+    model, _ = make(WithBatchNorm)
+    with pytest.warns(UserWarning, match=re.escape("'block.1'")):
+        wrapped = FGC(model, strict=False, use_ghost_clipping=use_ghost_clipping)
+    x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
+    ce(wrapped(x), y).mean().backward()
+    with pytest.raises(RuntimeError) as err:
+        wrapped.get_clipping_coef()
+    says(err, "block.1.weight", "block.1.bias", "requires_grad_(False)")
+
+
+class BufferedCustom(nn.Module):
+    """No sampler, its own parameter, a child Linear and a buffer: torch.func would take it whole."""
+
+    def __init__(self, h):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(h))
+        self.lin = nn.Linear(h, h)
+        self.register_buffer("offset", torch.zeros(h))
+
+    def forward(self, x):
+        return self.lin(x) * self.gain + self.offset
+
+
+def test_fgc_children_of_a_skipped_layer_are_not_taken_for_zero():
+    """A skipped layer's children were not hooked either: their norms are unknown, not 0."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), BufferedCustom(4), nn.Linear(4, 3))
+    with pytest.warns(UserWarning, match=re.escape("'1'")):
+        wrapped = FGC(model, strict=False)
+    x, y = torch.randn(3, 5), torch.randint(0, 3, (3,))
+    ce(wrapped(x), y).mean().backward()
+    with pytest.raises(RuntimeError) as err:
+        wrapped.get_norm_sample()
+    says(err, "'1.gain'", "'1.lin.weight'", "'1.lin.bias'")
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_frozen_batchnorm_with_running_stats_is_fine(wrapper):
+    """A frozen BatchNorm in eval mode treats samples independently: nothing to refuse."""
+    cls, kwargs = WRAPPERS[wrapper]
+    model, _ = make(WithBatchNorm)
+    model.block[1].requires_grad_(False)
+    model.block[1].running_mean.normal_()
+    model.block[1].eval()
+    pristine = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        wrapped = cls(model, loss_reduction="sum", **kwargs)
+    x, y = torch.randn(5, 5), torch.randint(0, 3, (5,))
+    assert_step_correct(wrapped, pristine, x, y)
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_embedding_scale_grad_by_freq(wrapper):
+    cls, kwargs = WRAPPERS[wrapper]
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("tok", nn.Embedding(9, 4, scale_grad_by_freq=True))
+    model.add_module("out", nn.Linear(4, 3))
+    pristine = copy.deepcopy(model)
+    with pytest.raises(NotImplementedError) as err:
+        cls(model, **kwargs)
+    says(err, "'tok'", "scale_grad_by_freq=False", "requires_grad_(False)")
+    assert_untouched(model)
+    ids, y = torch.randint(0, 9, (4, 1)), torch.randint(0, 3, (4,))
+    model.zero_grad()
+    pristine.zero_grad()
+    ce(model(ids).squeeze(1), y).sum().backward()
+    ce(pristine(ids).squeeze(1), y).sum().backward()
+    for p, q in zip(model.parameters(), pristine.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+# ---------------------------------------------------------------------------- batch dimension
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_batch_folded_into_tokens(wrapper):
+    """(B, T, d) reshaped to (B*T, d) before a Linear: the Linear is named, nothing is computed."""
+    cls, kwargs = WRAPPERS[wrapper]
+    model, pristine = make()
+    wrapped = cls(model, loss_reduction="sum", **kwargs)
+    x, y = batch()
+    model.encoder.fold = True
+    with pytest.raises(ValueError) as err:
+        ce(wrapped(x), y).sum().backward()
+    says(err, "'encoder.proj'", "12 samples", "(B*T, d)", "batch_first")
+    model.encoder.fold = False
+    assert_step_correct(wrapped, pristine, x, y)
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_input_without_batch_dimension(wrapper):
+    cls, kwargs = WRAPPERS[wrapper]
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("body", nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)))
+    pristine = copy.deepcopy(model)
+    wrapped = cls(model, loss_reduction="sum", **kwargs)
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    with pytest.raises(ValueError) as err:
+        wrapped(x[0]).sum().backward()  # one sample, (d,), square first layer
+    says(err, "'body.0'", "shape (4,)", "x.unsqueeze(0)")
+    assert_step_correct(wrapped, pristine, x, y)
+
+
+def test_input_without_batch_dimension_batch_second():
+    """batch_first=False: a (B, d) input to a Linear has no batch dimension 1."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3))
+    wrapped = GSM(model, batch_first=False, loss_reduction="sum")
+    with pytest.raises(ValueError) as err:
+        wrapped(torch.randn(5, 4)).sum().backward()
+    says(err, "'0'", "batch_first=False", "x.unsqueeze(1)")
+    wrapped.zero_grad()
+    x = torch.randn(2, 5, 4)  # (K, B, d)
+    wrapped(x).sum().backward()
+    expected = torch.einsum("kbp,kbd->bpd", torch.ones(2, 5, 3), x)
+    torch.testing.assert_close(model[0].weight.grad_sample, expected, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- wrapping twice
+@pytest.mark.parametrize("second", list(WRAPPERS))
+@pytest.mark.parametrize("first", list(WRAPPERS))
+def test_wrapping_twice(first, second):
+    (cls1, kw1), (cls2, kw2) = WRAPPERS[first], WRAPPERS[second]
+    model, pristine = make()
+    wrapped = cls1(model, loss_reduction="sum", **kw1)
+    hooks = {name: dict(m._forward_hooks) for name, m in model.named_modules()}
+    for target in (model, wrapped, nn.Sequential(model)):
+        with pytest.raises(ValueError) as err:
+            cls2(target, **kw2)
+        says(err, "already wrapped", "to_standard_module()")
+        assert {name: dict(m._forward_hooks) for name, m in model.named_modules()} == hooks
+    x, y = batch()
+    assert_step_correct(wrapped, pristine, x, y)
+    # Unwrapped, it can be wrapped again.
+    rewrapped = cls2(wrapped.to_standard_module(), loss_reduction="sum", **kw2)
+    assert_step_correct(rewrapped, pristine, x, y)
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_wrapping_an_opacus_wrapped_module(wrapper):
+    opacus = pytest.importorskip("opacus")
+    cls, kwargs = WRAPPERS[wrapper]
+    model, pristine = make()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = opacus.GradSampleModule(model, loss_reduction="sum")
+    for target in (model, theirs):
+        with pytest.raises(ValueError) as err:
+            cls(target, **kwargs)
+        says(err, "already wrapped", "to_standard_module()")
+    # Opacus's wrapper still works, untouched by the attempt.
+    x, y = batch()
+    ref = per_sample_grads(pristine, x, y, ce)
+    ce(theirs(x), y).sum().backward()
+    for n, p in model.named_parameters():
+        assert_tensor_close(p.grad_sample, ref[n], n)
+
+
+# ---------------------------------------------------------------------------- tying and reuse
+def test_tied_weights_refused_under_ghost_clipping_before_any_change():
+    model, pristine = make(TiedLM)
+    with pytest.raises(NotImplementedError) as err:
+        FGC(model, use_ghost_clipping=True)
+    says(err, "'emb'", "'lm_head'", "Untie", "use_ghost_clipping=False")
+    assert_untouched(model)
+    assert model.lm_head.weight is model.emb.weight
+    ids, y = lm_batch()
+    assert_trains_normally(model, pristine, ids, y)
+
+
+@pytest.mark.parametrize("wrapper", ["gsm", "fgc"])
+@pytest.mark.parametrize("loss_reduction", ["sum", "mean"])
+def test_tied_weights_without_ghost_clipping(wrapper, loss_reduction):
+    """Per-sample gradients of a tied weight are summed over both uses, as the reference's."""
+    cls, kwargs = WRAPPERS[wrapper]
+    model, pristine = make(TiedLM)
+    wrapped = cls(model, loss_reduction=loss_reduction, **kwargs)
+    ids, y = lm_batch()
+    assert_step_correct(wrapped, pristine, ids, y, loss_reduction)
+    if wrapper == "gsm":
+        # Not just one use's share: the embedding alone would leave unseen tokens' rows zero.
+        unseen = model.emb.weight.grad_sample.clone()
+        for b in range(ids.shape[0]):
+            unseen[b, ids[b].unique()] = 0
+        assert (unseen.flatten(1).abs().sum(1) > 0).all()
+
+
+def test_one_layer_registered_twice_is_hooked_once():
+    """One module in two containers: each use counts once (two hooks would double it)."""
+    torch.manual_seed(0)
+    shared = nn.Linear(5, 5)
+    model = nn.Sequential()
+    model.add_module("a", nn.Sequential(shared, nn.Tanh()))
+    model.add_module("b", nn.Sequential(shared))
+    model.add_module("head", nn.Linear(5, 3))
+    pristine = copy.deepcopy(model)
+    wrapped = GSM(model, loss_reduction="sum")
+    assert len(shared._forward_hooks) == 1
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    assert_step_correct(wrapped, pristine, x, y)
+
+
+class Aliased(nn.Module):
+    """One Linear registered under two names, called once per forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(5, 5)
+        self.alias = self.body
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)))
+
+
+def test_one_layer_registered_twice_is_not_tying_under_ghost_clipping():
+    model, pristine = make(Aliased)
+    wrapped = FGC(model, loss_reduction="sum")
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    assert_step_correct(wrapped, pristine, x, y)
+
+
+def test_layer_called_twice_under_ghost_clipping():
+    model, pristine = make()
+    wrapped = FGC(model, loss_reduction="sum", use_ghost_clipping=True)
+    x, y = batch()
+    model.encoder.reuse = True
+    with pytest.raises(NotImplementedError) as err:
+        wrapped(x)
+    says(err, "'encoder.proj'", "twice", "use_ghost_clipping=False")
+    model.encoder.reuse = False
+    assert_step_correct(wrapped, pristine, x, y)
+
+
+@pytest.mark.parametrize("wrapper", ["gsm", "fgc"])
+def test_layer_called_twice_without_ghost_clipping(wrapper):
+    cls, kwargs = WRAPPERS[wrapper]
+    model, pristine = make()
+    model.encoder.reuse = pristine.encoder.reuse = True
+    wrapped = cls(model, loss_reduction="mean", **kwargs)
+    x, y = batch()
+    assert_step_correct(wrapped, pristine, x, y, "mean")
+
+
+def test_two_forwards_before_one_backward_under_ghost_clipping():
+    model, pristine = make()
+    wrapped = FGC(model, loss_reduction="sum", use_ghost_clipping=True)
+    (x1, y1), (x2, y2) = batch(seed=1), batch(seed=2)
+    loss = ce(wrapped(x1), y1).sum() + ce(wrapped(x2), y2).sum()
+    with pytest.raises(NotImplementedError) as err:
+        loss.backward()
+    says(err, "two gradient contributions", "Run backward after every forward pass")
+    assert re.search(r"'(encoder\.inp|encoder\.proj|head)'", str(err.value))
+    assert_step_correct(wrapped, pristine, x1, y1)
+
+
+def test_two_forwards_before_one_backward_gsm_sums_per_sample_gradients():
+    model, pristine = make()
+    wrapped = GSM(model, loss_reduction="sum")
+    (x1, y1), (x2, y2) = batch(seed=1), batch(seed=2)
+    (ce(wrapped(x1), y1).sum() + ce(wrapped(x2), y2).sum()).backward()
+    ref1, ref2 = per_sample_grads(pristine, x1, y1, ce), per_sample_grads(pristine, x2, y2, ce)
+    for n, p in model.named_parameters():
+        assert_tensor_close(p.grad_sample, ref1[n] + ref2[n], n)
+
+
+# ---------------------------------------------------------------------------- non-finite values
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_non_finite_per_sample_values(wrapper, bad):
+    cls, kwargs = WRAPPERS[wrapper]
+    model, pristine = make()
+    wrapped = cls(model, loss_reduction="sum", **kwargs)
+    x, y = batch()
+    x_bad = x.clone()
+    x_bad[1, 0, 0] = bad
+    with pytest.raises(FloatingPointError) as err:
+        ce(wrapped(x_bad), y).sum().backward()
+    # inf saturates the tanh after encoder.inp; nan runs through everything.
+    says(err, "'encoder.inp.weight'", "check_finite=False", *(["'head.bias'"] if bad != bad else []))
+    if cls is GSM:
+        assert all(p.grad_sample is None for p in model.parameters())
+    assert_step_correct(wrapped, pristine, x, y)
+
+    quiet = cls(cls.to_standard_module(wrapped), loss_reduction="sum", check_finite=False, **kwargs)
+    quiet.zero_grad()
+    ce(quiet(x_bad), y).sum().backward()
+    if cls is GSM:
+        gs = model.encoder.inp.weight.grad_sample
+        assert not gs[1].isfinite().all() and gs[[0, 2, 3]].isfinite().all()
+    else:
+        norms = quiet.get_norm_sample()
+        assert not norms[1].isfinite() and norms[[0, 2, 3]].isfinite().all()
+
+
+# ---------------------------------------------------------------------------- arguments
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+@pytest.mark.parametrize("loss_reduction", ["none", "Mean", None])
+def test_invalid_loss_reduction(wrapper, loss_reduction):
+    cls, kwargs = WRAPPERS[wrapper]
+    model, _ = make()
+    with pytest.raises(ValueError) as err:
+        cls(model, loss_reduction=loss_reduction, **kwargs)
+    says(err, "'sum'", "'mean'")
+    assert_untouched(model)
+
+
+# ---------------------------------------------------------------------------- accumulation
+def test_forbid_grad_accumulation():
+    model, pristine = make()
+    wrapped = GSM(model, loss_reduction="sum")
+    wrapped.forbid_grad_accumulation()
+    x, y = batch()
+    ce(wrapped(x), y).sum().backward()
+    with pytest.raises(ValueError) as err:
+        ce(wrapped(x), y).sum().backward()
+    says(err, "grad accumulation", "optimizer.step()")
+    assert re.search(r"'(encoder\.inp|encoder\.proj|head)\.(weight|bias)'", str(err.value))
+    # zero_grad (the optimizer's step) clears it: the next step is correct.
+    assert_step_correct(wrapped, pristine, x, y)
+
+
+def test_allow_grad_accumulation_stacks_passes():
+    model, pristine = make()
+    wrapped = GSM(model, loss_reduction="sum")
+    (x1, y1), (x2, y2) = batch(seed=1), batch(B=2, seed=2)
+    ce(wrapped(x1), y1).sum().backward()
+    ce(wrapped(x2), y2).sum().backward()
+    ref1, ref2 = per_sample_grads(pristine, x1, y1, ce), per_sample_grads(pristine, x2, y2, ce)
+    for n, p in model.named_parameters():
+        assert isinstance(p.grad_sample, list) and len(p.grad_sample) == 2
+        assert_tensor_close(p.grad_sample[0], ref1[n], n)
+        assert_tensor_close(p.grad_sample[1], ref2[n], n)
+
+
+# ---------------------------------------------------------------------------- unwrapping
+class WithCustom(nn.Module):
+    """A layer without a sampler (torch.func fallback) next to registered ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 4, padding_idx=0)
+        self.norm = nn.LayerNorm(4)
+        self.scale = nn.Parameter(torch.ones(4))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, ids):
+        return self.head((self.norm(self.emb(ids)) * self.scale).mean(dim=1))
+
+
+class CustomRoot(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = WithCustom()
+
+    def forward(self, ids):
+        return self.body(ids)
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_to_standard_module_leaves_no_trace(wrapper):
+    cls, kwargs = WRAPPERS[wrapper]
+    model, pristine = make(CustomRoot)
+    wrapped = cls(model, loss_reduction="sum", **kwargs)
+    ids, y = torch.randint(0, 7, (4, 5)), torch.randint(0, 3, (4,))
+    assert_step_correct(wrapped, pristine, ids, y)
+    wrapped(ids)  # a forward whose backward never comes
+    assert wrapped.to_standard_module() is model
+    assert_untouched(model)
+    assert_trains_normally(model, pristine, ids, y)
+    assert_step_correct(cls(model, loss_reduction="sum", **kwargs), pristine, ids, y)
+
+
+# ---------------------------------------------------------------------------- forward without backward
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_forward_without_backward_does_not_corrupt_the_next_step(wrapper):
+    cls, kwargs = WRAPPERS[wrapper]
+    model, pristine = make(CustomRoot)
+    wrapped = cls(model, loss_reduction="mean", **kwargs)
+    ids, y = torch.randint(0, 7, (4, 5)), torch.randint(0, 3, (4,))
+    assert wrapped.training and torch.is_grad_enabled()
+    wrapped(torch.randint(0, 7, (6, 2)))  # other batch size, output discarded
+    wrapped(torch.randint(0, 7, (4, 5)))  # same batch size, output discarded
+    assert_step_correct(wrapped, pristine, ids, y, "mean")
+    # And a discarded forward between two steps.
+    wrapped(ids[:3])
+    assert_step_correct(wrapped, pristine, ids, y, "mean")
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_failed_backward_does_not_corrupt_the_next_step(wrapper):
+    """An error in the middle of a backward pass (a hook raising) leaves no partial state."""
+    cls, kwargs = WRAPPERS[wrapper]
+    model, pristine = make()
+    wrapped = cls(model, loss_reduction="sum", **kwargs)
+    x, y = batch()
+    losses = ce(wrapped(x), y)
+
+    def boom(grad):
+        raise RuntimeError("boom")
+
+    handle = model.encoder.proj.weight.register_hook(boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        losses.sum().backward()
+    handle.remove()
+    assert_step_correct(wrapped, pristine, x, y)

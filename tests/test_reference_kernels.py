@@ -1,0 +1,365 @@
+"""kernels/reference.py against naive float64 loops.
+
+Every launcher in ``dpgrad.kernels.reference`` is compared with a per-sample Python loop in
+float64 on the same (upcast) inputs, so the only error measured is the launcher's own.
+Tolerances follow DESIGN.md: norms fp32 rel 1e-5, bf16 rel 1e-2 (never loosened).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from dpgrad.kernels import reference as R
+from dpgrad.samplers import embedding as embedding_samplers
+from dpgrad.samplers import linear as linear_samplers
+
+# Relative tolerance of per-sample norms, by input dtype (DESIGN.md; fp16 accumulates in fp32
+# like bf16 but rounds its inputs 8x finer).
+NORM_RTOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+# Per-sample gradients come back in the input dtype, so their rounding is the dtype's.
+GRAD_RTOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+# ---------------------------------------------------------------------------- naive references
+def naive_linear_grad_sample(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """(B, T, d), (B, T, p) -> (B, p, d) float64: sum over t of the outer products g_bt a_bt^T."""
+    B, T, d = A.shape
+    p = G.shape[-1]
+    out = torch.zeros(B, p, d, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            out[b] += torch.outer(G[b, t].double(), A[b, t].double())
+    return out
+
+
+def naive_bias_grad_sample(G: torch.Tensor) -> torch.Tensor:
+    B, T, p = G.shape
+    out = torch.zeros(B, p, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            out[b] += G[b, t].double()
+    return out
+
+
+def naive_embedding_grad_sample(ids, G, V, padding_idx) -> torch.Tensor:
+    """(B, T) ids, (B, T, d) -> (B, V, d) float64, one position at a time, padding skipped."""
+    B = ids.shape[0]
+    ids = ids.reshape(B, math.prod(ids.shape[1:]))
+    d = G.shape[-1]
+    G = G.reshape(B, ids.shape[1], d)
+    out = torch.zeros(B, V, d, dtype=torch.float64)
+    for b in range(B):
+        for t in range(ids.shape[1]):
+            v = int(ids[b, t])
+            if padding_idx is not None and v == padding_idx:
+                continue
+            out[b, v] += G[b, t].double()
+    return out
+
+
+def sq_norms(per_sample: torch.Tensor) -> torch.Tensor:
+    return per_sample.flatten(1).square().sum(dim=1) if per_sample.shape[0] else per_sample.new_zeros(0)
+
+
+def assert_norms_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float) -> None:
+    """Per-sample relative error of squared norms (rel err of a norm is half of it)."""
+    assert actual.shape == expected.shape
+    err = (actual.double() - expected).abs()
+    bound = rtol * expected.abs()
+    bad = err > bound
+    assert not bad.any(), f"rel err {(err / expected.abs().clamp_min(1e-300)).max():.3g} > {rtol}"
+
+
+def assert_tensor_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float) -> None:
+    """Element-wise, with an absolute floor scaled to the tensor's magnitude."""
+    scale = expected.abs().max().item() if expected.numel() else 0.0
+    torch.testing.assert_close(actual.double(), expected, rtol=rtol, atol=rtol * scale)
+
+
+def make_AG(B, T, d, p, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    A = torch.randn(B, T, d, generator=g).to(dtype)
+    G = torch.randn(B, T, p, generator=g).to(dtype)
+    return A, G
+
+
+# (B, T, d, p, algorithm that "auto" picks)
+LINEAR_SHAPES = [
+    (0, 3, 4, 5, "direct"),
+    (1, 1, 3, 2, "outer"),
+    (5, 1, 7, 5, "outer"),
+    (1, 2, 1, 1, "direct"),
+    (3, 2, 64, 48, "gram"),  # T(p+d) = 224 < pd = 3072
+    (3, 50, 2, 3, "direct"),  # 250 > 6
+    (2, 17, 33, 9, "direct"),  # 714 > 297
+    (4, 8, 96, 80, "gram"),  # 1408 < 7680
+    (2, 40, 24, 20, "direct"),  # 1760 > 480
+    (3, 7, 1, 64, "direct"),
+]
+
+
+# ---------------------------------------------------------------------------- linear
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,T,d,p,auto", LINEAR_SHAPES)
+def test_linear_grad_sample(B, T, d, p, auto, dtype):
+    A, G = make_AG(B, T, d, p, dtype)
+    out = R.linear_grad_sample(A, G)
+    assert out.shape == (B, p, d) and out.dtype == dtype
+    assert_tensor_close(out, naive_linear_grad_sample(A, G), GRAD_RTOL[dtype])
+
+    bias = R.linear_bias_grad_sample(G)
+    assert bias.shape == (B, p) and bias.dtype == dtype
+    assert_tensor_close(bias, naive_bias_grad_sample(G), GRAD_RTOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,T,d,p,auto", LINEAR_SHAPES)
+def test_linear_weight_sq_norm_all_algorithms(B, T, d, p, auto, dtype):
+    A, G = make_AG(B, T, d, p, dtype, seed=1)
+    expected = sq_norms(naive_linear_grad_sample(A, G))
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+
+    assert R.linear_norm_algorithm(T, d, p) == auto
+    algorithms = ["auto", "gram", "direct"] + (["outer"] if T == 1 else [])
+    for algorithm in algorithms:
+        out = R.linear_weight_sq_norm(A, G, algorithm=algorithm)
+        assert out.shape == (B,) and out.dtype == acc, algorithm
+        assert_norms_close(out, expected, NORM_RTOL[dtype])
+    # The named functions, not only the dispatcher.
+    assert_norms_close(R.linear_weight_sq_norm_gram(A, G), expected, NORM_RTOL[dtype])
+    assert_norms_close(R.linear_weight_sq_norm_direct(A, G), expected, NORM_RTOL[dtype])
+    if T == 1:
+        assert_norms_close(R.linear_weight_sq_norm_outer(A, G), expected, NORM_RTOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,T,d,p,auto", LINEAR_SHAPES)
+def test_linear_bias_sq_norm(B, T, d, p, auto, dtype):
+    _, G = make_AG(B, T, d, p, dtype, seed=2)
+    out = R.linear_bias_sq_norm(G)
+    assert out.shape == (B,)
+    assert out.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert_norms_close(out, sq_norms(naive_bias_grad_sample(G)), NORM_RTOL[dtype])
+
+
+def test_linear_norm_of_zero_gradient_is_exactly_zero():
+    """A sample whose backprops are all zero (e.g. fully masked) must get norm 0, not noise."""
+    A, G = make_AG(3, 6, 5, 4, torch.float32)
+    G[1] = 0
+    for algorithm in ("gram", "direct"):
+        out = R.linear_weight_sq_norm(A, G, algorithm=algorithm)
+        assert out[1].item() == 0.0
+        assert (out[[0, 2]] > 0).all()
+
+
+def test_linear_norm_algorithm_errors():
+    A, G = make_AG(2, 3, 4, 5, torch.float32)
+    with pytest.raises(ValueError, match="T == 1"):
+        R.linear_weight_sq_norm(A, G, algorithm="outer")
+    with pytest.raises(ValueError, match="auto, outer, gram or direct"):
+        R.linear_weight_sq_norm(A, G, algorithm="ghost")
+
+
+def test_linear_norm_algorithm_choice():
+    assert R.linear_norm_algorithm(1, 4096, 4096) == "outer"
+    assert R.linear_norm_algorithm(16, 4096, 4096) == "gram"
+    assert R.linear_norm_algorithm(4096, 64, 64) == "direct"
+
+
+def test_accumulation_dtype():
+    f32, bf16, f64 = torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.float64)
+    assert R.accumulation_dtype(bf16) == torch.float32
+    assert R.accumulation_dtype(bf16, f32) == torch.float32
+    assert R.accumulation_dtype(f32, f64) == torch.float64
+
+
+# ---------------------------------------------------------------------------- batch slicing
+@pytest.mark.parametrize("batch,per_sample,chunk", [(0, 5, 10), (7, 3, 10), (7, 100, 10), (9, 1, 4), (5, 0, 8)])
+def test_batch_slices_cover_the_batch(monkeypatch, batch, per_sample, chunk):
+    monkeypatch.setattr(R, "CHUNK_ELEMENTS", chunk)
+    slices = list(R.batch_slices(batch, per_sample))
+    covered = [i for s in slices for i in range(s.start, s.stop)]
+    assert covered == list(range(batch))
+    step = max(1, chunk // max(1, per_sample))
+    assert all(0 < s.stop - s.start <= step for s in slices)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 130])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_batch_slicing_gives_the_same_norms(monkeypatch, chunk, dtype):
+    """A tiny CHUNK_ELEMENTS forces one-sample (or few-sample) slices; results must not change."""
+    cases = [make_AG(9, 5, 6, 7, dtype, seed=3), make_AG(6, 3, 40, 30, dtype, seed=4)]
+    full = [(R.linear_weight_sq_norm_direct(A, G), R.linear_weight_sq_norm_gram(A, G)) for A, G in cases]
+    monkeypatch.setattr(R, "CHUNK_ELEMENTS", chunk)
+    for (A, G), (direct, gram) in zip(cases, full):
+        expected = sq_norms(naive_linear_grad_sample(A, G))
+        sliced_direct = R.linear_weight_sq_norm_direct(A, G)
+        sliced_gram = R.linear_weight_sq_norm_gram(A, G)
+        torch.testing.assert_close(sliced_direct, direct, rtol=1e-6, atol=0)
+        torch.testing.assert_close(sliced_gram, gram, rtol=1e-6, atol=0)
+        assert_norms_close(sliced_direct, expected, NORM_RTOL[dtype])
+        assert_norms_close(sliced_gram, expected, NORM_RTOL[dtype])
+
+
+# ---------------------------------------------------------------------------- linear samplers
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(4, 6), (4, 3, 6), (3, 2, 5, 6), (2, 1, 1, 6), (0, 3, 6), (1, 6)])
+@pytest.mark.parametrize("p", [1, 5, 48])
+def test_linear_samplers_any_rank(shape, p, bias):
+    """Inputs (B, *, d) of any rank flatten their middle dims into T."""
+    torch.manual_seed(0)
+    layer = nn.Linear(shape[-1], p, bias=bias)
+    x = torch.randn(*shape)
+    gy = torch.randn(*shape[:-1], p)
+    B = shape[0]
+    T = math.prod(shape[1:-1])
+    A, G = x.reshape(B, T, shape[-1]), gy.reshape(B, T, p)
+    ref_w = naive_linear_grad_sample(A, G)
+
+    grads = linear_samplers.linear_grad_sample(layer, [x], gy)
+    assert_tensor_close(grads[layer.weight], ref_w, 1e-5)
+    norms = linear_samplers.linear_norm_sample(layer, [x], gy)
+    assert_norms_close(norms[layer.weight].double() ** 2, sq_norms(ref_w), 1e-5)
+    if bias:
+        ref_b = naive_bias_grad_sample(G)
+        assert_tensor_close(grads[layer.bias], ref_b, 1e-5)
+        assert_norms_close(norms[layer.bias].double() ** 2, sq_norms(ref_b), 1e-5)
+    else:
+        assert set(grads) == set(norms) == {layer.weight}
+
+
+def test_linear_samplers_skip_frozen_parameters():
+    layer = nn.Linear(4, 3)
+    x, gy = torch.randn(2, 5, 4), torch.randn(2, 5, 3)
+    layer.weight.requires_grad_(False)
+    assert set(linear_samplers.linear_grad_sample(layer, [x], gy)) == {layer.bias}
+    assert set(linear_samplers.linear_norm_sample(layer, [x], gy)) == {layer.bias}
+    layer.weight.requires_grad_(True)
+    layer.bias.requires_grad_(False)
+    assert set(linear_samplers.linear_grad_sample(layer, [x], gy)) == {layer.weight}
+    assert set(linear_samplers.linear_norm_sample(layer, [x], gy)) == {layer.weight}
+
+
+# ---------------------------------------------------------------------------- embedding
+def random_ids(B, T, V, seed, padding_idx=None, pad_fraction=0.3):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    if padding_idx is not None and B * T:
+        pad = torch.rand(B, T, generator=g) < pad_fraction
+        ids[pad] = padding_idx
+    return ids
+
+
+# (B, T, V, d, padding_idx)
+EMBEDDING_SHAPES = [
+    (0, 4, 10, 3, 0),
+    (1, 1, 5, 2, None),
+    (1, 1, 5, 2, 0),
+    (4, 1, 7, 3, 6),
+    (3, 12, 4, 5, 1),  # small vocabulary: many repeats within a sample
+    (5, 9, 50, 8, None),
+    (6, 30, 200, 16, 0),
+    (2, 64, 3, 1, None),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("B,T,V,d,padding_idx", EMBEDDING_SHAPES)
+def test_embedding(B, T, V, d, padding_idx, dtype):
+    ids = random_ids(B, T, V, seed=B * 100 + T, padding_idx=padding_idx)
+    G = torch.randn(B, T, d, generator=torch.Generator().manual_seed(5)).to(dtype)
+    ref = naive_embedding_grad_sample(ids, G, V, padding_idx)
+
+    gs = R.embedding_grad_sample(ids, G, V, padding_idx)
+    assert gs.shape == (B, V, d) and gs.dtype == dtype
+    assert_tensor_close(gs, ref, GRAD_RTOL[dtype])
+    if padding_idx is not None:
+        assert (gs[:, padding_idx] == 0).all()
+
+    sq = R.embedding_sq_norm(ids, G, V, padding_idx)
+    assert sq.shape == (B,)
+    assert sq.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert_norms_close(sq, sq_norms(ref), NORM_RTOL[dtype])
+
+
+def test_embedding_repeated_tokens_are_summed_before_squaring():
+    ids = torch.tensor([[1, 1, 2, 1], [3, 3, 3, 3], [0, 2, 0, 2]])
+    G = torch.randn(3, 4, 2, dtype=torch.float64)
+    sq = R.embedding_sq_norm(ids, G, 4, None)
+    expected = torch.stack(
+        [
+            (G[0, [0, 1, 3]].sum(0)).square().sum() + G[0, 2].square().sum(),
+            G[1].sum(0).square().sum(),
+            G[2, [0, 2]].sum(0).square().sum() + G[2, [1, 3]].sum(0).square().sum(),
+        ]
+    )
+    torch.testing.assert_close(sq, expected, rtol=1e-12, atol=0)
+    # The sum of squares of the rows is a different (wrong) number.
+    assert not torch.allclose(sq, G.square().sum(dim=(1, 2)))
+
+
+@pytest.mark.parametrize("padding_idx", [0, 3, None])
+def test_embedding_padding(padding_idx):
+    """padding_idx positions contribute nothing; with padding_idx=None token 0 is a token."""
+    ids = torch.tensor([[0, 0, 1, 3], [3, 3, 3, 3], [0, 0, 0, 0], [2, 0, 2, 3]])
+    G = torch.randn(4, 4, 5)
+    ref = naive_embedding_grad_sample(ids, G, 4, padding_idx)
+    sq = R.embedding_sq_norm(ids, G, 4, padding_idx)
+    gs = R.embedding_grad_sample(ids, G, 4, padding_idx)
+    assert_norms_close(sq, sq_norms(ref), 1e-5)
+    assert_tensor_close(gs, ref, 1e-5)
+    if padding_idx == 0:
+        assert sq[2].item() == 0.0 and (gs[2] == 0).all()
+    if padding_idx == 3:
+        assert sq[1].item() == 0.0 and (gs[1] == 0).all()
+    if padding_idx is None:
+        assert (sq > 0).all()
+
+
+def test_embedding_all_padding_batch_is_exactly_zero():
+    ids = torch.full((3, 5), 2)
+    G = torch.randn(3, 5, 4)
+    assert torch.equal(R.embedding_sq_norm(ids, G, 6, 2), torch.zeros(3))
+    assert torch.equal(R.embedding_grad_sample(ids, G, 6, 2), torch.zeros(3, 6, 4))
+
+
+@pytest.mark.parametrize("ids_shape", [(5,), (3, 2, 4), (0,), (0, 2, 3)])
+def test_embedding_ids_of_any_rank(ids_shape):
+    """ids (B,) (one token per sample) and (B, *, *) flatten to (B, T)."""
+    V, d = 7, 3
+    ids = torch.randint(0, V, ids_shape, generator=torch.Generator().manual_seed(0))
+    G = torch.randn(*ids_shape, d)
+    ref = naive_embedding_grad_sample(ids, G, V, 1)
+    assert_tensor_close(R.embedding_grad_sample(ids, G, V, 1), ref, 1e-5)
+    assert_norms_close(R.embedding_sq_norm(ids, G, V, 1), sq_norms(ref), 1e-5)
+
+
+def test_embedding_large_grad_sample_warns(monkeypatch):
+    monkeypatch.setattr(R, "EMBEDDING_GRAD_SAMPLE_WARN_ELEMENTS", 10)
+    with pytest.warns(ResourceWarning, match="ghost clipping"):
+        R.embedding_grad_sample(torch.zeros(2, 3, dtype=torch.long), torch.randn(2, 3, 4), 5, None)
+
+
+@pytest.mark.parametrize("padding_idx", [None, 0, -1])
+def test_embedding_samplers(padding_idx):
+    """The registered samplers, with nn.Embedding's own padding_idx (negative is normalised)."""
+    layer = nn.Embedding(9, 4, padding_idx=padding_idx)
+    ids = torch.randint(0, 9, (5, 6), generator=torch.Generator().manual_seed(1))
+    ids[0] = 8
+    ids[1, :3] = 0
+    gy = torch.randn(5, 6, 4)
+    ref = naive_embedding_grad_sample(ids, gy, 9, layer.padding_idx)
+    gs = embedding_samplers.embedding_grad_sample(layer, [ids], gy)[layer.weight]
+    assert_tensor_close(gs, ref, 1e-5)
+    norm = embedding_samplers.embedding_norm_sample(layer, [ids], gy)[layer.weight]
+    assert_norms_close(norm.double() ** 2, sq_norms(ref), 1e-5)
+    if padding_idx == -1:
+        assert norm[0].item() == 0.0
+    layer.weight.requires_grad_(False)
+    assert embedding_samplers.embedding_grad_sample(layer, [ids], gy) == {}
+    assert embedding_samplers.embedding_norm_sample(layer, [ids], gy) == {}
