@@ -14,13 +14,18 @@ from dpgrad.kernels import reference
 from dpgrad.registry import register_grad_sampler, register_norm_sampler
 
 
-def _check(layer: nn.Embedding) -> None:
+def _ids_and_backprops(layer: nn.Embedding, activations: List[torch.Tensor], backprops: torch.Tensor):
+    """(B, T) ids and (B, T, d) backprops of a trainable embedding; None if it is frozen."""
     if layer.scale_grad_by_freq:
         raise NotImplementedError(
             "nn.Embedding(scale_grad_by_freq=True) scales each row's gradient by its frequency "
             "in the whole batch, so one sample's gradient depends on the others; per-sample "
             "gradients are undefined. Construct the embedding with scale_grad_by_freq=False."
         )
+    if not layer.weight.requires_grad:
+        return None
+    ids = activations[0]
+    return ids, backprops.reshape(*ids.shape, layer.embedding_dim)
 
 
 @register_grad_sampler(nn.Embedding)
@@ -28,14 +33,10 @@ def embedding_grad_sample(
     layer: nn.Embedding, activations: List[torch.Tensor], backprops: torch.Tensor
 ) -> Dict[nn.Parameter, torch.Tensor]:
     """Per-sample gradients of an Embedding layer: (B, V, d)."""
-    _check(layer)
-    if not layer.weight.requires_grad:
+    prepared = _ids_and_backprops(layer, activations, backprops)
+    if prepared is None:
         return {}
-    ids = activations[0]
-    G = backprops.reshape(*ids.shape, layer.embedding_dim)
-    return {
-        layer.weight: reference.embedding_grad_sample(ids, G, layer.num_embeddings, layer.padding_idx)
-    }
+    return {layer.weight: reference.embedding_grad_sample(*prepared, layer.num_embeddings, layer.padding_idx)}
 
 
 @register_norm_sampler(nn.Embedding)
@@ -43,10 +44,7 @@ def embedding_norm_sample(
     layer: nn.Embedding, activations: List[torch.Tensor], backprops: torch.Tensor
 ) -> Dict[nn.Parameter, torch.Tensor]:
     """Per-sample gradient L2 norms of an Embedding layer, (B,), in O(B*T*d)."""
-    _check(layer)
-    if not layer.weight.requires_grad:
+    prepared = _ids_and_backprops(layer, activations, backprops)
+    if prepared is None:
         return {}
-    ids = activations[0]
-    G = backprops.reshape(*ids.shape, layer.embedding_dim)
-    sq = reference.embedding_sq_norm(ids, G, layer.num_embeddings, layer.padding_idx)
-    return {layer.weight: sq.sqrt()}
+    return {layer.weight: reference.embedding_sq_norm(*prepared, layer.num_embeddings, layer.padding_idx).sqrt()}
