@@ -52,3 +52,13 @@ def test_benchmark_step_runs(wrapper, monkeypatch):
 
     step = bench_ghost_step.make_step(wrapper, seq_len=16)
     step()
+
+
+def test_privacy_engine_example_runs(monkeypatch, capsys):
+    pytest.importorskip("opacus")
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "examples"))
+    import privacy_engine
+
+    epsilon = privacy_engine.main(steps=2)
+    assert 0 < epsilon < float("inf")
+    assert "epsilon" in capsys.readouterr().out
