@@ -277,14 +277,16 @@ class GradSampleModule(nn.Module):
         activations = [a.detach() if isinstance(a, torch.Tensor) else a for a in inputs]
         batch_size = self._batch_size(layer, name, activations)
         self._on_forward(layer, name, params)
-        out.register_hook(partial(self._capture_backprops, layer, activations, batch_size))
+        out.register_hook(partial(self._capture_backprops, layer, params, activations, batch_size))
 
     def _on_forward(self, layer: nn.Module, name: str, params: List[nn.Parameter]) -> None:
         self._forward_seen.add(layer)
         for p in params:
             p._forward_counter += 1
 
-    def _capture_backprops(self, layer: nn.Module, activations: list, batch_size: int, grad: torch.Tensor):
+    def _capture_backprops(
+        self, layer: nn.Module, params: List[nn.Parameter], activations: list, batch_size: int, grad: torch.Tensor
+    ):
         if not self.hooks_enabled:
             return None
         if not self._pass_open:
@@ -298,7 +300,7 @@ class GradSampleModule(nn.Module):
                 activations = [_batch_to_front(a) for a in activations]
                 backprops = _batch_to_front(backprops)
             self._process_layer(layer, activations, backprops)
-            for p in self._layer_params(layer):
+            for p in params:
                 p._forward_counter = max(0, p._forward_counter - 1)
         except BaseException:
             self._abort_pass()
