@@ -134,20 +134,15 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
 
     def get_norm_sample(self) -> torch.Tensor:
         """Per-sample gradient norms over all trainable parameters, (B,)."""
-        missing = [
-            self._param_names.get(p) for p in self.trainable_parameters if getattr(p, "_norm_sample", None) is None
-        ]
+        missing = [p for p in self.trainable_parameters if getattr(p, "_norm_sample", None) is None]
         present = [p._norm_sample for p in self.trainable_parameters if getattr(p, "_norm_sample", None) is not None]
         if missing and not present:
             raise RuntimeError(
                 "no per-sample gradient norms yet: run forward and backward (with hooks enabled) "
                 "before get_norm_sample / get_clipping_coef"
             )
-        # Parameters of a skipped layer, and of its children when torch.func would have taken
-        # the layer whole (they were not hooked either): their norms are unknown, not zero.
-        skipped = [
-            n for n in missing if n is not None and any(s == "" or n.startswith(s + ".") for s in self._skipped)
-        ]
+        # A parameter no hook sees has an unknown norm, not a zero one.
+        skipped = [self._param_names.get(p) for p in missing if p in self._unhooked]
         if skipped:
             raise RuntimeError(
                 f"parameters {skipped} belong to layers skipped under strict=False and have no "

@@ -213,6 +213,9 @@ class GradSampleModule(nn.Module):
                 self._functorch_layers.add(layer)
             self._layer_names[layer] = name
             handles.append(layer.register_forward_hook(self._capture_activations))
+        covered = {p for layer in self._layer_names for p in layer.parameters(recurse=layer in self._functorch_layers)}
+        # Parameters no hook sees (skipped layers and their children): no per-sample values.
+        self._unhooked = {p for p in self._module.parameters() if p not in covered}
         self._module.autograd_grad_sample_hooks = handles
         self.autograd_grad_sample_hooks = handles
         self.enable_hooks()
