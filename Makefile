@@ -20,6 +20,8 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+	# Again with every sampler on the Triton kernels (Triton's interpreter when there is no GPU).
+	DPGRAD_BACKEND=triton $(PY) -m pytest -q -p no:cacheprovider tests
 
 bench: $(STAMP)
 	$(PY) -m pytest benchmarks -q --benchmark-enable

@@ -16,10 +16,13 @@ whatever B is.
 from __future__ import annotations
 
 import math
+import sys
 import warnings
-from typing import Iterator, Optional
+from typing import Iterator, NamedTuple, Optional, Tuple
 
 import torch
+
+NAME = "eager"
 
 # Upper bound on the elements of one batch slice's intermediate tensor.
 CHUNK_ELEMENTS = 1 << 24
@@ -45,6 +48,62 @@ def linear_grad_sample(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
     A: (B, T, d), G: (B, T, p) -> (B, p, d) in G's dtype.
     """
     return torch.bmm(G.transpose(1, 2), A.to(G.dtype))
+
+
+class LinearPerSample(NamedTuple):
+    """What ``linear_per_sample`` returns; fields not asked for are None."""
+
+    weight: Optional[torch.Tensor]  # (B, p, d)
+    bias: Optional[torch.Tensor]  # (B, p)
+    weight_sq_norm: Optional[torch.Tensor]  # (B,)
+    bias_sq_norm: Optional[torch.Tensor]  # (B,)
+
+
+def linear_per_sample(
+    A: torch.Tensor,
+    G: torch.Tensor,
+    *,
+    grad: bool = True,
+    bias: bool = False,
+    norm: bool = False,
+    out_dtype: Optional[torch.dtype] = None,
+) -> LinearPerSample:
+    """Per-sample Linear gradients and/or their squared norms.
+
+    A: (B, T, d), G: (B, T, p). ``grad``: ``W_b = G_b^T A_b`` (B, p, d) and with ``bias`` also
+    ``sum_t G_b[t]`` (B, p), computed in fp32 (fp64 for fp64 inputs) and rounded once to
+    ``out_dtype`` (default G's dtype). ``norm``: their squared norms (B,), from the unrounded
+    sums.
+    """
+    out_dtype = out_dtype or G.dtype
+    acc = accumulation_dtype(A, G)
+    return LinearPerSample(
+        weight=torch.bmm(G.transpose(1, 2).to(acc), A.to(acc)).to(out_dtype) if grad else None,
+        bias=G.sum(dim=1, dtype=acc).to(out_dtype) if grad and bias else None,
+        weight_sq_norm=linear_weight_sq_norm_direct(A, G) if norm else None,
+        bias_sq_norm=linear_bias_sq_norm(G) if norm and bias else None,
+    )
+
+
+def linear_clipped_sum(
+    A: torch.Tensor,
+    G: torch.Tensor,
+    coef: torch.Tensor,
+    *,
+    bias: bool = False,
+    out_dtype: Optional[torch.dtype] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Clipped gradient sums ``(c ⊙ G)^T A`` (p, d) and ``sum_b c_b sum_t G_b[t]`` (p,).
+
+    A: (B, T, d), G: (B, T, p), coef: (B,). Accumulated in fp32 (fp64 for fp64 inputs);
+    returned in ``out_dtype`` (default G's dtype).
+    """
+    acc = accumulation_dtype(A, G)
+    out_dtype = out_dtype or G.dtype
+    p, d = G.shape[-1], A.shape[-1]
+    scaled = G.to(acc) * coef.to(device=G.device, dtype=acc)[:, None, None]
+    weight = scaled.reshape(-1, p).t() @ A.reshape(-1, d).to(acc)
+    return weight.to(out_dtype), scaled.sum(dim=(0, 1)).to(out_dtype) if bias else None
 
 
 def linear_bias_grad_sample(G: torch.Tensor) -> torch.Tensor:
@@ -111,19 +170,24 @@ def linear_norm_algorithm(T: int, d: int, p: int) -> str:
     return "gram" if T * (p + d) < p * d else "direct"
 
 
+def run_linear_norm(ops, A: torch.Tensor, G: torch.Tensor, algorithm: str) -> torch.Tensor:
+    """Squared Linear weight norms by the named algorithm of a backend module ``ops``.
+
+    "auto" asks ``ops.linear_norm_algorithm`` for the shape.
+    """
+    T = A.shape[1]
+    if algorithm == "auto":
+        algorithm = ops.linear_norm_algorithm(T, A.shape[2], G.shape[2])
+    if algorithm not in ("outer", "gram", "direct"):
+        raise ValueError(f"unknown linear norm algorithm {algorithm!r}: use auto, outer, gram or direct")
+    if algorithm == "outer" and T != 1:
+        raise ValueError(f"the 'outer' norm needs T == 1, got T = {T}")
+    return getattr(ops, f"linear_weight_sq_norm_{algorithm}")(A, G)
+
+
 def linear_weight_sq_norm(A: torch.Tensor, G: torch.Tensor, algorithm: str = "auto") -> torch.Tensor:
     """Squared per-sample weight-gradient norms of a Linear layer, (B, T, d), (B, T, p) -> (B,)."""
-    if algorithm == "auto":
-        algorithm = linear_norm_algorithm(A.shape[1], A.shape[2], G.shape[2])
-    if algorithm == "outer":
-        if A.shape[1] != 1:
-            raise ValueError(f"the 'outer' norm needs T == 1, got T = {A.shape[1]}")
-        return linear_weight_sq_norm_outer(A, G)
-    if algorithm == "gram":
-        return linear_weight_sq_norm_gram(A, G)
-    if algorithm == "direct":
-        return linear_weight_sq_norm_direct(A, G)
-    raise ValueError(f"unknown linear norm algorithm {algorithm!r}: use auto, outer, gram or direct")
+    return run_linear_norm(sys.modules[__name__], A, G, algorithm)
 
 
 def _embedding_rows(ids: torch.Tensor, G: torch.Tensor, padding_idx: Optional[int]):
@@ -162,6 +226,16 @@ def embedding_sq_norm(
     return out
 
 
+def embedding_grad_sample_warning(B: int, num_embeddings: int, d: int, element_size: int) -> str:
+    """The warning for a large (B, V, d) per-sample embedding gradient."""
+    gib = B * num_embeddings * d * element_size / 2**30
+    return (
+        f"materialising per-sample embedding gradients of shape ({B}, {num_embeddings}, {d}) "
+        f"({gib:.1f} GiB); ghost clipping (GradSampleModuleFastGradientClipping) computes "
+        "their norms without them"
+    )
+
+
 def embedding_grad_sample(
     ids: torch.Tensor, G: torch.Tensor, num_embeddings: int, padding_idx: Optional[int] = None
 ) -> torch.Tensor:
@@ -170,17 +244,31 @@ def embedding_grad_sample(
     Inherently B*V*d memory; warns when that is large. The ``padding_idx`` row stays zero.
     """
     B, d = ids.shape[0], G.shape[-1]
-    numel = B * num_embeddings * d
-    if numel > EMBEDDING_GRAD_SAMPLE_WARN_ELEMENTS:
-        warnings.warn(
-            f"materialising per-sample embedding gradients of shape ({B}, {num_embeddings}, {d}) "
-            f"({numel * G.element_size() / 2**30:.1f} GiB); ghost clipping "
-            "(GradSampleModuleFastGradientClipping) computes their norms without them",
-            ResourceWarning,
-            stacklevel=3,
-        )
+    if B * num_embeddings * d > EMBEDDING_GRAD_SAMPLE_WARN_ELEMENTS:
+        warnings.warn(embedding_grad_sample_warning(B, num_embeddings, d, G.element_size()), ResourceWarning, stacklevel=3)
     out = torch.zeros(B, num_embeddings, d, dtype=G.dtype, device=G.device)
     tok, sample, rows = _embedding_rows(ids, G, padding_idx)
     flat = out.view(B * num_embeddings, d)
     flat.index_add_(0, sample.to(torch.int64) * num_embeddings + tok.to(torch.int64), rows)
     return out
+
+
+def embedding_clipped_sum(
+    ids: torch.Tensor,
+    G: torch.Tensor,
+    coef: torch.Tensor,
+    num_embeddings: int,
+    padding_idx: Optional[int] = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """Clipped gradient sum of an embedding: ``index_add`` of ``c_b * g_bt`` rows -> (V, d).
+
+    ids: (B, T), G: (B, T, d), coef: (B,). Accumulated in fp32 (fp64 for fp64 inputs);
+    returned in ``out_dtype`` (default G's dtype). ``padding_idx`` rows get nothing.
+    """
+    acc = accumulation_dtype(G)
+    out = torch.zeros(num_embeddings, G.shape[-1], dtype=acc, device=G.device)
+    tok, sample, rows = _embedding_rows(ids, G, padding_idx)
+    scale = coef.to(device=G.device, dtype=acc)[sample]
+    out.index_add_(0, tok.to(torch.int64), rows.to(acc) * scale[:, None])
+    return out.to(out_dtype or G.dtype)

@@ -147,6 +147,30 @@ def test_linear_bias_sq_norm(B, T, d, p, auto, dtype):
     assert_norms_close(out, sq_norms(naive_bias_grad_sample(G)), NORM_RTOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,T,d,p,auto", LINEAR_SHAPES)
+def test_linear_per_sample_and_clipped_sum(B, T, d, p, auto, dtype):
+    """The fused form returns what the separate functions do; the clipped sum is the
+    coefficient-weighted sum of the naive per-sample gradients."""
+    A, G = make_AG(B, T, d, p, dtype, seed=5)
+    naive_w, naive_b = naive_linear_grad_sample(A, G), naive_bias_grad_sample(G)
+    res = R.linear_per_sample(A, G, bias=True, norm=True, out_dtype=torch.float32)
+    out_rtol = 1e-5  # fp32 outputs, rounded once from the fp32 (fp64) sums
+    assert res.weight.dtype == torch.float32 and res.bias.dtype == torch.float32
+    assert_tensor_close(res.weight, naive_w, out_rtol)
+    assert_tensor_close(res.bias, naive_b, out_rtol)
+    assert_norms_close(res.weight_sq_norm, sq_norms(naive_w), NORM_RTOL[dtype])
+    assert_norms_close(res.bias_sq_norm, sq_norms(naive_b), NORM_RTOL[dtype])
+    only_norm = R.linear_per_sample(A, G, grad=False, norm=True)
+    assert only_norm.weight is None and only_norm.bias is None and only_norm.bias_sq_norm is None
+
+    coef = torch.rand(B, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    w, b = R.linear_clipped_sum(A, G, coef, bias=True)
+    assert w.dtype == dtype and b.dtype == dtype
+    assert_tensor_close(w, torch.einsum("b,bpd->pd", coef, naive_w), GRAD_RTOL[dtype])
+    assert_tensor_close(b, torch.einsum("b,bp->p", coef, naive_b), GRAD_RTOL[dtype])
+
+
 def test_linear_norm_of_zero_gradient_is_exactly_zero():
     """A sample whose backprops are all zero (e.g. fully masked) must get norm 0, not noise."""
     A, G = make_AG(3, 6, 5, 4, torch.float32)
@@ -285,6 +309,12 @@ def test_embedding(B, T, V, d, padding_idx, dtype):
     assert sq.shape == (B,)
     assert sq.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert_norms_close(sq, sq_norms(ref), NORM_RTOL[dtype])
+
+    coef = torch.rand(B, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    clipped = R.embedding_clipped_sum(ids, G, coef, V, padding_idx)
+    assert clipped.shape == (V, d) and clipped.dtype == dtype
+    assert_tensor_close(clipped, torch.einsum("b,bvd->vd", coef, ref), GRAD_RTOL[dtype])
+    assert R.embedding_clipped_sum(ids, G, coef, V, padding_idx, out_dtype=torch.float32).dtype == torch.float32
 
 
 def test_embedding_repeated_tokens_are_summed_before_squaring():

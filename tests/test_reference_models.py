@@ -418,23 +418,23 @@ def test_random_models_match_float64_reference(case):
 
 
 def test_every_linear_norm_algorithm_is_exercised(monkeypatch):
-    """The fixed-grid model reaches all three eager algorithms (gram, direct, outer) through
-    the ghost-clipping wrapper, so each is checked against the reference above."""
-    from dpgrad.kernels import reference
+    """The fixed-grid model reaches all three algorithms (gram, direct, outer) of the active
+    backend through the ghost-clipping wrapper, so each is checked against the reference."""
+    from dpgrad.backend import ops_for
 
-    calls = {}
-    for algorithm in ("gram", "direct", "outer"):
-        fn = getattr(reference, f"linear_weight_sq_norm_{algorithm}")
+    ops = ops_for(torch.zeros(1))
+    chosen = []
+    choose = ops.linear_norm_algorithm
 
-        def spy(A, G, fn=fn, algorithm=algorithm):
-            calls[algorithm] = calls.get(algorithm, 0) + 1
-            return fn(A, G)
+    def spy(T, d, p):
+        chosen.append(choose(T, d, p))
+        return chosen[-1]
 
-        monkeypatch.setattr(reference, f"linear_weight_sq_norm_{algorithm}", spy)
+    monkeypatch.setattr(ops, "linear_norm_algorithm", spy)
     cfg = NetConfig()
     x, y = make_batch(cfg, B=5, T=4, seed=1)
     check_against_reference(build(cfg, seed=0), x, y, "fgc_ghost", "mean", True)
-    assert set(calls) == {"gram", "direct", "outer"}, calls
+    assert set(chosen) == {"gram", "direct", "outer"}, chosen
 
 
 @pytest.mark.parametrize("wrapper", WRAPPERS)

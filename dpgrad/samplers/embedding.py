@@ -10,7 +10,7 @@ from typing import Dict, List
 import torch
 import torch.nn as nn
 
-from dpgrad.kernels import reference
+from dpgrad.backend import ops_for
 from dpgrad.registry import register_grad_sampler, register_norm_sampler
 
 
@@ -36,7 +36,8 @@ def embedding_grad_sample(
     prepared = _ids_and_backprops(layer, activations, backprops)
     if prepared is None:
         return {}
-    return {layer.weight: reference.embedding_grad_sample(*prepared, layer.num_embeddings, layer.padding_idx)}
+    ids, G = prepared
+    return {layer.weight: ops_for(G).embedding_grad_sample(ids, G, layer.num_embeddings, layer.padding_idx)}
 
 
 @register_norm_sampler(nn.Embedding)
@@ -47,4 +48,5 @@ def embedding_norm_sample(
     prepared = _ids_and_backprops(layer, activations, backprops)
     if prepared is None:
         return {}
-    return {layer.weight: reference.embedding_sq_norm(*prepared, layer.num_embeddings, layer.padding_idx).sqrt()}
+    ids, G = prepared
+    return {layer.weight: ops_for(G).embedding_sq_norm(ids, G, layer.num_embeddings, layer.padding_idx).sqrt()}

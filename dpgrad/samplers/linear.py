@@ -1,6 +1,8 @@
 """Samplers for ``nn.Linear``: per-sample gradients and per-sample gradient norms.
 
-Inputs of any rank (B, *, d) are flattened to (B, T, d); 2-D inputs have T = 1.
+Inputs of any rank (B, *, d) are flattened to (B, T, d) (a view when the strides allow it,
+else one copy); 2-D inputs have T = 1. The kernels come from ``dpgrad.backend``: Triton for
+CUDA tensors, the eager reference otherwise.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Dict, List, Tuple
 import torch
 import torch.nn as nn
 
-from dpgrad.kernels import reference
+from dpgrad.backend import ops_for
 from dpgrad.registry import register_grad_sampler, register_norm_sampler
 
 
@@ -24,17 +26,26 @@ def flatten_tokens(activations: torch.Tensor, backprops: torch.Tensor) -> Tuple[
     return A, G
 
 
+def _trainable(layer: nn.Linear) -> Tuple[bool, bool]:
+    return layer.weight.requires_grad, layer.bias is not None and layer.bias.requires_grad
+
+
 @register_grad_sampler(nn.Linear)
 def linear_grad_sample(
     layer: nn.Linear, activations: List[torch.Tensor], backprops: torch.Tensor
 ) -> Dict[nn.Parameter, torch.Tensor]:
-    """Per-sample gradients of a Linear layer: weight (B, p, d), bias (B, p)."""
+    """Per-sample gradients of a Linear layer in the parameters' dtypes: weight (B, p, d), bias (B, p)."""
     A, G = flatten_tokens(activations[0], backprops)
+    ops = ops_for(A, G)
+    weight, bias = _trainable(layer)
     out = {}
-    if layer.weight.requires_grad:
-        out[layer.weight] = reference.linear_grad_sample(A, G)
-    if layer.bias is not None and layer.bias.requires_grad:
-        out[layer.bias] = reference.linear_bias_grad_sample(G)
+    if weight:
+        res = ops.linear_per_sample(A, G, bias=bias, out_dtype=layer.weight.dtype)
+        out[layer.weight] = res.weight
+        if bias:
+            out[layer.bias] = res.bias.to(layer.bias.dtype)
+    elif bias:
+        out[layer.bias] = ops.linear_bias_grad_sample(G).to(layer.bias.dtype)
     return out
 
 
@@ -44,13 +55,18 @@ def linear_norm_sample(
 ) -> Dict[nn.Parameter, torch.Tensor]:
     """Per-sample gradient L2 norms of a Linear layer, (B,) each, without per-sample gradients.
 
-    The weight norm uses the cheaper of the Gram and direct forms for the layer shape; the
-    bias norm is ``||sum_t g_t||``.
+    The weight norm uses the algorithm the backend picks for the shape (outer when T = 1,
+    else Gram or direct); the bias norm is ``||sum_t g_t||``, fused into the direct pass.
     """
     A, G = flatten_tokens(activations[0], backprops)
+    ops = ops_for(A, G)
+    weight, bias = _trainable(layer)
     out = {}
-    if layer.weight.requires_grad:
-        out[layer.weight] = reference.linear_weight_sq_norm(A, G).sqrt()
-    if layer.bias is not None and layer.bias.requires_grad:
-        out[layer.bias] = reference.linear_bias_sq_norm(G).sqrt()
+    if weight and bias and ops.linear_norm_algorithm(A.shape[1], A.shape[2], G.shape[2]) == "direct":
+        res = ops.linear_per_sample(A, G, grad=False, bias=True, norm=True)
+        return {layer.weight: res.weight_sq_norm.sqrt(), layer.bias: res.bias_sq_norm.sqrt()}
+    if weight:
+        out[layer.weight] = ops.linear_weight_sq_norm(A, G).sqrt()
+    if bias:
+        out[layer.bias] = ops.linear_bias_sq_norm(G).sqrt()
     return out

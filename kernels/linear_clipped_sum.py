@@ -1,0 +1,103 @@
+"""Linear clipped gradient sum ``(c ⊙ G)^T A``, in Triton (the single-backward mode).
+
+``sum_b c_b * G_b^T A_b`` (p, d) and ``sum_b c_b * sum_t G_b[t]`` (p,). One program owns one
+(p, d) tile (and one split of the batch): for each sample it accumulates ``G_b^T A_b`` in fp32
+over the tokens, on the tensor cores for half inputs, and adds it scaled by ``c_b`` in fp32,
+so neither A nor G is ever copied or rescaled in its own low precision. Splits, when used,
+write fp32 partials that are summed in a fixed order (deterministic).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .linear_grad_sample import CONFIGS as _PER_SAMPLE_CONFIGS
+from .linear_grad_sample import sample_tile, tile_offsets
+from .triton_common import INTERPRET, cdiv, check_dtypes, empty
+
+# The same tiles as the per-sample kernel (tuned separately: the loop over samples differs).
+CONFIGS = _PER_SAMPLE_CONFIGS
+# Enough programs to fill a large GPU; below it the batch is split (partials cost memory).
+_TARGET_PROGRAMS = 512
+_MAX_PARTIAL_ELEMENTS = 1 << 26
+
+
+@triton.autotune(configs=CONFIGS, key=["p", "d", "WITH_BIAS"])
+@triton.jit(do_not_specialize=["B", "T", "samples_per_split"])
+def _linear_clipped_sum_kernel(
+    A, G, COEF, W, BIAS,
+    B, T, p, d,
+    s_ab, s_at, s_ad, s_gb, s_gt, s_gp,
+    samples_per_split,
+    WITH_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+    BP: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
+):
+    i_tile = tl.program_id(0).to(tl.int64)
+    i_split = tl.program_id(1).to(tl.int64)
+    i_p, i_d, o_p, o_d, m_p, m_d = tile_offsets(i_tile, p, d, BP, BD)
+    b_w = tl.zeros((BP, BD), dtype=tl.float32)
+    b_bias = tl.zeros((BP,), dtype=tl.float32)
+    b_start = i_split * samples_per_split
+    b_end = tl.minimum(b_start + samples_per_split, B)
+    for i_b in range(b_start, b_end):
+        # The sample's own sum first, on the tensor cores; the scaling is in fp32.
+        b_ws, b_bs = sample_tile(A, G, i_b, o_p, o_d, m_p, m_d, T, s_ab, s_at, s_ad, s_gb, s_gt, s_gp,
+                                 WITH_BIAS, UPCAST, BP, BD, BT)
+        c = tl.load(COEF + i_b).to(tl.float32)
+        b_w += c * b_ws
+        if WITH_BIAS:
+            b_bias += c * b_bs
+
+    tl.store(W + i_split * p * d + o_p[:, None] * d + o_d[None, :], b_w.to(W.dtype.element_ty),
+             mask=m_p[:, None] & m_d[None, :])
+    if WITH_BIAS:
+        if i_d == 0:
+            tl.store(BIAS + i_split * p + o_p, b_bias.to(BIAS.dtype.element_ty), mask=m_p)
+
+
+def linear_clipped_sum(
+    A: torch.Tensor,
+    G: torch.Tensor,
+    coef: torch.Tensor,
+    *,
+    bias: bool = False,
+    out_dtype: Optional[torch.dtype] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Clipped gradient sums of a Linear layer, accumulated in fp32.
+
+    A: (B, T, d), G: (B, T, p), any strides, fp32/bf16/fp16; coef: (B,) clipping factors.
+    Returns the weight sum (p, d) and, with ``bias``, the bias sum (p,), in ``out_dtype``
+    (default G's dtype).
+    """
+    check_dtypes("linear_clipped_sum", A, G)
+    B, T, d = A.shape
+    p = G.shape[2]
+    out_dtype = out_dtype or G.dtype
+    device = A.device
+    coef = coef.to(device=device, dtype=torch.float32).contiguous()
+    if B == 0 or p * d == 0:
+        # Nothing to tile (an empty batch, or a layer with no weights): plain torch suffices.
+        w = torch.zeros(p, d, dtype=out_dtype, device=device)
+        b = torch.einsum("b,btp->p", coef, G.float()).to(out_dtype) if bias else None
+        return w, b
+    tiles = cdiv(p, 64) * cdiv(d, 64)
+    splits = max(1, min(B, _TARGET_PROGRAMS // tiles, _MAX_PARTIAL_ELEMENTS // (p * d)))
+    per_split = cdiv(B, splits)
+    splits = cdiv(B, per_split)
+    part_dtype = out_dtype if splits == 1 else torch.float32
+    w = empty((splits, p, d), part_dtype, device)
+    b = empty((splits, p), part_dtype, device) if bias else None
+    _linear_clipped_sum_kernel[lambda meta: (cdiv(p, meta["BP"]) * cdiv(d, meta["BD"]), splits)](
+        A, G, coef, w, b,
+        B, T, p, d,
+        *A.stride(), *G.stride(),
+        per_split,
+        WITH_BIAS=bias, UPCAST=INTERPRET,
+    )
+    if splits == 1:
+        return w[0], b[0] if bias else None
+    return w.sum(dim=0).to(out_dtype), b.sum(dim=0).to(out_dtype) if bias else None

@@ -1,0 +1,147 @@
+"""Linear per-sample gradients as a batched outer product ``W_b = G_b^T A_b``, in Triton.
+
+One program owns one (p, d) tile of one sample: it runs over the sample's tokens, accumulating
+``G_b[t0:t1]^T A_b[t0:t1]`` in fp32 registers, and then, as asked,
+- stores the tile in the output dtype (the per-sample gradient),
+- squares and sums it (the per-sample squared norm, an epilogue of the same pass),
+- and, in the programs of the first d tile, sums the backprops over tokens (the bias).
+With the store switched off this is the "direct" norm (linear_norm_direct.py): the tiles
+never leave registers and the extra memory is one fp32 partial per (sample, tile).
+
+A and G are read through their strides (no copies); offsets are int64.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import LinearPerSample
+from .triton_common import INTERPRET, cdiv, check_dtypes, configs, dot_fp32, empty, min_block
+
+CONFIGS = configs(
+    [dict(BP=bp, BD=bd, BT=bt) for bp, bd in ((64, 64), (128, 64), (64, 128), (128, 128)) for bt in (32, 64)],
+    interpret=dict(BP=32, BD=32, BT=32),
+)
+_MIN_BP = min_block(CONFIGS, "BP")
+_MIN_BD = min_block(CONFIGS, "BD")
+
+
+@triton.jit
+def tile_offsets(i_tile, p, d, BP: tl.constexpr, BD: tl.constexpr):
+    """Row (p) and column (d) offsets and masks of tile ``i_tile`` of a (p, d) matrix."""
+    n_d = tl.cdiv(d, BD)
+    i_p = i_tile // n_d
+    i_d = i_tile % n_d
+    o_p = i_p * BP + tl.arange(0, BP).to(tl.int64)
+    o_d = i_d * BD + tl.arange(0, BD).to(tl.int64)
+    return i_p, i_d, o_p, o_d, o_p < p, o_d < d
+
+
+@triton.jit
+def sample_tile(
+    A, G, i_b, o_p, o_d, m_p, m_d, T,
+    s_ab, s_at, s_ad, s_gb, s_gt, s_gp,
+    WITH_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+    BP: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
+):
+    """One sample's ``G_b^T A_b`` tile [BP, BD] and (with WITH_BIAS) ``sum_t G_b[t]`` [BP], fp32."""
+    b_w = tl.zeros((BP, BD), dtype=tl.float32)
+    b_bias = tl.zeros((BP,), dtype=tl.float32)
+    for t0 in range(0, T, BT):
+        o_t = t0 + tl.arange(0, BT).to(tl.int64)
+        m_t = o_t < T
+        # [BP, BT]
+        b_g = tl.load(G + i_b * s_gb + o_t[None, :] * s_gt + o_p[:, None] * s_gp,
+                      mask=m_p[:, None] & m_t[None, :], other=0.0)
+        # [BT, BD]
+        b_a = tl.load(A + i_b * s_ab + o_t[:, None] * s_at + o_d[None, :] * s_ad,
+                      mask=m_t[:, None] & m_d[None, :], other=0.0)
+        b_w = dot_fp32(b_g, b_a, b_w, UPCAST)
+        if WITH_BIAS:
+            b_bias += tl.sum(b_g.to(tl.float32), axis=1)
+    return b_w, b_bias
+
+
+@triton.autotune(configs=CONFIGS, key=["p", "d", "WRITE_GRAD", "WITH_BIAS", "WITH_NORM"])
+@triton.jit(do_not_specialize=["B", "T"])
+def _linear_per_sample_kernel(
+    A, G, W, BIAS, W_SQ, BIAS_SQ,
+    B, T, p, d,
+    s_ab, s_at, s_ad, s_gb, s_gt, s_gp,
+    n_tiles_max, n_tiles_p_max,
+    WRITE_GRAD: tl.constexpr, WITH_BIAS: tl.constexpr, WITH_NORM: tl.constexpr, UPCAST: tl.constexpr,
+    BP: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
+):
+    i_tile = tl.program_id(0).to(tl.int64)
+    i_b = tl.program_id(1).to(tl.int64)
+    i_p, i_d, o_p, o_d, m_p, m_d = tile_offsets(i_tile, p, d, BP, BD)
+    b_w, b_bias = sample_tile(A, G, i_b, o_p, o_d, m_p, m_d, T, s_ab, s_at, s_ad, s_gb, s_gt, s_gp,
+                              WITH_BIAS, UPCAST, BP, BD, BT)
+    if WRITE_GRAD:
+        p_w = W + i_b * p * d + o_p[:, None] * d + o_d[None, :]
+        tl.store(p_w, b_w.to(W.dtype.element_ty), mask=m_p[:, None] & m_d[None, :])
+    if WITH_NORM:
+        # Masked rows and columns are exact zeros, so they add nothing.
+        tl.store(W_SQ + i_b * n_tiles_max + i_tile, tl.sum(b_w * b_w))
+    if WITH_BIAS:
+        if i_d == 0:
+            if WRITE_GRAD:
+                tl.store(BIAS + i_b * p + o_p, b_bias.to(BIAS.dtype.element_ty), mask=m_p)
+            if WITH_NORM:
+                tl.store(BIAS_SQ + i_b * n_tiles_p_max + i_p, tl.sum(b_bias * b_bias))
+
+
+def linear_per_sample(
+    A: torch.Tensor,
+    G: torch.Tensor,
+    *,
+    grad: bool = True,
+    bias: bool = False,
+    norm: bool = False,
+    out_dtype: Optional[torch.dtype] = None,
+) -> LinearPerSample:
+    """Per-sample Linear gradients and/or their squared norms in one pass over A and G.
+
+    A: (B, T, d), G: (B, T, p), any strides, fp32/bf16/fp16 (accumulated in fp32).
+    ``grad``: return ``W_b = G_b^T A_b`` as (B, p, d) in ``out_dtype`` (default G's dtype),
+    and with ``bias`` also ``sum_t G_b[t]`` as (B, p). ``norm``: return the squared norms of
+    those, (B,) fp32, from the fp32 accumulators rather than from the rounded outputs.
+    ``grad=False, norm=True`` is the direct norm: no (B, p, d) tensor is ever written.
+    """
+    check_dtypes("linear_per_sample", A, G)
+    B, T, d = A.shape
+    p = G.shape[2]
+    out_dtype = out_dtype or G.dtype
+    device = A.device
+    n_tiles_max = cdiv(p, _MIN_BP) * cdiv(d, _MIN_BD)
+    n_tiles_p_max = cdiv(p, _MIN_BP)
+    w = empty((B, p, d), out_dtype, device) if grad else None
+    b = empty((B, p), out_dtype, device) if grad and bias else None
+    # Bigger autotuned tiles fill only a prefix of these; the rest must add zero.
+    w_sq = torch.zeros(B, n_tiles_max, dtype=torch.float32, device=device) if norm else None
+    b_sq = torch.zeros(B, n_tiles_p_max, dtype=torch.float32, device=device) if norm and bias else None
+    if (grad or norm) and B * p * d > 0:
+        _linear_per_sample_kernel[lambda meta: (cdiv(p, meta["BP"]) * cdiv(d, meta["BD"]), B)](
+            A, G, w, b, w_sq, b_sq,
+            B, T, p, d,
+            *A.stride(), *G.stride(),
+            n_tiles_max, n_tiles_p_max,
+            WRITE_GRAD=grad, WITH_BIAS=bias, WITH_NORM=norm, UPCAST=INTERPRET,
+        )
+    elif bias and B * p > 0:
+        # No weight tiles (d == 0): the bias comes from its own pass.
+        from .linear_token_sum import token_sum
+
+        b, bias_sq = token_sum(G, write_sum=grad, norm=norm, out_dtype=out_dtype)
+        if norm:
+            b_sq = bias_sq[:, None]
+    return LinearPerSample(
+        weight=w,
+        bias=b,
+        weight_sq_norm=w_sq.sum(dim=1) if norm else None,
+        bias_sq_norm=b_sq.sum(dim=1) if b_sq is not None else None,
+    )

@@ -1,0 +1,20 @@
+"""Linear per-sample weight norms, "direct": tiles of ``G_b^T A_b`` squared in registers.
+
+The tiles are the ones of the per-sample gradient kernel (linear_grad_sample.py) with the
+store switched off: 2*B*T*p*d flops, the same as the weight-gradient GEMM, and O(B) extra
+memory (one fp32 partial per sample and tile; the per-sample gradient is never written).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .linear_grad_sample import linear_per_sample
+
+
+def linear_weight_sq_norm_direct(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """Squared per-sample weight-gradient norms ``||G_b^T A_b||_F^2``.
+
+    A: (B, T, d), G: (B, T, p), any strides, fp32/bf16/fp16 -> (B,) fp32.
+    """
+    return linear_per_sample(A, G, grad=False, norm=True).weight_sq_norm

@@ -1,0 +1,81 @@
+"""Linear per-sample weight norms, "gram" (ghost norm): ``<A_b A_b^T, G_b G_b^T>_F``, in Triton.
+
+One program owns one (t-block i, t-block j) pair of one sample: it builds both Gram tiles
+``A_i A_j^T`` and ``G_i G_j^T`` (BT x BT) in fp32 registers, over d and p in chunks, and
+writes the sum of their product as one partial. Only i <= j pairs do work (the Gram matrices
+are symmetric; an off-diagonal pair counts twice), so about B*T^2*(p+d) flops and no
+(B, T, T) tensor in memory. A and G are read through their strides; offsets are int64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_common import INTERPRET, cdiv, check_dtypes, configs, dot_fp32, min_block
+
+CONFIGS = configs(
+    [dict(BT=bt, BK=bk) for bt in (32, 64, 128) for bk in (32, 64)],
+    interpret=dict(BT=16, BK=32),
+)
+_MIN_BT = min_block(CONFIGS, "BT")
+
+
+@triton.jit
+def _gram_tile(X, i_b, o_i, o_j, T, n, s_b, s_t, s_n, UPCAST: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """``X_b[o_i] @ X_b[o_j]^T`` as a [BT, BT] fp32 tile, over n in chunks of BK."""
+    b_acc = tl.zeros((BT, BT), dtype=tl.float32)
+    for k0 in range(0, n, BK):
+        o_k = k0 + tl.arange(0, BK).to(tl.int64)
+        m_k = o_k < n
+        # [BT, BK]
+        b_xi = tl.load(X + i_b * s_b + o_i[:, None] * s_t + o_k[None, :] * s_n,
+                       mask=(o_i[:, None] < T) & m_k[None, :], other=0.0)
+        # [BK, BT]
+        b_xj = tl.load(X + i_b * s_b + o_j[None, :] * s_t + o_k[:, None] * s_n,
+                       mask=(o_j[None, :] < T) & m_k[:, None], other=0.0)
+        b_acc = dot_fp32(b_xi, b_xj, b_acc, UPCAST)
+    return b_acc
+
+
+@triton.autotune(configs=CONFIGS, key=["p", "d"])
+@triton.jit(do_not_specialize=["T"])
+def _linear_gram_norm_kernel(
+    A, G, SQ,
+    T, p, d,
+    s_ab, s_at, s_ad, s_gb, s_gt, s_gp,
+    n_pairs_max,
+    UPCAST: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+):
+    i_pair = tl.program_id(0).to(tl.int64)
+    i_b = tl.program_id(1).to(tl.int64)
+    n_t = tl.cdiv(T, BT)
+    i = i_pair // n_t
+    j = i_pair % n_t
+    if i <= j:
+        o_i = i * BT + tl.arange(0, BT).to(tl.int64)
+        o_j = j * BT + tl.arange(0, BT).to(tl.int64)
+        b_aa = _gram_tile(A, i_b, o_i, o_j, T, d, s_ab, s_at, s_ad, UPCAST, BT, BK)
+        b_gg = _gram_tile(G, i_b, o_i, o_j, T, p, s_gb, s_gt, s_gp, UPCAST, BT, BK)
+        weight = tl.where(i < j, 2.0, 1.0)
+        tl.store(SQ + i_b * n_pairs_max + i_pair, weight * tl.sum(b_aa * b_gg))
+
+
+def linear_weight_sq_norm_gram(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """Squared per-sample weight-gradient norms ``<A_b A_b^T, G_b G_b^T>_F``.
+
+    A: (B, T, d), G: (B, T, p), any strides, fp32/bf16/fp16 -> (B,) fp32.
+    """
+    check_dtypes("linear_weight_sq_norm_gram", A, G)
+    B, T, d = A.shape
+    p = G.shape[2]
+    n_pairs_max = cdiv(T, _MIN_BT) ** 2
+    # Pairs with i > j, and pairs beyond the autotuned block count, stay zero.
+    sq = torch.zeros(B, n_pairs_max, dtype=torch.float32, device=A.device)
+    if B * T > 0:
+        _linear_gram_norm_kernel[lambda meta: (cdiv(T, meta["BT"]) ** 2, B)](
+            A, G, sq, T, p, d, *A.stride(), *G.stride(), n_pairs_max, UPCAST=INTERPRET,
+        )
+    # Rounding can take an exact zero slightly below it.
+    return sq.sum(dim=1).clamp_min(0)

@@ -1,0 +1,87 @@
+"""Closed forms of a Linear layer that only sum over tokens, in Triton.
+
+- bias gradient ``sum_t G_b[t]`` (B, p) and its squared norm ``||sum_t G_b[t]||^2``;
+- the weight norm when T == 1 (2-D inputs): ``||a_b||^2 * ||g_b||^2``.
+All are O(B*T*n) reads; none needs a Gram matrix. One program owns an n-tile of one sample
+and runs over the tokens. Inputs are read through their strides; offsets are int64.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_common import cdiv, check_dtypes, configs, empty, min_block
+
+CONFIGS = configs(
+    [dict(BN=bn, BT=bt) for bn in (128, 256, 512) for bt in (8, 32)],
+    interpret=dict(BN=64, BT=16),
+    num_warps=(4,),
+)
+_MIN_BN = min_block(CONFIGS, "BN")
+
+
+@triton.autotune(configs=CONFIGS, key=["n", "WRITE_SUM", "WITH_NORM"])
+@triton.jit(do_not_specialize=["T"])
+def _token_sum_kernel(
+    X, SUM, SQ,
+    T, n,
+    s_b, s_t, s_n,
+    n_tiles_max,
+    WRITE_SUM: tl.constexpr, WITH_NORM: tl.constexpr,
+    BN: tl.constexpr, BT: tl.constexpr,
+):
+    i_n = tl.program_id(0).to(tl.int64)
+    i_b = tl.program_id(1).to(tl.int64)
+    o_n = i_n * BN + tl.arange(0, BN).to(tl.int64)
+    m_n = o_n < n
+    b_sum = tl.zeros((BN,), dtype=tl.float32)
+    for t0 in range(0, T, BT):
+        o_t = t0 + tl.arange(0, BT).to(tl.int64)
+        # [BT, BN]
+        b_x = tl.load(X + i_b * s_b + o_t[:, None] * s_t + o_n[None, :] * s_n,
+                      mask=(o_t[:, None] < T) & m_n[None, :], other=0.0)
+        b_sum += tl.sum(b_x.to(tl.float32), axis=0)
+    if WRITE_SUM:
+        tl.store(SUM + i_b * n + o_n, b_sum.to(SUM.dtype.element_ty), mask=m_n)
+    if WITH_NORM:
+        tl.store(SQ + i_b * n_tiles_max + i_n, tl.sum(b_sum * b_sum))
+
+
+def token_sum(
+    X: torch.Tensor, *, write_sum: bool = True, norm: bool = False, out_dtype: Optional[torch.dtype] = None
+) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``S_b = sum_t X_b[t]`` as (B, n) in ``out_dtype`` (default X's dtype) and/or ``||S_b||^2``.
+
+    X: (B, T, n), any strides. The squared norms are fp32, from the fp32 sums.
+    """
+    check_dtypes("token_sum", X)
+    B, T, n = X.shape
+    n_tiles_max = cdiv(n, _MIN_BN)
+    out = empty((B, n), out_dtype or X.dtype, X.device) if write_sum else None
+    sq = torch.zeros(B, n_tiles_max, dtype=torch.float32, device=X.device) if norm else None
+    if B * n > 0:
+        _token_sum_kernel[lambda meta: (cdiv(n, meta["BN"]), B)](
+            X, out, sq, T, n, *X.stride(), n_tiles_max, WRITE_SUM=write_sum, WITH_NORM=norm,
+        )
+    return out, sq.sum(dim=1) if norm else None
+
+
+def linear_bias_grad_sample(G: torch.Tensor) -> torch.Tensor:
+    """Per-sample bias gradients ``sum_t G_b[t]``: (B, T, p) -> (B, p) in G's dtype."""
+    return token_sum(G)[0]
+
+
+def linear_bias_sq_norm(G: torch.Tensor) -> torch.Tensor:
+    """Squared per-sample bias-gradient norms ``||sum_t G_b[t]||^2``: (B, T, p) -> (B,) fp32."""
+    return token_sum(G, write_sum=False, norm=True)[1]
+
+
+def linear_weight_sq_norm_outer(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """Squared per-sample weight norms when T == 1: ``||a_b||^2 * ||g_b||^2``, (B,) fp32."""
+    if A.shape[1] != 1:
+        raise ValueError(f"the 'outer' norm needs T == 1, got T = {A.shape[1]}")
+    return linear_bias_sq_norm(A) * linear_bias_sq_norm(G)

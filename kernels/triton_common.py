@@ -1,0 +1,81 @@
+"""What every Triton launcher in dpgrad.kernels shares: configs, buffers, the fp32 dot.
+
+Importing this module imports Triton. ``TRITON_INTERPRET=1`` must be set before that for the
+kernels to run on CPU tensors (Triton's interpreter, used by the tests).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Dict, List, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+# Test hook: when True, every buffer a launcher allocates starts as NaN (or -1 for integers),
+# so an element a kernel forgot to write cannot pass for a correct zero.
+POISON = False
+
+
+def configs(candidates: Sequence[Dict[str, int]], interpret: Dict[str, int], num_warps=(4, 8)) -> List[triton.Config]:
+    """``triton.Config`` objects for ``triton.autotune``.
+
+    On a GPU every candidate is tried with every warp count. Under the interpreter only the
+    ``interpret`` blocks are used: one config means no timing, and warps mean nothing there.
+    """
+    if INTERPRET:
+        return [triton.Config(dict(interpret), num_warps=4)]
+    return [triton.Config(dict(c), num_warps=w) for c in candidates for w in num_warps]
+
+
+def min_block(kernel_configs: Sequence[triton.Config], name: str) -> int:
+    """The smallest value a block size takes over the configs: sizes the per-tile buffers."""
+    return min(c.kwargs[name] for c in kernel_configs)
+
+
+def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.empty`` for buffers that a kernel fills completely (poisoned under POISON)."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if POISON:
+        out.fill_(float("nan") if dtype.is_floating_point else -1)
+    return out
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_dtypes(name: str, *tensors: torch.Tensor) -> None:
+    """The kernels take fp32, bf16 and fp16 (accumulating in fp32); say so for anything else."""
+    for t in tensors:
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(
+                f"{name}: the Triton kernels take float32, bfloat16 or float16 tensors, got "
+                f"{t.dtype}; use the eager backend (DPGRAD_BACKEND=eager) for other dtypes"
+            )
+
+
+def numel(shape) -> int:
+    return math.prod(shape)
+
+
+@triton.jit
+def dot_fp32(a, b, acc, UPCAST: tl.constexpr):
+    """``acc + a @ b`` accumulated in fp32, never in TF32 (a TF32 norm is not a 1e-5 norm).
+
+    Half-precision operands of one dtype go to the tensor cores as they are; mixed dtypes,
+    and every dtype when UPCAST is set, are widened to fp32 in registers first (the
+    interpreter's half-precision dot is not usable).
+    """
+    if UPCAST or a.dtype != b.dtype:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if a.dtype == tl.float32:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
