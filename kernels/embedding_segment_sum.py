@@ -11,7 +11,8 @@ Every (segment, tile) is written by exactly one program, so there are no atomics
 results do not vary run to run. O(B*T*d) work; no T x T mask, no one-hot. Positions holding
 ``padding_idx`` are dropped before sorting (PyTorch gives that row no gradient).
 
-G is read through its strides; offsets are int64. Token ids must lie in [0, V), which
+G is read through its strides (copied once only when ids of rank > 2 come with token axes
+that no view can merge); offsets are int64. Token ids must lie in [0, V), which
 ``nn.Embedding``'s forward pass has already checked.
 """
 
@@ -36,7 +37,9 @@ CONFIGS = configs(
 _MIN_BD = min_block(CONFIGS, "BD")
 
 
-@triton.autotune(configs=CONFIGS, key=["d", "SCALED", "STORE_ROWS"])
+# Norm partials are laid out for the smallest tiles: clear what tuning leaves (reset_to_zero;
+# for stored rows it only re-zeroes an output that starts at zero).
+@triton.autotune(configs=CONFIGS, key=["d", "SCALED", "STORE_ROWS"], reset_to_zero=["OUT"])
 @triton.jit(do_not_specialize=["T"])
 def _segment_sum_kernel(
     G, POS, OFFSETS, DEST, COEF, OUT,

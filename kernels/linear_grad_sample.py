@@ -66,7 +66,10 @@ def sample_tile(
     return b_w, b_bias
 
 
-@triton.autotune(configs=CONFIGS, key=["p", "d", "WRITE_GRAD", "WITH_BIAS", "WITH_NORM"])
+# The norm partials sit in zero-filled buffers laid out for the smallest tiles; a config that
+# was only tried while tuning must not leave its partials there (reset_to_zero).
+@triton.autotune(configs=CONFIGS, key=["p", "d", "WRITE_GRAD", "WITH_BIAS", "WITH_NORM"],
+                 reset_to_zero=["W_SQ", "BIAS_SQ"])
 @triton.jit(do_not_specialize=["B", "T"])
 def _linear_per_sample_kernel(
     A, G, W, BIAS, W_SQ, BIAS_SQ,
@@ -76,8 +79,11 @@ def _linear_per_sample_kernel(
     WRITE_GRAD: tl.constexpr, WITH_BIAS: tl.constexpr, WITH_NORM: tl.constexpr, UPCAST: tl.constexpr,
     BP: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
 ):
-    i_tile = tl.program_id(0).to(tl.int64)
-    i_b = tl.program_id(1).to(tl.int64)
+    # One flat grid axis: (sample, tile) pairs can exceed the 65535 limit of the other axes.
+    pid = tl.program_id(0).to(tl.int64)
+    n_tiles = tl.cdiv(p, BP) * tl.cdiv(d, BD)
+    i_b = pid // n_tiles
+    i_tile = pid % n_tiles
     i_p, i_d, o_p, o_d, m_p, m_d = tile_offsets(i_tile, p, d, BP, BD)
     b_w, b_bias = sample_tile(A, G, i_b, o_p, o_d, m_p, m_d, T, s_ab, s_at, s_ad, s_gb, s_gt, s_gp,
                               WITH_BIAS, UPCAST, BP, BD, BT)
@@ -125,7 +131,7 @@ def linear_per_sample(
     w_sq = torch.zeros(B, n_tiles_max, dtype=torch.float32, device=device) if norm else None
     b_sq = torch.zeros(B, n_tiles_p_max, dtype=torch.float32, device=device) if norm and bias else None
     if (grad or norm) and B * p * d > 0:
-        _linear_per_sample_kernel[lambda meta: (cdiv(p, meta["BP"]) * cdiv(d, meta["BD"]), B)](
+        _linear_per_sample_kernel[lambda meta: (cdiv(p, meta["BP"]) * cdiv(d, meta["BD"]) * B,)](
             A, G, w, b, w_sq, b_sq,
             B, T, p, d,
             *A.stride(), *G.stride(),

@@ -39,7 +39,9 @@ def _gram_tile(X, i_b, o_i, o_j, T, n, s_b, s_t, s_n, UPCAST: tl.constexpr, BT: 
     return b_acc
 
 
-@triton.autotune(configs=CONFIGS, key=["p", "d"])
+# Pair slots depend on the block size, so partials of a config tried while tuning must be
+# cleared (reset_to_zero); i > j slots are never written and must stay zero.
+@triton.autotune(configs=CONFIGS, key=["p", "d"], reset_to_zero=["SQ"])
 @triton.jit(do_not_specialize=["T"])
 def _linear_gram_norm_kernel(
     A, G, SQ,
@@ -48,9 +50,11 @@ def _linear_gram_norm_kernel(
     n_pairs_max,
     UPCAST: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
 ):
-    i_pair = tl.program_id(0).to(tl.int64)
-    i_b = tl.program_id(1).to(tl.int64)
+    # One flat grid axis: (sample, pair) counts can exceed the 65535 limit of the other axes.
+    pid = tl.program_id(0).to(tl.int64)
     n_t = tl.cdiv(T, BT)
+    i_b = pid // (n_t * n_t)
+    i_pair = pid % (n_t * n_t)
     i = i_pair // n_t
     j = i_pair % n_t
     if i <= j:
@@ -74,7 +78,7 @@ def linear_weight_sq_norm_gram(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor
     # Pairs with i > j, and pairs beyond the autotuned block count, stay zero.
     sq = torch.zeros(B, n_pairs_max, dtype=torch.float32, device=A.device)
     if B * T > 0:
-        _linear_gram_norm_kernel[lambda meta: (cdiv(T, meta["BT"]) ** 2, B)](
+        _linear_gram_norm_kernel[lambda meta: (cdiv(T, meta["BT"]) ** 2 * B,)](
             A, G, sq, T, p, d, *A.stride(), *G.stride(), n_pairs_max, UPCAST=INTERPRET,
         )
     # Rounding can take an exact zero slightly below it.

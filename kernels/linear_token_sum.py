@@ -24,7 +24,8 @@ CONFIGS = configs(
 _MIN_BN = min_block(CONFIGS, "BN")
 
 
-@triton.autotune(configs=CONFIGS, key=["n", "WRITE_SUM", "WITH_NORM"])
+# Norm partials are laid out for the smallest tiles: clear what tuning leaves (reset_to_zero).
+@triton.autotune(configs=CONFIGS, key=["n", "WRITE_SUM", "WITH_NORM"], reset_to_zero=["SQ"])
 @triton.jit(do_not_specialize=["T"])
 def _token_sum_kernel(
     X, SUM, SQ,
@@ -34,8 +35,11 @@ def _token_sum_kernel(
     WRITE_SUM: tl.constexpr, WITH_NORM: tl.constexpr,
     BN: tl.constexpr, BT: tl.constexpr,
 ):
-    i_n = tl.program_id(0).to(tl.int64)
-    i_b = tl.program_id(1).to(tl.int64)
+    # One flat grid axis: B may exceed the 65535 limit of the other axes.
+    pid = tl.program_id(0).to(tl.int64)
+    n_tiles = tl.cdiv(n, BN)
+    i_b = pid // n_tiles
+    i_n = pid % n_tiles
     o_n = i_n * BN + tl.arange(0, BN).to(tl.int64)
     m_n = o_n < n
     b_sum = tl.zeros((BN,), dtype=tl.float32)
@@ -64,7 +68,7 @@ def token_sum(
     out = empty((B, n), out_dtype or X.dtype, X.device) if write_sum else None
     sq = torch.zeros(B, n_tiles_max, dtype=torch.float32, device=X.device) if norm else None
     if B * n > 0:
-        _token_sum_kernel[lambda meta: (cdiv(n, meta["BN"]), B)](
+        _token_sum_kernel[lambda meta: (cdiv(n, meta["BN"]) * B,)](
             X, out, sq, T, n, *X.stride(), n_tiles_max, WRITE_SUM=write_sum, WITH_NORM=norm,
         )
     return out, sq.sum(dim=1) if norm else None

@@ -262,6 +262,52 @@ def test_zero_backprops_give_exactly_zero_norms():
         assert out[1].item() == 0.0 and (out[[0, 2]] > 0).all()
 
 
+def _autotune_two_configs(monkeypatch, kernel, small: dict, large: dict):
+    """Make ``kernel``'s autotuner try ``small`` (the smallest tiles, which size the partial
+    buffers) and then ``large``, and pick ``large``: what a GPU does on a new layer shape."""
+    import itertools
+
+    import triton
+
+    monkeypatch.setattr(kernel, "configs", [triton.Config(small), triton.Config(large)])
+    monkeypatch.setattr(kernel, "cache", {})
+    calls = itertools.count()
+
+    def bench(fn, quantiles):
+        fn()
+        return [2.0 if next(calls) == 0 else 1.0] * len(quantiles)
+
+    monkeypatch.setitem(kernel.__dict__, "do_bench", bench)
+
+
+def test_norms_are_right_on_the_call_that_autotunes(monkeypatch):
+    """Every config tried while tuning runs on the caller's buffers; partials it leaves in
+    slots the chosen config does not write must not reach the norms."""
+    from dpgrad.kernels import embedding_segment_sum, linear_grad_sample, linear_norm_gram, linear_token_sum
+
+    _autotune_two_configs(monkeypatch, linear_grad_sample._linear_per_sample_kernel,
+                          dict(BP=32, BD=32, BT=32), dict(BP=64, BD=64, BT=32))
+    _autotune_two_configs(monkeypatch, linear_norm_gram._linear_gram_norm_kernel,
+                          dict(BT=16, BK=32), dict(BT=32, BK=32))
+    _autotune_two_configs(monkeypatch, linear_token_sum._token_sum_kernel, dict(BN=64, BT=16), dict(BN=128, BT=16))
+    _autotune_two_configs(monkeypatch, embedding_segment_sum._segment_sum_kernel,
+                          dict(BD=32, BR=8), dict(BD=64, BR=8))
+    A = tensor((3, 45, 45), torch.float32, False, seed=33)
+    G = tensor((3, 45, 70), torch.float32, False, seed=34)
+    ids = token_ids(3, 45, 9, 0, False, seed=35)
+    ref = R.linear_per_sample(*upcast(A, G), bias=True, norm=True)
+    fused = K.linear_per_sample(A, G, bias=True, norm=True)
+    checks = [
+        (fused.weight_sq_norm, ref.weight_sq_norm, "fused weight norm"),
+        (fused.bias_sq_norm, ref.bias_sq_norm, "fused bias norm"),
+        (K.linear_weight_sq_norm(A, G, "gram"), ref.weight_sq_norm, "gram"),
+        (K.linear_bias_sq_norm(G), ref.bias_sq_norm, "token sum"),
+        (K.embedding_sq_norm(ids, A, 9, 0), R.embedding_sq_norm(ids, A.double(), 9, 0), "embedding"),
+    ]
+    for out, want, what in checks:
+        assert_rel_per_sample(out[:, None], want[:, None], 1e-5, what)
+
+
 def test_dtypes_outside_the_kernels_are_refused_with_advice():
     A = torch.zeros(2, 3, 4, dtype=torch.float64, device=DEVICE)
     with pytest.raises(TypeError, match="DPGRAD_BACKEND=eager"):
