@@ -10,7 +10,7 @@ from typing import Dict, List
 import torch
 import torch.nn as nn
 
-from dpgrad.backend import ops_for
+from dpgrad.tuning import get_tuner
 from dpgrad.registry import register_grad_sampler, register_norm_sampler
 
 
@@ -36,8 +36,8 @@ def embedding_grad_sample(
     prepared = _ids_and_backprops(layer, activations, backprops)
     if prepared is None:
         return {}
-    ids, G = prepared
-    return {layer.weight: ops_for(G).embedding_grad_sample(ids, G, layer.num_embeddings, layer.padding_idx)}
+    inputs = (*prepared, layer.num_embeddings, layer.padding_idx)
+    return {layer.weight: get_tuner().select("embedding_grad_sample", inputs, layer).run(*inputs)}
 
 
 @register_norm_sampler(nn.Embedding)
@@ -48,5 +48,5 @@ def embedding_norm_sample(
     prepared = _ids_and_backprops(layer, activations, backprops)
     if prepared is None:
         return {}
-    ids, G = prepared
-    return {layer.weight: ops_for(G).embedding_sq_norm(ids, G, layer.num_embeddings, layer.padding_idx).sqrt()}
+    inputs = (*prepared, layer.num_embeddings, layer.padding_idx)
+    return {layer.weight: get_tuner().select("embedding_norm", inputs, layer).run(*inputs).sqrt()}

@@ -1,8 +1,8 @@
 """Samplers for ``nn.Linear``: per-sample gradients and per-sample gradient norms.
 
 Inputs of any rank (B, *, d) are flattened to (B, T, d) (a view when the strides allow it,
-else one copy); 2-D inputs have T = 1. The kernels come from ``dpgrad.backend``: Triton for
-CUDA tensors, the eager reference otherwise.
+else one copy); 2-D inputs have T = 1. The autotuner (dpgrad.tuning) picks the kernel per
+layer shape among those ``dpgrad.backend`` allows: Triton for CUDA tensors, eager otherwise.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from dpgrad.backend import ops_for
+from dpgrad.tuning import get_tuner
 from dpgrad.registry import register_grad_sampler, register_norm_sampler
 
 
@@ -36,16 +37,16 @@ def linear_grad_sample(
 ) -> Dict[nn.Parameter, torch.Tensor]:
     """Per-sample gradients of a Linear layer in the parameters' dtypes: weight (B, p, d), bias (B, p)."""
     A, G = flatten_tokens(activations[0], backprops)
-    ops = ops_for(A, G)
     weight, bias = _trainable(layer)
     out = {}
     if weight:
+        ops = get_tuner().select("linear_grad_sample", (A, G), layer).ops()
         res = ops.linear_per_sample(A, G, bias=bias, out_dtype=layer.weight.dtype)
         out[layer.weight] = res.weight
         if bias:
             out[layer.bias] = res.bias.to(layer.bias.dtype)
     elif bias:
-        out[layer.bias] = ops.linear_bias_grad_sample(G).to(layer.bias.dtype)
+        out[layer.bias] = ops_for(A, G).linear_bias_grad_sample(G).to(layer.bias.dtype)
     return out
 
 
@@ -55,18 +56,19 @@ def linear_norm_sample(
 ) -> Dict[nn.Parameter, torch.Tensor]:
     """Per-sample gradient L2 norms of a Linear layer, (B,) each, without per-sample gradients.
 
-    The weight norm uses the algorithm the backend picks for the shape (outer when T = 1,
-    else Gram or direct); the bias norm is ``||sum_t g_t||``, fused into the direct pass.
+    The weight norm uses the candidate the autotuner picked for the shape (outer when T = 1,
+    else Gram or direct, on Triton or eager); the bias norm is ``||sum_t g_t||``, fused into
+    the direct pass when that is the choice.
     """
     A, G = flatten_tokens(activations[0], backprops)
-    ops = ops_for(A, G)
     weight, bias = _trainable(layer)
     out = {}
-    if weight and bias and ops.linear_norm_algorithm(A.shape[1], A.shape[2], G.shape[2]) == "direct":
-        res = ops.linear_per_sample(A, G, grad=False, bias=True, norm=True)
-        return {layer.weight: res.weight_sq_norm.sqrt(), layer.bias: res.bias_sq_norm.sqrt()}
     if weight:
-        out[layer.weight] = ops.linear_weight_sq_norm(A, G).sqrt()
+        cand = get_tuner().select("linear_norm", (A, G), layer)
+        if bias and cand.algorithm == "direct":
+            res = cand.ops().linear_per_sample(A, G, grad=False, bias=True, norm=True)
+            return {layer.weight: res.weight_sq_norm.sqrt(), layer.bias: res.bias_sq_norm.sqrt()}
+        out[layer.weight] = cand.run(A, G).sqrt()
     if bias:
-        out[layer.bias] = ops.linear_bias_sq_norm(G).sqrt()
+        out[layer.bias] = ops_for(A, G).linear_bias_sq_norm(G).sqrt()
     return out

@@ -1,0 +1,147 @@
+"""The candidates the autotuner chooses between, per kind of work.
+
+A kind's inputs are the tensors a sampler has in hand:
+- ``linear_norm``: (A (B, T, d), G (B, T, p)) -> squared weight norms (B,)
+- ``linear_grad_sample``: (A, G) -> per-sample weight gradients (B, p, d)
+- ``embedding_norm``: (ids (B, T), G (B, T, d), V, padding_idx) -> squared norms (B,)
+- ``embedding_grad_sample``: the same inputs -> per-sample gradients (B, V, d)
+Each candidate names its backend ("triton" or "eager", see dpgrad.backend), runs on those
+inputs, and has a cost (tuning/cost_model.py) for its shape. The eager candidates are also
+the oracle a candidate's result is checked against before it may win.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from dpgrad import backend
+from dpgrad.kernels import reference
+
+from . import cost_model
+
+KINDS = ("linear_norm", "linear_grad_sample", "embedding_norm", "embedding_grad_sample")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a tuning decision depends on (before bucketing B and T)."""
+
+    kind: str
+    B: int
+    T: int
+    dims: Tuple[Tuple[str, int], ...]  # ("d", 768), ("p", 3072) or ("V", ...), ("d", ...)
+    dtype: torch.dtype
+    device: torch.device
+
+    def dim(self, name: str) -> int:
+        return dict(self.dims)[name]
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to do a kind of work: ``run(*inputs)`` and its ``cost(shape)``."""
+
+    kind: str
+    name: str  # e.g. "triton-direct"
+    backend: str  # "triton" or "eager"
+    algorithm: str  # e.g. "direct", "gram", "segments"
+    function: str  # the backend module's function that does the work
+    kernel: Optional[str] = None  # "module:attr" of the Triton kernel whose config is reported
+
+    def ops(self):
+        return reference if self.backend == "eager" else backend.triton_ops()
+
+    def run(self, *inputs):
+        return getattr(self.ops(), self.function)(*inputs)
+
+    def cost(self, shape: Shape) -> cost_model.Cost:
+        e = shape.element_size
+        if self.kind == "linear_norm":
+            return cost_model.linear_norm_cost(self.algorithm, self.backend, shape.B, shape.T, shape.dim("d"),
+                                               shape.dim("p"), e)
+        if self.kind == "linear_grad_sample":
+            return cost_model.linear_grad_sample_cost(self.backend, shape.B, shape.T, shape.dim("d"), shape.dim("p"), e)
+        what = "norm" if self.kind == "embedding_norm" else "grad_sample"
+        return cost_model.embedding_cost(what, self.backend, shape.B, shape.T, shape.dim("V"), shape.dim("d"), e)
+
+    def triton_config(self) -> Optional[Dict[str, Any]]:
+        """The block sizes and warps Triton's autotuner last chose for this candidate's kernel."""
+        if self.backend != "triton" or self.kernel is None:
+            return None
+        module, attr = self.kernel.split(":")
+        config = getattr(getattr(importlib.import_module(module), attr), "best_config", None)
+        if config is None:
+            return None
+        return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+
+
+def _linear_norm(backend_name: str, algorithm: str, kernel: Optional[str]) -> Candidate:
+    return Candidate("linear_norm", f"{backend_name}-{algorithm}", backend_name, algorithm,
+                     f"linear_weight_sq_norm_{algorithm}", kernel if backend_name == "triton" else None)
+
+
+_K = "dpgrad.kernels."
+CANDIDATES: Dict[str, List[Candidate]] = {
+    "linear_norm": [
+        _linear_norm("triton", "direct", _K + "linear_grad_sample:_linear_per_sample_kernel"),
+        _linear_norm("triton", "gram", _K + "linear_norm_gram:_linear_gram_norm_kernel"),
+        _linear_norm("triton", "outer", _K + "linear_token_sum:_token_sum_kernel"),
+        _linear_norm("eager", "direct", None),
+        _linear_norm("eager", "gram", None),
+        _linear_norm("eager", "outer", None),
+    ],
+    "linear_grad_sample": [
+        Candidate("linear_grad_sample", "triton-outer-product", "triton", "outer-product", "linear_grad_sample",
+                  _K + "linear_grad_sample:_linear_per_sample_kernel"),
+        Candidate("linear_grad_sample", "eager-bmm", "eager", "bmm", "linear_grad_sample"),
+    ],
+    "embedding_norm": [
+        Candidate("embedding_norm", "triton-segments", "triton", "segments", "embedding_sq_norm",
+                  _K + "embedding_segment_sum:_segment_sum_kernel"),
+        Candidate("embedding_norm", "eager-unique", "eager", "unique", "embedding_sq_norm"),
+    ],
+    "embedding_grad_sample": [
+        Candidate("embedding_grad_sample", "triton-segments", "triton", "segments", "embedding_grad_sample",
+                  _K + "embedding_segment_sum:_segment_sum_kernel"),
+        Candidate("embedding_grad_sample", "eager-index-add", "eager", "index-add", "embedding_grad_sample"),
+    ],
+}
+
+
+def shape_of(kind: str, inputs: tuple) -> Shape:
+    """The Shape of a kind's inputs (see the module docstring for their order)."""
+    if kind in ("linear_norm", "linear_grad_sample"):
+        A, G = inputs[:2]
+        B, T, d = A.shape
+        return Shape(kind, B, T, (("d", d), ("p", G.shape[-1])), G.dtype, G.device)
+    if kind in ("embedding_norm", "embedding_grad_sample"):
+        ids, G, V = inputs[:3]
+        T = math.prod(ids.shape[1:])
+        return Shape(kind, ids.shape[0], T, (("V", V), ("d", G.shape[-1])), G.dtype, G.device)
+    raise ValueError(f"unknown tuning kind {kind!r}: one of {', '.join(KINDS)}")
+
+
+def applicable(kind: str, shape: Shape, tensors: Tuple[torch.Tensor, ...]) -> List[Candidate]:
+    """The candidates that may run here: the backends dpgrad.backend allows for the tensors,
+    and the algorithms that apply to the shape ("outer" exactly when T == 1)."""
+    allowed = {backend.ops_for(*tensors).NAME}
+    if "triton" in allowed and backend.requested() == "auto":
+        allowed.add("eager")  # on a GPU the eager form is a candidate too
+    out = []
+    for cand in CANDIDATES[kind]:
+        if cand.backend not in allowed:
+            continue
+        if kind == "linear_norm" and (cand.algorithm == "outer") != (shape.T == 1):
+            continue
+        out.append(cand)
+    return out
+

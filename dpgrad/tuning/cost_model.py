@@ -1,0 +1,122 @@
+"""Flop and byte counts of every candidate, and what they predict on a device.
+
+The model prunes candidates that cannot win and, with ``DPGRAD_TUNE=off``, makes the choice
+alone. Counts follow DESIGN.md (B batch, T tokens, d in-features, p out-features, V
+vocabulary, e bytes per input element): direct 2BTpd flops; tiled Gram BT^2(p+d) flops with
+symmetry; Opacus's eager Gram 2BT^2(p+d) flops plus two (B, T, T) fp32 tensors. Predicted
+time is max(flops / peak flops, bytes / bandwidth): a roofline, coarse on purpose.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from dpgrad.kernels.reference import CHUNK_ELEMENTS
+
+# Tile sizes the byte counts assume (the autotuner may pick others).
+TILE = 128
+GRAM_BLOCK = 64
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """Peak rates of a device: flops/s for half and fp32 inputs, bytes/s of memory."""
+
+    name: str
+    half_flops: float
+    fp32_flops: float
+    bandwidth: float
+
+
+# Dense peak rates from the vendors' data sheets (no sparsity).
+_GPUS = [
+    ("H200", DeviceSpec("H200", 989e12, 67e12, 4.8e12)),
+    ("H100", DeviceSpec("H100", 989e12, 67e12, 3.35e12)),
+    ("A100", DeviceSpec("A100", 312e12, 19.5e12, 2.0e12)),
+    ("L4", DeviceSpec("L4", 121e12, 30e12, 0.3e12)),
+]
+_GENERIC_GPU = DeviceSpec("GPU", 100e12, 15e12, 1.0e12)
+# A few cores with AVX2/AVX-512: within a factor of a few of a laptop or a cloud VM.
+_CPU = DeviceSpec("CPU", 1e11, 1e11, 2e10)
+
+
+def device_spec(device: torch.device) -> DeviceSpec:
+    """The spec for a device: a known GPU by name, else a generic GPU or CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return _CPU
+    name = torch.cuda.get_device_name(device)
+    for key, spec in _GPUS:
+        if key in name:
+            return spec
+    return _GENERIC_GPU
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Work of one call: flops, bytes moved, and extra memory beyond inputs and outputs."""
+
+    flops: float
+    bytes: float
+    extra_bytes: float
+
+    def seconds(self, spec: DeviceSpec, half: bool) -> float:
+        return max(self.flops / (spec.half_flops if half else spec.fp32_flops), self.bytes / spec.bandwidth)
+
+
+def _chunked(elements_per_sample: float, B: int) -> float:
+    """Elements of a per-sample intermediate the eager path holds at once (batch slicing)."""
+    if elements_per_sample <= 0:
+        return 0.0
+    per_slice = max(1, CHUNK_ELEMENTS // max(1, int(elements_per_sample)))
+    return min(B, per_slice) * elements_per_sample
+
+
+def linear_norm_cost(algorithm: str, backend: str, B: int, T: int, d: int, p: int, e: int) -> Cost:
+    """Squared weight norms of a Linear layer by ``algorithm`` on ``backend``."""
+    inputs = B * T * (d + p) * e
+    if algorithm == "outer":
+        return Cost(2 * B * T * (d + p), inputs, 4 * B)
+    if algorithm == "direct":
+        flops = 2 * B * T * p * d
+        if backend == "triton":
+            # Each (p, d) tile re-reads its sample's T rows of A and G.
+            tiles = math.ceil(p / TILE) * math.ceil(d / TILE)
+            return Cost(flops, B * T * tiles * 2 * TILE * e, 4 * B * tiles)
+        # fp32 copies of A and G, and the (B, p, d) product written and read once.
+        held = _chunked(p * d, B)
+        return Cost(flops, inputs + B * T * (d + p) * 4 + 2 * B * p * d * 4, held * 4 + B * T * (d + p) * 4)
+    if algorithm == "gram":
+        if backend == "triton":
+            blocks = math.ceil(T / GRAM_BLOCK)
+            pairs = blocks * (blocks + 1) / 2
+            return Cost(B * T * T * (p + d), B * pairs * 2 * GRAM_BLOCK * (d + p) * e, 4 * B * blocks * blocks)
+        held = _chunked(2 * T * T, B)
+        return Cost(2 * B * T * T * (p + d), inputs + 3 * 2 * B * T * T * 4, held * 4 + B * T * (d + p) * 4)
+    raise ValueError(f"no cost model for the linear norm algorithm {algorithm!r}")
+
+
+def linear_grad_sample_cost(backend: str, B: int, T: int, d: int, p: int, e: int) -> Cost:
+    """Per-sample Linear gradients (B, p, d) written in the input dtype."""
+    flops = 2 * B * T * p * d
+    out = B * p * d * e
+    if backend == "triton":
+        tiles = math.ceil(p / TILE) * math.ceil(d / TILE)
+        return Cost(flops, B * T * tiles * 2 * TILE * e + out, 0)
+    # The eager path computes in fp32 and rounds: an fp32 (B, p, d) temporary for half inputs.
+    extra = B * p * d * 4 + B * T * (d + p) * 4 if e < 4 else 0
+    return Cost(flops, B * T * (d + p) * e + out + 2 * extra, extra)
+
+
+def embedding_cost(kind: str, backend: str, B: int, T: int, V: int, d: int, e: int) -> Cost:
+    """Embedding norms ("norm") or per-sample gradients ("grad_sample")."""
+    rows = B * T * d
+    out = B * V * d * e if kind == "grad_sample" else 4 * B
+    if backend == "triton":
+        # Sorting the (B*T) keys, one gathered read of every row, the output.
+        return Cost(2 * rows, rows * e + 16 * B * T + out, 16 * B * T + (4 * B * T * math.ceil(d / 64)))
+    # fp32 copies of the kept rows and the segment sums.
+    return Cost(2 * rows, rows * e + 3 * rows * 4 + out, 2 * rows * 4 + 16 * B * T)

@@ -1,0 +1,287 @@
+"""The autotuner: which candidate does a kind of work for a layer shape, decided once.
+
+For a new shape key (kind, layer dims, B and T bucketed to powers of two, dtype, device, the
+backends allowed) the cost model prunes the candidates that cannot win; the rest run on the
+layer's real inputs, are checked against the eager reference, and are timed; the fastest
+correct one is used from then on and saved in the per-device store (tuning/store.py), so the
+next process starts tuned. Poisson sampling changes B every step: a bucket is tuned once,
+never per step.
+
+``DPGRAD_TUNE`` says how far to go: ``on`` (the default) times new keys; ``cached`` uses the
+store and otherwise the cost model, never timing; ``off`` uses the cost model only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import statistics
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, Iterator, List, Optional
+
+import torch
+
+from dpgrad.kernels import reference
+
+from . import cost_model, store
+from .candidates import Candidate, Shape, applicable, shape_of
+
+ENV_VAR = "DPGRAD_TUNE"
+MODES = ("off", "cached", "on")
+# Candidates predicted this many times slower than the best prediction are not timed.
+PRUNE_FACTOR = 8.0
+# Relative per-sample tolerance of a candidate's result against the eager reference.
+NORM_RTOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+GRAD_RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def tune_mode() -> str:
+    value = os.environ.get(ENV_VAR, "").strip().lower() or "on"
+    if value not in MODES:
+        raise ValueError(f"{ENV_VAR}={value!r}: use one of {', '.join(MODES)}")
+    return value
+
+
+def bucket(n: int) -> int:
+    """The power of two at or above n (0 stays 0): B and T are tuned per bucket."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+def measure_ms(fn: Callable[[], object], device: torch.device, name: str = "") -> float:
+    """Median time of ``fn`` in ms: ``triton.testing.do_bench`` on a GPU, a wall clock on CPU.
+
+    ``name`` (the candidate's, or "opacus") is for timers injected in tests.
+    """
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+    fn()
+    times = []
+    start = time.perf_counter()
+    while len(times) < 7 and (len(times) < 3 or time.perf_counter() - start < 0.25):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+@dataclass
+class Decision:
+    """What was chosen for a shape key, and why."""
+
+    kind: str
+    key: str
+    choice: str
+    source: str  # "measured", "store", "cost model" or "only candidate"
+    shape: Dict[str, object]
+    estimates_ms: Dict[str, float]
+    extra_bytes: Dict[str, float]
+    timings_ms: Dict[str, float] = field(default_factory=dict)
+    skipped: Dict[str, str] = field(default_factory=dict)  # candidate -> why it was not timed
+    config: Optional[Dict[str, object]] = None
+
+
+@dataclass
+class Recording:
+    """Decisions per layer while ``Tuner.recording`` is active (see the autotune report)."""
+
+    opacus: bool
+    callback: Optional[Callable[[object, Decision], None]] = None  # called per new layer
+    layers: List[tuple] = field(default_factory=list)  # (layer, Decision, opacus_ms or reason)
+    _seen: set = field(default_factory=set)
+
+
+class Tuner:
+    """Chooses candidates; one per process (``get_tuner``), or built with a ``timer`` for tests."""
+
+    def __init__(self, timer: Callable[..., float] = measure_ms):
+        self.timer = timer
+        self._decisions: Dict[str, Decision] = {}
+        self._stores: Dict[str, store.TuneStore] = {}
+        self._recordings: List[Recording] = []
+
+    def select(self, kind: str, inputs: tuple, layer: Optional[torch.nn.Module] = None) -> Candidate:
+        """The candidate to run ``kind`` on ``inputs`` (tuning the shape key if it is new)."""
+        shape = shape_of(kind, inputs)
+        tensors = tuple(t for t in inputs if isinstance(t, torch.Tensor))
+        candidates = applicable(kind, shape, tensors)
+        by_name = {c.name: c for c in candidates}
+        key = self.key(shape, candidates)
+        decision = self._decisions.get(key)
+        if decision is None:
+            decision = self._decide(shape, key, candidates, inputs)
+            self._decisions[key] = decision
+        for rec in self._recordings:
+            self._record(rec, layer, decision, inputs)
+        return by_name[decision.choice]
+
+    @staticmethod
+    def key(shape: Shape, candidates: List[Candidate]) -> str:
+        dims = ",".join(f"{k}={v}" for k, v in shape.dims)
+        backends = "+".join(sorted({c.backend for c in candidates}))
+        dtype = str(shape.dtype).replace("torch.", "")
+        return (f"{shape.kind}|{dims}|B<={bucket(shape.B)}|T<={bucket(shape.T)}|{dtype}|"
+                f"{store.device_name(shape.device)}|{backends}")
+
+    @contextmanager
+    def recording(self, opacus: bool = False, callback=None) -> Iterator[Recording]:
+        """Collect the decision for every layer that selects while active; with ``opacus``, also
+        time Opacus's own eager sampler on the layer's first inputs. ``callback(layer,
+        decision)`` runs for each newly recorded layer (a progress display)."""
+        rec = Recording(opacus, callback)
+        self._recordings.append(rec)
+        try:
+            yield rec
+        finally:
+            self._recordings.remove(rec)
+
+    def forget(self) -> None:
+        """Drop this process's decisions (the store keeps its own)."""
+        self._decisions.clear()
+
+    # ------------------------------------------------------------------ deciding
+    def _decide(self, shape: Shape, key: str, candidates: List[Candidate], inputs: tuple) -> Decision:
+        spec = cost_model.device_spec(shape.device)
+        half = shape.dtype in (torch.float16, torch.bfloat16)
+        costs = {c.name: c.cost(shape) for c in candidates}
+        decision = Decision(
+            kind=shape.kind, key=key, choice="", source="",
+            shape={"B": shape.B, "T": shape.T, **dict(shape.dims), "dtype": str(shape.dtype).replace("torch.", "")},
+            estimates_ms={n: cost.seconds(spec, half) * 1e3 for n, cost in costs.items()},
+            extra_bytes={n: cost.extra_bytes for n, cost in costs.items()},
+        )
+        by_estimate = min(candidates, key=lambda c: decision.estimates_ms[c.name]).name
+        mode = tune_mode()
+        if len(candidates) == 1:
+            decision.choice, decision.source = candidates[0].name, "only candidate"
+            return decision
+        stored = self._store(shape).get(key) if mode != "off" else None
+        if stored is not None and stored["choice"] in decision.estimates_ms:
+            decision.choice, decision.source = stored["choice"], "store"
+            decision.timings_ms = dict(stored.get("timings_ms", {}))
+            decision.skipped = dict(stored.get("skipped", {}))
+            decision.config = stored.get("config")
+            return decision
+        if mode != "on" or shape.B == 0:
+            decision.choice, decision.source = by_estimate, "cost model"
+            return decision
+        self._measure(decision, shape, candidates, inputs)
+        if decision.timings_ms:
+            decision.choice = min(decision.timings_ms, key=decision.timings_ms.get)
+            decision.source = "measured"
+            decision.config = next(c for c in candidates if c.name == decision.choice).triton_config()
+            self._store(shape).put(key, {
+                "choice": decision.choice, "timings_ms": decision.timings_ms, "skipped": decision.skipped,
+                "config": decision.config, "shape": decision.shape,
+                "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            })
+        else:
+            # Nothing ran correctly: the eager reference is the one answer known to be right.
+            eager = [c for c in candidates if c.backend == "eager"] or candidates
+            decision.choice = min(eager, key=lambda c: decision.estimates_ms[c.name]).name
+            decision.source = "cost model (no candidate passed)"
+        return decision
+
+    def _measure(self, decision: Decision, shape: Shape, candidates: List[Candidate], inputs: tuple) -> None:
+        best = min(decision.estimates_ms.values())
+        expected = None
+        for cand in candidates:
+            if decision.estimates_ms[cand.name] > PRUNE_FACTOR * best:
+                decision.skipped[cand.name] = "pruned by the cost model"
+                continue
+            try:
+                out = cand.run(*inputs)  # also compiles and tunes Triton's block sizes
+                if expected is None:
+                    expected = _reference_result(shape.kind, inputs)
+                if not _close(shape.kind, out, expected, shape.dtype):
+                    decision.skipped[cand.name] = "wrong result against the eager reference"
+                    continue
+                decision.timings_ms[cand.name] = self.timer(lambda cand=cand: cand.run(*inputs), shape.device,
+                                                            name=cand.name)
+            except Exception as exc:  # a candidate that cannot run here is skipped, not fatal
+                decision.skipped[cand.name] = f"failed: {type(exc).__name__}: {exc}"[:300]
+
+    def _store(self, shape: Shape) -> store.TuneStore:
+        name = store.device_name(shape.device)
+        directory = str(store.default_dir())
+        handle = self._stores.get(name + "|" + directory)
+        if handle is None:
+            handle = self._stores[name + "|" + directory] = store.TuneStore(name, directory)
+        return handle
+
+    def _record(self, rec: Recording, layer, decision: Decision, inputs: tuple) -> None:
+        ident = (id(layer), decision.kind)
+        if ident in rec._seen:
+            return
+        rec._seen.add(ident)
+        opacus_ms = _time_opacus(self.timer, decision.kind, layer, inputs) if rec.opacus else None
+        rec.layers.append((layer, decision, opacus_ms))
+        if rec.callback is not None:
+            rec.callback(layer, decision)
+
+
+def _reference_result(kind: str, inputs: tuple):
+    if kind == "linear_norm":
+        return reference.linear_weight_sq_norm_direct(*inputs[:2])
+    if kind == "linear_grad_sample":
+        return reference.linear_per_sample(*inputs[:2], out_dtype=torch.float32).weight
+    if kind == "embedding_norm":
+        return reference.embedding_sq_norm(*inputs)
+    return reference.embedding_grad_sample(*inputs)
+
+
+def _close(kind: str, out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Per sample: ||out - expected|| <= rtol * ||expected|| (norms: per element)."""
+    if out.shape != expected.shape:
+        return False
+    if out.numel() == 0:
+        return True
+    rtol = (NORM_RTOL if kind.endswith("norm") else GRAD_RTOL).get(dtype, 1e-5)
+    diff = (out.double() - expected.double()).reshape(out.shape[0], -1)
+    scale = expected.double().reshape(out.shape[0], -1)
+    return bool((diff.norm(dim=1) <= rtol * scale.norm(dim=1) + 1e-30).all())
+
+
+def _time_opacus(timer, kind: str, layer, inputs: tuple):
+    """Opacus 1.6's eager sampler for this layer on the same inputs, in ms (or why not)."""
+    if layer is None:
+        return "no layer"
+    try:
+        from opacus.grad_sample import embedding as op_embedding
+        from opacus.grad_sample import embedding_norm_sample as op_embedding_norm
+        from opacus.grad_sample import linear as op_linear
+    except ImportError:
+        return "Opacus not installed"
+    if kind == "linear_norm":
+        A, G = inputs[:2]
+        fn = lambda: op_linear.compute_linear_norm_sample(layer, [A], G)  # noqa: E731
+    elif kind == "linear_grad_sample":
+        A, G = inputs[:2]
+        fn = lambda: op_linear.compute_linear_grad_sample(layer, [A], G)  # noqa: E731
+    else:
+        ids, G = inputs[0].contiguous(), inputs[1]  # Opacus views the ids
+        compute = (op_embedding_norm.compute_embedding_norm_sample if kind == "embedding_norm"
+                   else op_embedding.compute_embedding_grad_sample)
+        fn = lambda: compute(layer, [ids], G)  # noqa: E731
+    try:
+        return timer(fn, inputs[1].device, name="opacus")
+    except Exception as exc:
+        return f"failed: {type(exc).__name__}"
+
+
+_TUNER: Optional[Tuner] = None
+
+
+def get_tuner() -> Tuner:
+    """The process's tuner, shared by every sampler."""
+    global _TUNER
+    if _TUNER is None:
+        _TUNER = Tuner()
+    return _TUNER
+
+
+def decision_dict(decision: Decision) -> dict:
+    return asdict(decision)

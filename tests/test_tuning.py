@@ -1,0 +1,182 @@
+"""The autotuner: selection, modes, buckets, the store, and agreement with the cost model.
+
+Timings are injected (a timer that returns set figures per candidate) wherever the outcome
+must not depend on this machine; the tests at extreme shapes time for real, where one form
+does orders of magnitude fewer flops than the other.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from dpgrad import GradSampleModuleFastGradientClipping
+from dpgrad.kernels import reference
+from dpgrad.tuning import Tuner, bucket, store
+from dpgrad.tuning.candidates import applicable, shape_of
+
+
+def fixed_timer(times: dict, calls: list):
+    """A timer that runs the candidate once (so failures surface) and returns ``times[name]``."""
+
+    def timer(fn, device, name=""):
+        fn()
+        calls.append(name)
+        return times[name]
+
+    return timer
+
+
+def linear_inputs(B=4, T=6, d=10, p=12, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, T, d, generator=g).to(dtype), torch.randn(B, T, p, generator=g).to(dtype)
+
+
+@pytest.fixture
+def tune_on(monkeypatch, tmp_path):
+    monkeypatch.setenv("DPGRAD_TUNE", "on")
+    monkeypatch.setenv("DPGRAD_TUNE_DIR", str(tmp_path))
+    monkeypatch.delenv("DPGRAD_BACKEND", raising=False)
+    return tmp_path
+
+
+def test_fastest_correct_candidate_wins_and_is_stored(tune_on):
+    calls = []
+    tuner = Tuner(timer=fixed_timer({"eager-direct": 3.0, "eager-gram": 1.0}, calls))
+    chosen = tuner.select("linear_norm", linear_inputs())
+    assert chosen.name == "eager-gram" and sorted(calls) == ["eager-direct", "eager-gram"]
+    (decision,) = tuner._decisions.values()
+    assert decision.source == "measured" and decision.timings_ms == {"eager-direct": 3.0, "eager-gram": 1.0}
+    # A new process: read from the store, nothing timed again.
+    calls.clear()
+    again = Tuner(timer=fixed_timer({}, calls)).select("linear_norm", linear_inputs(seed=1))
+    assert again.name == "eager-gram" and calls == []
+    path = store.store_path(store.device_name(torch.device("cpu")), tune_on)
+    assert path.exists() and "eager-gram" in path.read_text()
+
+
+def test_failing_and_wrong_candidates_are_skipped(tune_on, monkeypatch):
+    calls = []
+    tuner = Tuner(timer=fixed_timer({"eager-direct": 3.0, "eager-gram": 1.0}, calls))
+
+    def broken(A, G):
+        raise RuntimeError("out of resources")
+
+    monkeypatch.setattr(reference, "linear_weight_sq_norm_gram", broken)
+    assert tuner.select("linear_norm", linear_inputs()).name == "eager-direct"
+    (decision,) = tuner._decisions.values()
+    assert decision.skipped["eager-gram"].startswith("failed: RuntimeError")
+
+    tuner = Tuner(timer=fixed_timer({"eager-direct": 3.0, "eager-gram": 1.0}, calls))
+    monkeypatch.setattr(reference, "linear_weight_sq_norm_gram", lambda A, G: torch.ones(A.shape[0]))
+    assert tuner.select("linear_norm", linear_inputs(B=5)).name == "eager-direct"
+    (decision,) = tuner._decisions.values()
+    assert decision.skipped["eager-gram"] == "wrong result against the eager reference"
+
+
+def test_modes(tune_on, monkeypatch):
+    calls = []
+    inputs = linear_inputs()
+    monkeypatch.setenv("DPGRAD_TUNE", "off")
+    off = Tuner(timer=fixed_timer({}, calls))
+    chosen = off.select("linear_norm", inputs)
+    (decision,) = off._decisions.values()
+    assert decision.source == "cost model" and calls == []
+    assert chosen.name == min(decision.estimates_ms, key=decision.estimates_ms.get)
+
+    monkeypatch.setenv("DPGRAD_TUNE", "cached")
+    cached = Tuner(timer=fixed_timer({}, calls))
+    cached.select("linear_norm", inputs)
+    assert calls == [] and next(iter(cached._decisions.values())).source == "cost model"
+
+    monkeypatch.setenv("DPGRAD_TUNE", "on")
+    Tuner(timer=fixed_timer({"eager-direct": 1.0, "eager-gram": 2.0}, calls)).select("linear_norm", inputs)
+    assert sorted(calls) == ["eager-direct", "eager-gram"]
+    monkeypatch.setenv("DPGRAD_TUNE", "cached")
+    from_store = Tuner(timer=fixed_timer({}, calls))
+    assert from_store.select("linear_norm", inputs).name == "eager-direct"
+    assert next(iter(from_store._decisions.values())).source == "store"
+
+    monkeypatch.setenv("DPGRAD_TUNE", "sometimes")
+    with pytest.raises(ValueError, match="off, cached, on"):
+        Tuner().select("linear_norm", inputs)
+
+
+def test_batch_and_tokens_are_bucketed_not_retuned_per_step(tune_on):
+    assert [bucket(n) for n in (0, 1, 2, 3, 5, 8, 9, 1000)] == [0, 1, 2, 4, 8, 8, 16, 1024]
+    calls = []
+    tuner = Tuner(timer=fixed_timer({"eager-direct": 1.0, "eager-gram": 2.0}, calls))
+    for B in (5, 6, 7, 8, 6, 5):  # Poisson sampling: B moves within the bucket (5..8]
+        tuner.select("linear_norm", linear_inputs(B=B, T=6))
+    assert len(calls) == 2 and len(tuner._decisions) == 1
+    tuner.select("linear_norm", linear_inputs(B=9, T=6))
+    assert len(calls) == 4 and len(tuner._decisions) == 2
+
+
+@pytest.mark.parametrize("B,T,d,p,expected", [
+    (4, 4, 512, 512, "gram"),  # 2BT^2(p+d) = 131k flops against 2BTpd = 8.4M
+    (4, 512, 8, 8, "direct"),  # 33.6M against 262k
+])
+def test_measured_choice_agrees_with_the_cost_model(tune_on, B, T, d, p, expected):
+    """Real CPU timings at shapes where one form is far cheaper: the cost model and the
+    clock agree, and both change between gram and direct with the shape."""
+    tuner = Tuner()
+    A, G = linear_inputs(B, T, d, p)
+    chosen = tuner.select("linear_norm", (A, G))
+    (decision,) = tuner._decisions.values()
+    assert decision.source == "measured"
+    assert chosen.name == f"eager-{expected}"
+    assert min(decision.estimates_ms, key=decision.estimates_ms.get) == f"eager-{expected}"
+
+
+def test_cost_model_swaps_gram_and_direct_with_the_shape(monkeypatch):
+    """Across T at fixed layer dims, the cost model picks gram for short sequences and direct
+    for long ones, with exactly one swap, for both backends' counts."""
+    from dpgrad.tuning.cost_model import device_spec, linear_norm_cost
+
+    for backend in ("eager", "triton"):
+        spec = device_spec(torch.device("cpu"))
+        picks = []
+        for T in (2, 8, 32, 128, 512, 2048, 8192):
+            cost = {a: linear_norm_cost(a, backend, 8, T, 768, 768, 2).seconds(spec, True) for a in ("gram", "direct")}
+            picks.append(min(cost, key=cost.get))
+        assert picks[0] == "gram" and picks[-1] == "direct", (backend, picks)
+        assert sum(a != b for a, b in zip(picks, picks[1:])) == 1, (backend, picks)
+
+
+def test_candidates_follow_the_backend(monkeypatch):
+    A, G = linear_inputs()
+    shape = shape_of("linear_norm", (A, G))
+    monkeypatch.delenv("DPGRAD_BACKEND", raising=False)
+    assert {c.backend for c in applicable("linear_norm", shape, (A, G))} == {"eager"}
+    monkeypatch.setenv("DPGRAD_BACKEND", "triton")
+    assert {c.name for c in applicable("linear_norm", shape, (A, G))} == {"triton-direct", "triton-gram"}
+    A64, G64 = A.double(), G.double()
+    assert {c.backend for c in applicable("linear_norm", shape_of("linear_norm", (A64, G64)), (A64, G64))} == {"eager"}
+    A1, G1 = A[:, :1], G[:, :1]
+    assert [c.name for c in applicable("linear_norm", shape_of("linear_norm", (A1, G1)), (A1, G1))] == ["triton-outer"]
+
+
+def test_forced_triton_tunes_between_the_kernels(tune_on, monkeypatch):
+    """Under the interpreter the Triton candidates run, are checked and timed like any other."""
+    monkeypatch.setenv("DPGRAD_BACKEND", "triton")
+    calls = []
+    tuner = Tuner(timer=fixed_timer({"triton-direct": 2.0, "triton-gram": 1.0}, calls))
+    assert tuner.select("linear_norm", linear_inputs(B=3, T=20, d=33, p=17)).name == "triton-gram"
+    (decision,) = tuner._decisions.values()
+    assert decision.config is not None and "BT" in decision.config
+
+
+def test_wrapper_records_a_decision_per_layer(tune_on):
+    """Through the wrapper: every hooked Linear/Embedding gets a decision, with Opacus timed."""
+    from dpgrad.tuning import get_tuner
+
+    model = nn.Sequential(nn.Embedding(20, 16), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    wrapped = GradSampleModuleFastGradientClipping(model, max_grad_norm=1.0, loss_reduction="sum")
+    get_tuner().forget()
+    with get_tuner().recording(opacus=True) as rec:
+        wrapped(torch.randint(0, 20, (3, 5))).sum().backward()
+    kinds = sorted((type(layer).__name__, d.kind) for layer, d, _ in rec.layers)
+    assert kinds == [("Embedding", "embedding_norm"), ("Linear", "linear_norm"), ("Linear", "linear_norm")]
+    assert all(isinstance(ms, float) and ms > 0 for _, _, ms in rec.layers)

@@ -1,0 +1,297 @@
+"""The autotuner's per-GPU store: round trip, where it lives, and that it never crashes a run.
+
+A bad or stale file is ignored with exactly one RuntimeWarning and then rewritten; an
+unwritable directory warns once and the store works in memory; processes writing at once all
+keep their entries (lock + re-read + merge). CPU only, no Triton import.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import dpgrad
+from dpgrad.tuning import store as tune_store
+from dpgrad.tuning.store import SCHEMA_VERSION, TuneStore, default_dir, store_path, versions
+
+DEVICE = "NVIDIA H100 80GB HBM3"
+RECORD = {
+    "choice": "direct",
+    "timings_ms": {"direct": 0.12, "gram": None},
+    "config": {"BLOCK_K": 64},
+    "measured": "2026-11-21T10:00:00Z",
+}
+
+
+def _document(**overrides) -> dict:
+    """A valid store file for DEVICE at the current versions, with fields overridden."""
+    doc = {
+        "schema": SCHEMA_VERSION,
+        "device": DEVICE,
+        "versions": versions(),
+        "entries": {"old": dict(RECORD, choice="gram")},
+    }
+    doc.update(overrides)
+    return doc
+
+
+class _Warnings:
+    """Records every warning (the default filter would hide repeats, which we must count)."""
+
+    def __enter__(self):
+        self._cm = warnings.catch_warnings(record=True)
+        self.caught = self._cm.__enter__()
+        warnings.simplefilter("always")
+        return self
+
+    def __exit__(self, *exc):
+        return self._cm.__exit__(*exc)
+
+    @property
+    def runtime(self) -> list[str]:
+        return [str(w.message) for w in self.caught if issubclass(w.category, RuntimeWarning)]
+
+
+def _assert_valid_file(path, keys) -> dict:
+    data = json.loads(path.read_text())
+    assert data["schema"] == SCHEMA_VERSION
+    assert data["device"] == DEVICE
+    assert data["versions"] == versions()
+    assert set(data["entries"]) == set(keys)
+    return data
+
+
+# ---------------------------------------------------------------------------- location
+
+
+@pytest.mark.parametrize(
+    "name, slug",
+    [
+        ("NVIDIA H100 80GB HBM3", "nvidia-h100-80gb-hbm3"),
+        ("NVIDIA A100-SXM4-40GB", "nvidia-a100-sxm4-40gb"),
+        ("AMD Instinct MI300X", "amd-instinct-mi300x"),
+        ("cpu-Intel(R) Xeon(R) Platinum 8480+", "cpu-intel-r-xeon-r-platinum-8480"),
+        ("../../etc/passwd", "etc-passwd"),
+        ("", "unknown-device"),
+    ],
+)
+def test_store_path_is_a_slug_of_the_device_name(tmp_path, name, slug):
+    assert store_path(name, tmp_path) == tmp_path / f"{slug}.json"
+
+
+def test_long_device_names_are_shortened_and_kept_apart(tmp_path):
+    a, b = store_path("x" * 300 + "a", tmp_path), store_path("x" * 300 + "b", tmp_path)
+    assert a != b and a.parent == tmp_path and len(a.name) <= 90
+
+
+def test_default_dir_env_override_xdg_and_home(tmp_path, monkeypatch):
+    monkeypatch.delenv("DPGRAD_TUNE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_dir() == tmp_path / "home" / ".cache" / "dpgrad" / "tune"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_dir() == tmp_path / "xdg" / "dpgrad" / "tune"
+    # Read when the store is built, not when the module was imported.
+    monkeypatch.setenv("DPGRAD_TUNE_DIR", str(tmp_path / "override"))
+    assert default_dir() == tmp_path / "override"
+    assert TuneStore(DEVICE).path == tmp_path / "override" / "nvidia-h100-80gb-hbm3.json"
+    assert TuneStore(DEVICE, tmp_path / "explicit").path.parent == tmp_path / "explicit"
+
+
+def test_cpu_device_name_is_stable():
+    name = tune_store.device_name(torch.device("cpu"))
+    assert name.startswith("cpu-") and len(name) > 4
+    assert tune_store.device_name("cpu") == name
+
+
+def test_versions_do_not_import_triton():
+    code = (
+        "import sys, dpgrad.tuning.store as s; v = s.versions(); "
+        "assert 'triton' not in sys.modules, 'triton imported'; print(sorted(v))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['dpgrad', 'torch', 'triton']"
+    v = versions()
+    assert v["dpgrad"] == dpgrad.__version__ and v["torch"] == torch.__version__
+
+
+# ---------------------------------------------------------------------------- round trip
+
+
+def test_round_trip(tmp_path):
+    with _Warnings() as w:
+        store = TuneStore(DEVICE, tmp_path / "new" / "dir")  # created on first put
+        assert store.get("k") is None
+        store.put("k", RECORD)
+        store.put("k2", dict(RECORD, choice="gram"))
+        again = TuneStore(DEVICE, tmp_path / "new" / "dir")
+        assert again.get("k") == RECORD
+        assert again.entries() == {"k": RECORD, "k2": dict(RECORD, choice="gram")}
+    assert w.runtime == []
+    _assert_valid_file(store.path, {"k", "k2"})
+    assert sorted(p.name for p in store.path.parent.iterdir()) == [
+        store.path.name,
+        store.path.name + ".lock",
+    ]  # no temp files left behind
+
+
+def test_records_are_copies_and_bad_records_are_refused(tmp_path):
+    store = TuneStore(DEVICE, tmp_path)
+    record = json.loads(json.dumps(RECORD))
+    store.put("k", record)
+    record["choice"] = "changed"
+    store.get("k")["choice"] = "changed"
+    store.entries()["k"]["choice"] = "changed"
+    assert store.get("k") == RECORD
+    with pytest.raises(ValueError, match="str 'choice'"):
+        store.put("k", {"timings_ms": {}})
+    with pytest.raises(ValueError, match="str 'choice'"):
+        store.put("k", ["direct"])
+    with pytest.raises(TypeError, match="JSON-serialisable"):
+        store.put("k", {"choice": "direct", "t": torch.tensor(1.0)})
+    with pytest.raises(TypeError, match="key must be a str"):
+        store.put(("k",), RECORD)
+    assert store.entries() == {"k": RECORD}
+
+
+def test_file_is_read_lazily(tmp_path):
+    store = TuneStore(DEVICE, tmp_path)
+    store.path.write_text(json.dumps(_document()))  # written after construction: still seen
+    assert store.get("old")["choice"] == "gram"
+
+
+def test_two_stores_in_one_process_merge_and_own_puts_win(tmp_path):
+    a, b = TuneStore(DEVICE, tmp_path), TuneStore(DEVICE, tmp_path)
+    a.put("shared", dict(RECORD, choice="a"))
+    b.get("anything")  # b loaded before a's next write: its put must still keep a's key
+    a.put("only_a", RECORD)
+    b.put("shared", dict(RECORD, choice="b"))
+    data = _assert_valid_file(a.path, {"shared", "only_a"})
+    assert data["entries"]["shared"]["choice"] == "b"
+    assert b.get("only_a") == RECORD  # b's view was refreshed by its write
+
+
+# ---------------------------------------------------------------------------- bad files
+
+
+@pytest.mark.parametrize(
+    "content, reason, kept",
+    [
+        (b"\x89PNG\r\n\x1a\n\xff\xfe garbage", "not valid JSON", set()),
+        (json.dumps(_document())[:-7].encode(), "not valid JSON", set()),
+        (b"[1, 2, 3]", "top level is a JSON list", set()),
+        (json.dumps(_document(entries=[RECORD])).encode(), "'entries' is a JSON list", set()),
+        (
+            json.dumps(_document(entries={"ok": RECORD, "bad": {"timings_ms": {}}})).encode(),
+            "dropped 1 malformed entries",
+            {"ok"},
+        ),
+    ],
+    ids=["garbage", "truncated", "list", "entries_list", "entry_without_choice"],
+)
+def test_corrupt_file_warns_once_and_is_rewritten(tmp_path, content, reason, kept):
+    path = store_path(DEVICE, tmp_path)
+    path.write_bytes(content)
+    with _Warnings() as w:
+        store = TuneStore(DEVICE, tmp_path)
+        assert set(store.entries()) == kept
+        assert store.get("bad") is None and store.get("old") is None
+        store.put("new", RECORD)
+    assert len(w.runtime) == 1, w.runtime
+    assert str(path) in w.runtime[0] and reason in w.runtime[0]
+    _assert_valid_file(path, kept | {"new"})
+    with _Warnings() as w:
+        assert TuneStore(DEVICE, tmp_path).get("new") == RECORD
+    assert w.runtime == []
+
+
+@pytest.mark.parametrize(
+    "overrides, reason",
+    [
+        ({"versions": dict(versions(), dpgrad="0.0.1")}, "written by dpgrad 0.0.1; this is"),
+        ({"versions": dict(versions(), torch="2.12.0")}, "written by torch 2.12.0; this is"),
+        ({"versions": dict(versions(), triton="0.1")}, "written by triton 0.1; this is"),
+        ({"schema": SCHEMA_VERSION + 1}, f"schema {SCHEMA_VERSION + 1}; this dpgrad reads"),
+        ({"device": "NVIDIA A100-SXM4-40GB"}, "written for device 'NVIDIA A100-SXM4-40GB'"),
+    ],
+    ids=["dpgrad", "torch", "triton", "schema", "device"],
+)
+def test_stale_file_is_ignored_with_the_reason_and_retuned(tmp_path, overrides, reason):
+    path = store_path(DEVICE, tmp_path)
+    path.write_text(json.dumps(_document(**overrides)))
+    with _Warnings() as w:
+        store = TuneStore(DEVICE, tmp_path)
+        assert store.get("old") is None
+        store.put("new", RECORD)
+    assert len(w.runtime) == 1 and reason in w.runtime[0] and str(path) in w.runtime[0]
+    _assert_valid_file(path, {"new"})  # rewritten at this run's versions, stale entry gone
+
+
+# ---------------------------------------------------------------------------- writers
+
+
+def _put_many(directory, prefix, n, barrier):
+    store = TuneStore(DEVICE, directory)
+    store.get("load-now")  # every process starts from the same (empty) file
+    barrier.wait()
+    for i in range(n):
+        store.put(f"{prefix}-{i}", dict(RECORD, config={"i": i}))
+
+
+def test_processes_writing_at_once_keep_all_entries(tmp_path):
+    # Each process loaded an empty file before any wrote, so without the re-read + merge
+    # under the lock the last writer's file would hold only its own keys.
+    ctx = multiprocessing.get_context("spawn")
+    n_procs, n_keys = 3, 50
+    barrier = ctx.Barrier(n_procs)
+    procs = [
+        ctx.Process(target=_put_many, args=(str(tmp_path), f"p{p}", n_keys, barrier))
+        for p in range(n_procs)
+    ]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=120)
+    assert [proc.exitcode for proc in procs] == [0] * n_procs
+    keys = {f"p{p}-{i}" for p in range(n_procs) for i in range(n_keys)}
+    data = _assert_valid_file(store_path(DEVICE, tmp_path), keys)
+    assert data["entries"]["p1-7"]["config"] == {"i": 7}
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root ignores permissions"
+)
+def test_read_only_directory_warns_once_and_keeps_results_in_memory(tmp_path):
+    directory = tmp_path / "ro"
+    directory.mkdir()
+    directory.chmod(0o500)
+    try:
+        with _Warnings() as w:
+            store = TuneStore(DEVICE, directory)
+            store.put("a", RECORD)
+            store.put("b", RECORD)
+            assert store.get("a") == RECORD and set(store.entries()) == {"a", "b"}
+        assert len(w.runtime) == 1 and "cannot write" in w.runtime[0]
+        assert not store.path.exists()
+    finally:
+        directory.chmod(0o700)
+
+
+def test_directory_that_cannot_be_created_warns_once(tmp_path):
+    # A regular file where the directory should be: fails even for root.
+    (tmp_path / "file").write_text("")
+    with _Warnings() as w:
+        store = TuneStore(DEVICE, tmp_path / "file" / "tune")
+        store.put("a", RECORD)
+        store.put("b", RECORD)
+        assert store.get("a") == RECORD and set(store.entries()) == {"a", "b"}
+    assert len(w.runtime) == 1
+    assert str(store.path) in w.runtime[0] and "DPGRAD_TUNE_DIR" in w.runtime[0]
