@@ -14,6 +14,7 @@ store and otherwise the cost model, never timing; ``off`` uses the cost model on
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import statistics
 import time
@@ -124,7 +125,7 @@ class Tuner:
         backends = "+".join(sorted({c.backend for c in candidates}))
         dtype = str(shape.dtype).replace("torch.", "")
         return (f"{shape.kind}|{dims}|B<={bucket(shape.B)}|T<={bucket(shape.T)}|{dtype}|"
-                f"{store.device_name(shape.device)}|{backends}")
+                f"{_device_name(shape.device)}|{backends}")
 
     @contextmanager
     def recording(self, opacus: bool = False, callback=None) -> Iterator[Recording]:
@@ -205,7 +206,7 @@ class Tuner:
                 decision.skipped[cand.name] = f"failed: {type(exc).__name__}: {exc}"[:300]
 
     def _store(self, shape: Shape) -> store.TuneStore:
-        name = store.device_name(shape.device)
+        name = _device_name(shape.device)
         directory = str(store.default_dir())
         handle = self._stores.get(name + "|" + directory)
         if handle is None:
@@ -221,6 +222,12 @@ class Tuner:
         rec.layers.append((layer, decision, opacus_ms))
         if rec.callback is not None:
             rec.callback(layer, decision)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(device: torch.device) -> str:
+    # Asked on every select: the CUDA query is not free.
+    return store.device_name(device)
 
 
 def _reference_result(kind: str, inputs: tuple):
