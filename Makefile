@@ -1,11 +1,12 @@
-# The two commands: `make demo` (the main job) and `make test` (the test suite).
-# Each creates the virtual environment .venv on first use.
+# The two commands: `make report` (the main job: the autotune report on the built-in default
+# model) and `make test` (the test suite). Each creates the virtual environment .venv on first
+# use. `make demo` (a short DP training run) and `make bench` are there too.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: report demo test bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,6 +15,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet "torch==$${DPGRAD_TORCH_VERSION:-2.13.0}"
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
+
+# gpt2-small in bf16 on a CUDA GPU, the tiny preset in fp32 (eager fallback) otherwise.
+report: $(STAMP)
+	$(PY) -m dpgrad autotune-report
 
 demo: $(STAMP)
 	$(PY) -m dpgrad demo

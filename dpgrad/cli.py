@@ -1,4 +1,8 @@
-"""The ``dpgrad`` command line.
+"""The ``dpgrad`` command line (also ``python -m dpgrad``).
+
+``dpgrad autotune-report``: one DP step of a built-in model, and per layer what the autotuner
+chose, the time of every candidate, the speedup over Opacus and the extra memory. The default
+command.
 
 ``dpgrad demo``: a short DP-SGD training run of the built-in transformer with ghost clipping,
 printing the loss and per-sample gradient-norm statistics of every step.
@@ -7,6 +11,7 @@ printing the loss and per-sample gradient-norm statistics of every step.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from typing import List, Optional
@@ -15,6 +20,11 @@ import torch
 
 from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping
 from dpgrad.models import TinyTransformer, TinyTransformerConfig, per_sample_lm_loss, synthetic_batch
+
+
+def _doc(paragraph: int) -> str:
+    """A paragraph of this module's docstring, for help texts."""
+    return __doc__.split("\n\n")[paragraph].replace("``", "")
 
 
 def dp_sgd_step(
@@ -51,7 +61,7 @@ def dp_sgd_step(
 
 
 def demo(argv: List[str]) -> int:
-    parser = argparse.ArgumentParser(prog="dpgrad demo", description=__doc__.split("\n\n")[1])
+    parser = argparse.ArgumentParser(prog="dpgrad demo", description=_doc(2))
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=64)
@@ -89,13 +99,109 @@ def demo(argv: List[str]) -> int:
     return 0
 
 
-COMMANDS = {"demo": demo}
+REPORT_EPILOG = """\
+defaults: on CUDA, --model gpt2-small --seq-len 1024 --dtype bf16; otherwise --model tiny
+--seq-len 128 --dtype fp32 (seconds on a laptop CPU; there the eager fallback is reported,
+since the Triton kernels run on CUDA tensors). --seq-len is capped at the model's maximum.
+--batch-size defaults to 8.
+
+DPGRAD_TUNE: the report sets it to "on" (time new shapes) unless it is set already
+("cached": stored choices, else the cost model; "off": the cost model). Measured choices are
+saved in the per-device store (DPGRAD_TUNE_DIR, else ~/.cache/dpgrad/tune) and reused.
+
+exit status: 0 on success; 2 for a usage error (an unknown --model, a --seq-len above the
+model's maximum, hf: without transformers), with a message saying what to pass instead.
+"""
+
+
+def autotune_report(argv: List[str]) -> int:
+    from dpgrad import presets, report  # here: torch-heavy, and `dpgrad demo` does not need them
+
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(
+        prog="dpgrad autotune-report", description=_doc(1),
+        epilog=REPORT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", help=f"a preset or Hugging Face architecture: {presets.model_names()}")
+    parser.add_argument("--batch-size", type=int, default=8, help="samples per batch (default 8)")
+    parser.add_argument("--seq-len", type=int, help="tokens per sample (default 1024 on CUDA, 128 otherwise)")
+    parser.add_argument("--dtype", choices=list(presets.DTYPES), help="default bf16 on CUDA, fp32 otherwise")
+    parser.add_argument("--device", default="cuda" if cuda else "cpu",
+                        help=f"torch device (default {'cuda' if cuda else 'cpu'})")
+    parser.add_argument("--json", metavar="PATH|-", help="also write the report as JSON ('-': stdout, no table)")
+    parser.add_argument("--markdown", metavar="PATH|-", help="also write a Markdown table ('-': stdout, no table)")
+    parser.add_argument("--no-opacus", action="store_true", help="do not time Opacus's samplers for the speedup")
+    parser.add_argument("--hf-config", metavar="KEY=VALUE", action="append", default=[],
+                        help="override a config field of an hf: model, e.g. num_hidden_layers=2 (repeatable)")
+    args = parser.parse_args(argv)
+    hf_config = {}
+    for item in args.hf_config:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            parser.error(f"--hf-config {item!r}: write KEY=VALUE, e.g. num_hidden_layers=2")
+        try:
+            hf_config[key] = json.loads(value)
+        except ValueError:
+            hf_config[key] = value  # a plain string such as hidden_act=silu
+
+    on_cuda = args.device.startswith("cuda")
+    if on_cuda and not cuda:
+        parser.error(f"--device {args.device}: CUDA is not available here; use --device cpu")
+    model = args.model or ("gpt2-small" if on_cuda else "tiny")
+    if args.batch_size < 1:
+        parser.error(f"--batch-size {args.batch_size}: pass 1 or more")
+    if args.json == "-" and args.markdown == "-":
+        parser.error("--json - and --markdown - would both go to stdout: give one of them a file path")
+    try:
+        presets.check_name(model)
+        if hf_config and not model.startswith(presets.HF_PREFIX):
+            raise ValueError(f"--hf-config applies to hf: models only, not the preset {model!r}")
+        seq_len = args.seq_len
+        if model in presets.PRESETS:
+            max_len = presets.PRESETS[model].max_seq_len
+            seq_len = seq_len or min(1024 if on_cuda else 128, max_len)
+            presets.check_seq_len(model, seq_len, max_len)
+        seq_len = seq_len or (1024 if on_cuda else 128)
+    except ValueError as exc:
+        parser.error(str(exc))
+    settings = report.ReportSettings(model=model, batch_size=args.batch_size, seq_len=seq_len,
+                                     dtype=args.dtype or ("bf16" if on_cuda else "fp32"), device=args.device,
+                                     opacus=not args.no_opacus, hf_config=hf_config)
+    try:
+        result = report.run_report(settings)
+    except ValueError as exc:  # an hf: model whose maximum length is known only once built
+        parser.error(str(exc))
+    outputs = {"json": (args.json, lambda r: json.dumps(r, indent=2) + "\n"),
+               "markdown": (args.markdown, report.format_markdown)}
+    if "-" not in (args.json, args.markdown):
+        sys.stdout.write(report.format_table(result))
+    elif result["notice"]:
+        print(result["notice"], file=sys.stderr)
+    for name, (path, render) in outputs.items():
+        if path == "-":
+            sys.stdout.write(render(result))
+        elif path:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(render(result))
+            print(f"wrote the {name} report to {path}", file=sys.stderr)
+    return 0
+
+
+COMMANDS = {"autotune-report": autotune_report, "demo": demo}
+USAGE = f"usage: dpgrad {{{','.join(COMMANDS)}}} [options]   (dpgrad COMMAND --help; no command: autotune-report)"
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in COMMANDS:
-        print(f"usage: dpgrad {{{','.join(COMMANDS)}}} [options]   (dpgrad COMMAND --help)", file=sys.stderr)
+    if not argv:
+        print("dpgrad: no command given, running `dpgrad autotune-report` (see dpgrad --help)", file=sys.stderr)
+        return autotune_report([])
+    if argv[0] in ("-h", "--help"):
+        print(USAGE)
+        print("\n".join("  " + " ".join(_doc(i).split()) for i in (1, 2)))
+        return 0
+    if argv[0] not in COMMANDS:
+        print(USAGE, file=sys.stderr)
         return 2
     return COMMANDS[argv[0]](argv[1:])
 

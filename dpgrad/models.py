@@ -1,7 +1,8 @@
 """A small built-in decoder-only transformer, the default model of the demo and benchmarks.
 
-Built only from layers dpgrad has samplers for (nn.Embedding, nn.Linear, nn.LayerNorm) plus
-parameter-free attention, with random weights: nothing is downloaded.
+Built only from layers dpgrad has samplers for (nn.Embedding, nn.Linear, nn.LayerNorm or
+nn.RMSNorm) plus parameter-free attention, with random weights: nothing is downloaded. The
+config also describes GPT-2- and Llama-shaped models (dpgrad/presets.py) for the autotune report.
 """
 
 from __future__ import annotations
@@ -15,7 +16,12 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class TinyTransformerConfig:
-    """Shape of a :class:`TinyTransformer`."""
+    """Shape of a :class:`TinyTransformer`.
+
+    ``norm``: "layer" (nn.LayerNorm) or "rms" (nn.RMSNorm); ``bias``: biases on the Linear
+    layers; ``mlp``: "gelu" (up, GELU, down; GPT-2) or "swiglu" (down(silu(gate(x)) * up(x));
+    Llama). The defaults are the demo's model.
+    """
 
     vocab_size: int = 512
     max_seq_len: int = 256
@@ -24,6 +30,23 @@ class TinyTransformerConfig:
     n_layers: int = 2
     d_ff: int = 512
     padding_idx: int = 0
+    norm: str = "layer"
+    bias: bool = True
+    mlp: str = "gelu"
+
+    def __post_init__(self):
+        if self.norm not in ("layer", "rms"):
+            raise ValueError(f"TinyTransformerConfig(norm={self.norm!r}): use 'layer' or 'rms'")
+        if self.mlp not in ("gelu", "swiglu"):
+            raise ValueError(f"TinyTransformerConfig(mlp={self.mlp!r}): use 'gelu' or 'swiglu'")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"TinyTransformerConfig: d_model {self.d_model} is not a multiple of n_heads "
+                f"{self.n_heads}; choose n_heads dividing d_model"
+            )
+
+    def make_norm(self) -> nn.Module:
+        return nn.LayerNorm(self.d_model) if self.norm == "layer" else nn.RMSNorm(self.d_model)
 
 
 class Block(nn.Module):
@@ -32,12 +55,15 @@ class Block(nn.Module):
     def __init__(self, cfg: TinyTransformerConfig):
         super().__init__()
         self.n_heads = cfg.n_heads
-        self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.up = nn.Linear(cfg.d_model, cfg.d_ff)
-        self.down = nn.Linear(cfg.d_ff, cfg.d_model)
+        # Created in this order whatever the options, so a seed gives the default config the
+        # same weights as before the options existed.
+        self.ln1 = cfg.make_norm()
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.ln2 = cfg.make_norm()
+        self.gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias) if cfg.mlp == "swiglu" else None
+        self.up = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
+        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
@@ -45,7 +71,10 @@ class Block(nn.Module):
         heads = [t.reshape(B, T, self.n_heads, D // self.n_heads).transpose(1, 2) for t in (q, k, v)]
         attn = F.scaled_dot_product_attention(*heads, is_causal=True)
         x = x + self.proj(attn.transpose(1, 2).reshape(B, T, D))
-        return x + self.down(F.gelu(self.up(self.ln2(x))))
+        h = self.ln2(x)
+        if self.gate is not None:
+            return x + self.down(F.silu(self.gate(h)) * self.up(h))
+        return x + self.down(F.gelu(self.up(h)))
 
 
 class TinyTransformer(nn.Module):
@@ -57,7 +86,7 @@ class TinyTransformer(nn.Module):
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.padding_idx)
         self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.ln_f = cfg.make_norm()
         # Untied from the input embedding: ghost clipping does not support tied weights yet.
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 

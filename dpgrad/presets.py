@@ -1,0 +1,158 @@
+"""Built-in model presets for the autotune report: GPT-2- and Llama-shaped, random weights.
+
+``build_model(name, device, dtype)`` gives a model for a preset name (``PRESETS``) or, when
+Hugging Face ``transformers`` is installed, ``hf:<model_type>`` (``hf:gpt2``, ``hf:llama``):
+that architecture's default config with random weights. Nothing is downloaded either way.
+Every preset is a :class:`dpgrad.models.TinyTransformer` with an untied output head, since
+ghost clipping refuses tied weights for now.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import torch
+import torch.nn as nn
+
+from dpgrad.models import TinyTransformer, TinyTransformerConfig, per_sample_lm_loss
+
+HF_PREFIX = "hf:"
+
+PRESETS: Dict[str, TinyTransformerConfig] = {
+    # The demo's model: fast enough to tune on a laptop CPU.
+    "tiny": TinyTransformerConfig(),
+    # GPT-2 small and medium shapes (124M and 355M with tied weights; the untied head adds
+    # vocab x d_model parameters).
+    "gpt2-small": TinyTransformerConfig(
+        vocab_size=50257, max_seq_len=1024, d_model=768, n_heads=12, n_layers=12, d_ff=3072
+    ),
+    "gpt2-medium": TinyTransformerConfig(
+        vocab_size=50257, max_seq_len=1024, d_model=1024, n_heads=16, n_layers=24, d_ff=4096
+    ),
+    # Llama-3.2-1B-like: its vocabulary, width, depth and SwiGLU MLP, RMSNorm and no biases;
+    # full multi-head attention (no grouped KV heads) and learned positions (no RoPE), so it
+    # is larger than the real 1.24B model.
+    "llama-1b": TinyTransformerConfig(
+        vocab_size=128256, max_seq_len=4096, d_model=2048, n_heads=32, n_layers=16, d_ff=8192,
+        norm="rms", bias=False, mlp="swiglu",
+    ),
+}
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def transformers_available() -> bool:
+    return importlib.util.find_spec("transformers") is not None
+
+
+def model_names() -> str:
+    """The accepted names, for help texts and errors."""
+    hf = f", {HF_PREFIX}<model_type> (e.g. hf:gpt2, hf:llama)" if transformers_available() else ""
+    return ", ".join(PRESETS) + hf
+
+
+@dataclass
+class BuiltModel:
+    """A model ready for the report, with what the synthetic batch and the loss need."""
+
+    name: str
+    module: nn.Module
+    vocab_size: int
+    max_seq_len: int
+    padding_idx: int
+    hf: bool  # Hugging Face models return an output object; the logits are ``.logits``
+
+    def per_sample_loss(self, model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Per-sample next-token loss (B,) of ids (B, T) through ``model`` (``module`` or its wrapper)."""
+        out = model(input_ids=ids) if self.hf else model(ids)
+        logits = out.logits if self.hf else out
+        return per_sample_lm_loss(logits, ids, self.padding_idx)
+
+    def batch_config(self) -> TinyTransformerConfig:
+        """A config with this model's vocabulary, for ``dpgrad.models.synthetic_batch``."""
+        return TinyTransformerConfig(vocab_size=self.vocab_size, max_seq_len=self.max_seq_len,
+                                     padding_idx=self.padding_idx, d_model=1, n_heads=1)
+
+
+def check_name(name: str) -> None:
+    """Raise ValueError, naming the choices, unless ``name`` is a model ``build_model`` makes."""
+    if name in PRESETS:
+        return
+    if name.startswith(HF_PREFIX):
+        if not transformers_available():
+            raise ValueError(
+                f"model {name!r} needs Hugging Face transformers, which is not installed: "
+                f"pip install transformers, or use a built-in preset ({', '.join(PRESETS)})"
+            )
+        if not name[len(HF_PREFIX):]:
+            raise ValueError(f"model {name!r}: name the architecture after '{HF_PREFIX}', e.g. hf:gpt2")
+        return
+    raise ValueError(f"unknown model {name!r}: choose one of {model_names()}")
+
+
+def check_seq_len(name: str, seq_len: int, max_seq_len: int) -> None:
+    """Raise ValueError unless a model with ``max_seq_len`` positions takes ``seq_len`` tokens."""
+    if not 2 <= seq_len <= max_seq_len:
+        raise ValueError(
+            f"sequence length {seq_len} for model {name!r}: it takes 2 to {max_seq_len} tokens "
+            f"(its maximum sequence length); pass a sequence length (--seq-len) in that range"
+        )
+
+
+def build_model(
+    name: str,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seq_len: Optional[int] = None,
+    **hf_overrides: Any,
+) -> BuiltModel:
+    """A randomly initialised model for ``name`` on ``device`` in ``dtype``.
+
+    ``seq_len``, when given, is checked against the model's maximum sequence length.
+    ``hf_overrides`` go to ``transformers.AutoConfig.for_model`` for ``hf:`` models (e.g.
+    ``n_layer=2``). Raises ValueError for an unknown name or a sequence length out of range.
+    """
+    check_name(name)
+    device = torch.device(device)
+    if name in PRESETS:
+        if hf_overrides:
+            raise ValueError(f"config overrides {sorted(hf_overrides)} apply to hf: models only, "
+                             f"not to the preset {name!r}")
+        cfg = PRESETS[name]
+        if seq_len is not None:
+            check_seq_len(name, seq_len, cfg.max_seq_len)
+        # Built in place: a 1.6B-parameter model initialised on the CPU and then moved would
+        # take most of a minute; on the meta device nothing is allocated (parameter counts).
+        with device:
+            module = TinyTransformer(cfg).to(dtype)
+        return BuiltModel(name, module, cfg.vocab_size, cfg.max_seq_len, cfg.padding_idx, hf=False)
+    return _build_hf(name, device, dtype, seq_len, hf_overrides)
+
+
+def _build_hf(name, device, dtype, seq_len, overrides) -> BuiltModel:
+    import transformers
+
+    model_type = name[len(HF_PREFIX):]
+    # Untied: ghost clipping refuses tied input and output embeddings for now.
+    overrides.setdefault("tie_word_embeddings", False)
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise ValueError(
+            f"model {name!r}: transformers {transformers.__version__} has no model type {model_type!r}; "
+            "use a key of transformers.CONFIG_MAPPING, e.g. hf:gpt2 or hf:llama"
+        )
+    config = transformers.AutoConfig.for_model(model_type, **overrides)
+    max_len = next((getattr(config, k) for k in ("max_position_embeddings", "n_positions", "max_seq_len")
+                    if getattr(config, k, None)), None) or 2048
+    if seq_len is not None:
+        check_seq_len(name, seq_len, max_len)
+    with device:
+        module = transformers.AutoModelForCausalLM.from_config(config)
+    module.to(dtype=dtype)
+    pad = config.pad_token_id if isinstance(getattr(config, "pad_token_id", None), int) else 0
+    return BuiltModel(name, module, config.vocab_size, max_len, pad, hf=True)
+
+
+__all__ = ["DTYPES", "HF_PREFIX", "PRESETS", "BuiltModel", "build_model", "check_name", "check_seq_len",
+           "model_names", "transformers_available"]

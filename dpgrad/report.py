@@ -1,0 +1,331 @@
+"""The autotune report: one DP-SGD step of a model, and what the autotuner chose per layer.
+
+``run_report`` builds a preset model (dpgrad/presets.py), wraps it in
+``GradSampleModuleFastGradientClipping`` (ghost clipping), runs one two-pass DP step on a
+synthetic batch while the tuner records its decision for every layer (timing Opacus's own
+sampler on the same inputs), then a second, tuned step whose time is ``step_ms``. The result
+is a JSON-ready dict; ``format_table`` and ``format_markdown`` render it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, TextIO
+
+import torch
+import torch.nn as nn
+
+from dpgrad import backend, registry
+from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping
+from dpgrad.models import synthetic_batch
+from dpgrad.presets import DTYPES, build_model
+from dpgrad.tuning import get_tuner, store, tune_mode
+from dpgrad.tuning.tuner import ENV_VAR as TUNE_ENV_VAR
+
+SCHEMA = 1
+NO_CHOICE = "eager (no kernel choice)"
+FUNCTORCH = "torch.func (no kernel choice)"
+CPU_NOTICE = ("{why}: the eager fallback is in use (dpgrad's Triton kernels run on CUDA tensors), "
+              "so the choices and times below are those of the eager PyTorch kernels.")
+
+
+@dataclass
+class ReportSettings:
+    """What to run: a model name (preset or hf:<type>), batch shape, dtype name, device."""
+
+    model: str = "tiny"
+    batch_size: int = 8
+    seq_len: int = 128
+    dtype: str = "fp32"
+    device: str = "cpu"
+    opacus: bool = True  # time Opacus's eager sampler on each layer's inputs
+    hf_config: Dict[str, object] = field(default_factory=dict)  # config overrides for hf: models
+
+
+class Progress:
+    """A text progress bar on ``stream`` (stderr): redrawn in place on a terminal, else one
+    line per layer so logs stay readable."""
+
+    def __init__(self, total: int, stream: Optional[TextIO] = None, width: int = 24):
+        self.total, self.done, self.width = total, 0, width
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+
+    def update(self, label: str, steps: int = 1) -> None:
+        self.done = min(self.total, self.done + steps)
+        count = f"{self.done:>{len(str(self.total))}}/{self.total}"
+        if self.tty:
+            filled = self.width * self.done // max(1, self.total)
+            bar = "#" * filled + "." * (self.width - filled)
+            self.stream.write(f"\rautotune [{bar}] {count} {label[:60]:<60}")
+        else:
+            self.stream.write(f"autotune {count} {label}\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+@contextmanager
+def _tuning_on_unless_set():
+    """DPGRAD_TUNE=on for the run unless the user set it; the environment is left as found."""
+    if TUNE_ENV_VAR in os.environ:
+        yield
+        return
+    os.environ[TUNE_ENV_VAR] = "on"
+    try:
+        yield
+    finally:
+        os.environ.pop(TUNE_ENV_VAR, None)
+
+
+def trainable_layers(model: nn.Module) -> List[tuple]:
+    """(qualified name, module) for every module with trainable parameters of its own."""
+    return [(name, m) for name, m in model.named_modules()
+            if any(p.requires_grad for p in m.parameters(recurse=False))]
+
+
+def _layer_shape(layer: nn.Module) -> str:
+    if isinstance(layer, nn.Linear):
+        return f"{layer.in_features}x{layer.out_features}"
+    if isinstance(layer, nn.Embedding):
+        return f"{layer.num_embeddings}x{layer.embedding_dim}"
+    param = next(p for p in layer.parameters(recurse=False) if p.requires_grad)
+    return "x".join(map(str, param.shape))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _git_commit() -> Optional[str]:
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():  # an installed copy: the commit would be someone else's
+        return None
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=root, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+
+def _backend_in_use(device: torch.device, dtype: torch.dtype) -> str:
+    try:
+        name = backend.ops_for(torch.empty(1, device=device, dtype=dtype)).NAME
+    except Exception as exc:  # e.g. DPGRAD_BACKEND=triton on CPU tensors without the interpreter
+        return f"none ({exc})"
+    return f"{name} (Triton interpreter)" if name == "triton" and device.type != "cuda" else name
+
+
+def run_report(settings: ReportSettings, progress_stream: Optional[TextIO] = None) -> dict:
+    """Run one DP step of ``settings.model`` with the autotuner recording, and return the report.
+
+    Raises ValueError for an unknown model, dtype or an out-of-range sequence length.
+    """
+    if settings.dtype not in DTYPES:
+        raise ValueError(f"dtype {settings.dtype!r}: use one of {', '.join(DTYPES)}")
+    device = torch.device(settings.device)
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    # Seeded for repeatable weights and batches, without changing the caller's random state.
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(0)
+        return _run(settings, device, DTYPES[settings.dtype], progress_stream)
+
+
+def _run(settings: ReportSettings, device: torch.device, dtype: torch.dtype, progress_stream) -> dict:
+    built = build_model(settings.model, device, dtype, seq_len=settings.seq_len, **settings.hf_config)
+    layers = trainable_layers(built.module)
+    names = {id(m): name for name, m in layers}
+    model = GradSampleModuleFastGradientClipping(built.module, max_grad_norm=1.0, loss_reduction="mean",
+                                                 use_ghost_clipping=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    ids = synthetic_batch(built.batch_config(), settings.batch_size, settings.seq_len, generator=gen).to(device)
+
+    from dpgrad.cli import dp_sgd_step  # here: the CLI imports this module when it runs
+
+    tuner, chosen_ms = get_tuner(), {}
+    progress = Progress(len(layers), progress_stream)
+
+    def on_layer(layer, decision):
+        # While recording, the tuner times the chosen candidate even when it did not tune.
+        if decision.choice in decision.timings_ms:
+            timed_by = "autotuner" if decision.source == "measured" else "report"
+            chosen_ms[(id(layer), decision.kind)] = (decision.timings_ms[decision.choice], timed_by)
+        progress.update(f"{names.get(id(layer), '?')}: {decision.choice} ({decision.source})")
+
+    with _tuning_on_unless_set():
+        mode = tune_mode()
+        start = time.perf_counter()
+        with tuner.recording(settings.opacus, on_layer) as rec:
+            dp_sgd_step(model, optimizer, built.per_sample_loss(model, ids), noise_multiplier=1.0)
+            _sync(device)
+        tuning_s = time.perf_counter() - start
+        untuned = len(layers) - len({id(layer) for layer, _, _ in rec.layers})
+        if untuned > 0:
+            progress.update(f"{untuned} layer(s) without a kernel choice", untuned)
+        progress.close()
+        # The tuned step: every decision is now cached in the process.
+        start = time.perf_counter()
+        dp_sgd_step(model, optimizer, built.per_sample_loss(model, ids), noise_multiplier=1.0)
+        _sync(device)
+        step_ms = (time.perf_counter() - start) * 1e3
+
+    rows = _rows(layers, rec.layers, chosen_ms)
+    dev_name = store.device_name(device)
+    notice = None
+    if device.type != "cuda":
+        why = "CUDA is not available" if not torch.cuda.is_available() else f"running on {device}"
+        notice = CPU_NOTICE.format(why=why)
+    return {
+        "schema": SCHEMA,
+        "device": dev_name,
+        "versions": {**store.versions(), "python": sys.version.split()[0]},
+        "commit": _git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": {"name": settings.model, "parameters": sum(p.numel() for p in built.module.parameters()),
+                  "trainable_layers": len(layers)},
+        "settings": {"batch_size": settings.batch_size, "seq_len": settings.seq_len, "dtype": settings.dtype,
+                     "tune_mode": mode, "device": str(device), "opacus": settings.opacus},
+        "backend": _backend_in_use(device, dtype),
+        "notice": notice,
+        "store": str(store.store_path(dev_name)),
+        "rows": rows,
+        "step_ms": step_ms,
+        "tuning_s": tuning_s,
+    }
+
+
+def _rows(layers, recorded, chosen_ms) -> List[dict]:
+    by_layer: Dict[int, list] = {}
+    for layer, decision, opacus in recorded:
+        by_layer.setdefault(id(layer), []).append((decision, opacus))
+    rows = []
+    for name, layer in layers:
+        base = {"name": name, "type": type(layer).__name__, "shape": _layer_shape(layer),
+                "parameters": sum(p.numel() for p in layer.parameters(recurse=False) if p.requires_grad)}
+        if id(layer) not in by_layer:
+            tuned_type = type(layer) in registry.NORM_SAMPLERS
+            choice = ("no kernel choice made (weight frozen, or layer unused)" if tuned_type
+                      else NO_CHOICE if type(layer) in registry.GRAD_SAMPLERS else FUNCTORCH)
+            rows.append({**base, "B": None, "T": None, "kind": None, "choice": choice, "config": None,
+                         "source": None, "timings_ms": {}, "skipped": {}, "estimates_ms": {}, "chosen_ms": None,
+                         "chosen_timed_by": None, "opacus_ms": None, "opacus_note": None, "speedup": None,
+                         "extra_bytes": None})
+            continue
+        for decision, opacus in by_layer[id(layer)]:
+            ms, timed_by = chosen_ms.get((id(layer), decision.kind), (None, None))
+            opacus_ms = opacus if isinstance(opacus, float) else None
+            note = None if opacus_ms is not None else (opacus or "not timed (--no-opacus)")
+            speedup = opacus_ms / ms if opacus_ms is not None and ms else None
+            if speedup is None and note is None:
+                note = "no time for the chosen candidate"
+            rows.append({**base, "B": decision.shape.get("B"), "T": decision.shape.get("T"), "kind": decision.kind,
+                         "choice": decision.choice, "config": decision.config, "source": decision.source,
+                         "timings_ms": dict(decision.timings_ms), "skipped": dict(decision.skipped),
+                         "estimates_ms": dict(decision.estimates_ms), "chosen_ms": ms, "chosen_timed_by": timed_by,
+                         "opacus_ms": opacus_ms, "opacus_note": note, "speedup": speedup,
+                         "extra_bytes": decision.extra_bytes.get(decision.choice)})
+    return rows
+
+
+# ---------------------------------------------------------------------------- rendering
+COLUMNS = ["layer", "type", "shape", "BxT", "kind", "choice", "config", "candidates (ms)", "Opacus ms",
+           "speedup", "extra mem (est.)", "source"]
+
+
+def _short_reason(reason: str) -> str:
+    for prefix, short in (("pruned", "pruned"), ("wrong", "wrong"), ("failed", "failed")):
+        if reason.startswith(prefix):
+            return short
+    return reason.split(":")[0][:20]
+
+
+def _bytes(n: Optional[float]) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"~{n:.0f} {unit}" if unit == "B" else f"~{n:.1f} {unit}"
+        n /= 1024
+    return "-"
+
+
+def _candidates_cell(row: dict) -> str:
+    parts = []
+    for name in row["estimates_ms"]:
+        if name in row["timings_ms"]:
+            parts.append(f"{name} {row['timings_ms'][name]:.3f}")
+        elif name == row["choice"] and row["chosen_ms"] is not None:
+            parts.append(f"{name} {row['chosen_ms']:.3f}")
+        elif name in row["skipped"]:
+            parts.append(f"{name} {_short_reason(row['skipped'][name])}")
+        else:
+            parts.append(f"{name} ~{row['estimates_ms'][name]:.3f}")
+    return ", ".join(parts) or "-"
+
+
+def _cells(row: dict) -> List[str]:
+    if row["kind"] is None:
+        return [row["name"], row["type"], row["shape"], "-", "-", row["choice"], "-", "-", "-", "-", "-", "-"]
+    config = " ".join(f"{k}={v}" for k, v in row["config"].items()) if row["config"] else "-"
+    opacus = f"{row['opacus_ms']:.3f}" if row["opacus_ms"] is not None else "-"
+    speedup = f"{row['speedup']:.2f}x" if row["speedup"] is not None else f"n/a ({row['opacus_note']})"
+    return [row["name"], row["type"], row["shape"], f"{row['B']}x{row['T']}", row["kind"], row["choice"], config,
+            _candidates_cell(row), opacus, speedup, _bytes(row["extra_bytes"]), row["source"]]
+
+
+def _header_lines(report: dict) -> List[str]:
+    s, v, m = report["settings"], report["versions"], report["model"]
+    lines = [
+        f"dpgrad autotune report: {m['name']} ({m['parameters'] / 1e6:.2f}M parameters, "
+        f"{m['trainable_layers']} trainable layers), batch {s['batch_size']} x {s['seq_len']} tokens, {s['dtype']}",
+        f"device {report['device']} ({s['device']}); torch {v['torch']}, triton {v['triton'] or 'not installed'}, "
+        f"dpgrad {v['dpgrad']}; backend {report['backend']}",
+        f"DPGRAD_TUNE={s['tune_mode']}; store {report['store']}",
+    ]
+    if report["notice"]:
+        lines.append(report["notice"])
+    return lines
+
+
+FOOTER = ("candidates: measured ms, or why not timed (pruned by the cost model, failed, wrong result); "
+          "~ marks a cost-model estimate. speedup = Opacus ms / chosen ms, on the same inputs. "
+          "extra mem: cost-model estimate for the chosen candidate.")
+
+
+def format_table(report: dict) -> str:
+    """The report as aligned plain text (what the CLI prints)."""
+    table = [COLUMNS] + [_cells(r) for r in report["rows"]]
+    widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
+    lines = _header_lines(report) + [""]
+    for i, row in enumerate(table):
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lines += ["", f"one tuned DP step: {report['step_ms']:.1f} ms (the first, tuning step: "
+                  f"{report['tuning_s']:.1f} s)", FOOTER]
+    return "\n".join(lines) + "\n"
+
+
+def format_markdown(report: dict) -> str:
+    """The report as a Markdown paragraph and table."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    lines = ["  \n".join(_header_lines(report)), "",
+             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cell(c) for c in _cells(r)) + " |" for r in report["rows"]]
+    lines += ["", f"One tuned DP step: {report['step_ms']:.1f} ms. {FOOTER}"]
+    return "\n".join(lines) + "\n"

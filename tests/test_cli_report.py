@@ -1,0 +1,249 @@
+"""`dpgrad autotune-report` on CPU: the table, the JSON and Markdown outputs, the presets.
+
+One report of the tiny preset (B=2, T=16) with timing on is shared by most tests (module
+fixture); timings are real but only their signs are asserted (DESIGN.md: performance is
+measured in benchmarks/, never asserted in a test).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dpgrad import cli, report
+from dpgrad.models import TinyTransformer
+from dpgrad.presets import PRESETS, build_model
+from dpgrad.tuning import CANDIDATES, get_tuner
+
+ARGS = ["autotune-report", "--model", "tiny", "--batch-size", "2", "--seq-len", "16"]
+TINY_LAYERS = (["tok", "pos"]
+               + [f"blocks.{i}.{n}" for i in range(2) for n in ("ln1", "qkv", "proj", "ln2", "up", "down")]
+               + ["ln_f", "head"])
+EAGER = {kind: {c.name for c in cands if c.backend == "eager"} for kind, cands in CANDIDATES.items()}
+
+
+@contextlib.contextmanager
+def _clean_env(tmp_path, **env):
+    """A fresh store directory, the default backend, and ``env`` (None: unset)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DPGRAD_TUNE_DIR", str(tmp_path))
+        mp.delenv("DPGRAD_BACKEND", raising=False)
+        for key, value in env.items():
+            mp.delenv(key, raising=False) if value is None else mp.setenv(key, value)
+        get_tuner().forget()  # decisions of earlier tests in this process must not leak in
+        yield
+
+
+def run_cli(args):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(args)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """One CLI run, DPGRAD_TUNE unset (so the report turns timing on), table + JSON + Markdown."""
+    tmp = tmp_path_factory.mktemp("report")
+    paths = {"json": tmp / "report.json", "markdown": tmp / "report.md"}
+    with _clean_env(tmp / "store", DPGRAD_TUNE=None):
+        code, out, err = run_cli(ARGS + ["--json", str(paths["json"]), "--markdown", str(paths["markdown"])])
+        env_after = os.environ.get("DPGRAD_TUNE")
+    return {"code": code, "out": out, "err": err, "env_after": env_after,
+            "json": json.loads(paths["json"].read_text()), "markdown": paths["markdown"].read_text()}
+
+
+def table_rows(out: str):
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("layer "))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.strip():
+            break
+        rows.append(line.split())
+    return rows
+
+
+def test_table_has_a_row_per_trainable_layer(tiny):
+    assert tiny["code"] == 0
+    rows = table_rows(tiny["out"])
+    assert [r[0] for r in rows] == TINY_LAYERS
+    types = {r[0]: r[1] for r in rows}
+    assert types["tok"] == "Embedding" and types["blocks.0.up"] == "Linear" and types["ln_f"] == "LayerNorm"
+    assert {r[2] for r in rows if r[0] == "blocks.1.up"} == {"128x512"}
+    assert all("eager (no kernel choice)" in " ".join(r) for r in rows if r[1] == "LayerNorm")
+
+
+def test_cpu_notice_and_header(tiny):
+    out = tiny["out"]
+    assert "CUDA is not available: the eager fallback is in use" in out
+    assert "backend eager" in out and "DPGRAD_TUNE=on" in out
+    assert f"torch {torch.__version__}" in out
+
+
+def test_json_has_the_documented_keys_and_a_row_per_layer(tiny):
+    data = tiny["json"]
+    for key in ("schema", "device", "versions", "commit", "date", "model", "settings", "backend", "rows", "step_ms"):
+        assert key in data, key
+    assert data["schema"] == 1 and data["backend"] == "eager" and data["step_ms"] > 0
+    assert data["settings"] == {"batch_size": 2, "seq_len": 16, "dtype": "fp32", "tune_mode": "on",
+                                "device": "cpu", "opacus": True}
+    assert data["model"]["name"] == "tiny" and data["model"]["trainable_layers"] == len(TINY_LAYERS)
+    assert data["model"]["parameters"] == sum(p.numel() for p in TinyTransformer().parameters())
+    assert [r["name"] for r in data["rows"]] == TINY_LAYERS
+    assert re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00$", data["date"])
+
+
+def test_chosen_candidates_are_eager_and_timed(tiny):
+    tuned = [r for r in tiny["json"]["rows"] if r["kind"] is not None]
+    assert {r["type"] for r in tuned} == {"Linear", "Embedding"} and len(tuned) == 11
+    for row in tuned:
+        assert row["choice"] in EAGER[row["kind"]], row
+        assert row["chosen_ms"] > 0 and all(ms > 0 for ms in row["timings_ms"].values()), row
+        assert row["extra_bytes"] is not None and row["extra_bytes"] >= 0
+        if row["kind"] == "linear_norm":  # direct and Gram forms (T > 1): timed, or pruned by the cost model
+            assert row["source"] == "measured" and row["choice"] in row["timings_ms"]
+            assert set(row["timings_ms"]) | set(row["skipped"]) == {"eager-direct", "eager-gram"}
+
+
+def test_speedup_over_opacus_is_positive_for_linear_and_embedding(tiny):
+    for row in tiny["json"]["rows"]:
+        if row["type"] in ("Linear", "Embedding"):
+            assert row["opacus_ms"] > 0 and row["speedup"] > 0, row
+            assert row["speedup"] == pytest.approx(row["opacus_ms"] / row["chosen_ms"])
+        else:
+            assert row["speedup"] is None
+
+
+def test_markdown_is_a_table_with_a_row_per_layer(tiny):
+    lines = [line for line in tiny["markdown"].splitlines() if line.startswith("|")]
+    header, separator, *body = lines
+    n = len(report.COLUMNS)
+    assert re.fullmatch(r"\|(---\|){%d}" % n, separator)
+    for line in [header] + body:
+        assert len(re.findall(r"(?<!\\)\|", line)) == n + 1, line
+    assert [line.split("|")[1].strip() for line in body] == TINY_LAYERS
+
+
+def test_progress_goes_to_stderr_and_the_environment_is_restored(tiny):
+    progress = [line for line in tiny["err"].splitlines() if line.startswith("autotune ")]
+    assert progress and all(f"/{len(TINY_LAYERS)} " in line for line in progress)
+    assert progress[-1].startswith(f"autotune {len(TINY_LAYERS)}/{len(TINY_LAYERS)}")
+    assert any("blocks.0.qkv" in line for line in progress)
+    assert not any(line.startswith("autotune ") for line in tiny["out"].splitlines())
+    assert tiny["env_after"] is None  # the report set DPGRAD_TUNE=on only while it ran
+
+
+def test_progress_redraws_in_place_on_a_terminal():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Terminal()
+    bar = report.Progress(4, stream)
+    bar.update("head: eager-gram")
+    bar.update("rest", 3)
+    bar.close()
+    text = stream.getvalue()
+    assert text.count("\r") == 2 and "4/4" in text and "#" * 24 in text and text.endswith("\n")
+
+
+def test_an_explicit_tune_mode_is_kept(tmp_path):
+    """DPGRAD_TUNE=cached with an empty store: cost-model choices, the chosen one timed by the report."""
+    with _clean_env(tmp_path, DPGRAD_TUNE="cached"):
+        data = report.run_report(report.ReportSettings(batch_size=2, seq_len=8, opacus=False), io.StringIO())
+        assert os.environ["DPGRAD_TUNE"] == "cached"
+    assert data["settings"]["tune_mode"] == "cached"
+    linear = [r for r in data["rows"] if r["kind"] == "linear_norm"]
+    # Not tuned: only the chosen candidate is timed, by the report, for the speedup column.
+    assert linear and all(r["source"] == "cost model" and set(r["timings_ms"]) == {r["choice"]}
+                          and r["chosen_timed_by"] == "report" for r in linear)
+    assert all(r["chosen_ms"] > 0 and r["chosen_timed_by"] == "report" for r in linear)
+    assert all(r["speedup"] is None and "no-opacus" in r["opacus_note"] for r in linear)
+    assert re.search(r"eager-(direct|gram) ~\d", report.format_table(data))  # the untimed one: its estimate
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "gpt3"], "unknown model 'gpt3': choose one of tiny, gpt2-small"),
+    (["--model", "tiny", "--seq-len", "300"], "takes 2 to 256 tokens"),
+    (["--model", "tiny", "--hf-config", "n_layer=2"], "hf: models only"),
+])
+def test_bad_arguments_are_usage_errors_with_exit_code_2(args, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["autotune-report"] + args)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_no_command_runs_the_report_and_help_lists_it(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "autotune_report", lambda argv: 0 if argv == [] else 1)
+    assert cli.main([]) == 0
+    assert cli.main(["--help"]) == 0
+    assert "autotune-report" in capsys.readouterr().out
+
+
+def _expected_parameters(cfg) -> int:
+    d, f = cfg.d_model, cfg.d_ff
+    norm = 2 * d if cfg.norm == "layer" else d  # LayerNorm: weight and bias; RMSNorm: weight
+
+    def linear(i, o):
+        return i * o + (o if cfg.bias else 0)
+
+    mlp = linear(d, f) * (2 if cfg.mlp == "swiglu" else 1) + linear(f, d)
+    block = 2 * norm + linear(d, 3 * d) + linear(d, d) + mlp
+    untied_head = d * cfg.vocab_size
+    return (cfg.vocab_size + cfg.max_seq_len) * d + cfg.n_layers * block + norm + untied_head
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_presets_build_to_their_documented_sizes(name):
+    built = build_model(name, "meta")
+    cfg = PRESETS[name]
+    assert sum(p.numel() for p in built.module.parameters()) == _expected_parameters(cfg)
+    assert built.module.head.weight is not built.module.tok.weight  # untied: ghost clipping refuses tying
+    if name == "llama-1b":
+        assert isinstance(built.module.ln_f, torch.nn.RMSNorm) and built.module.blocks[0].up.bias is None
+        assert built.module.blocks[0].gate.out_features == 8192
+
+
+@pytest.mark.parametrize("name, published", [("gpt2-small", 124_439_808), ("gpt2-medium", 354_823_168)])
+def test_gpt2_presets_are_gpt2_sized_but_for_the_untied_head(name, published):
+    """GPT-2's published parameter counts (tied head) plus one vocab x d_model head."""
+    built = build_model(name, "meta")
+    assert sum(p.numel() for p in built.module.parameters()) - built.module.head.weight.numel() == published
+
+
+def test_hf_model_report_names_hugging_face_layers(tmp_path):
+    pytest.importorskip("transformers")
+    overrides = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=1, vocab_size=128)
+    with _clean_env(tmp_path, DPGRAD_TUNE="off"):
+        data = report.run_report(report.ReportSettings(model="hf:llama", batch_size=2, seq_len=8, opacus=False,
+                                                       hf_config=overrides), io.StringIO())
+    rows = {r["name"]: r for r in data["rows"]}
+    assert rows["lm_head"]["kind"] == "linear_norm" and rows["model.embed_tokens"]["kind"] == "embedding_norm"
+    assert rows["model.layers.0.mlp.gate_proj"]["shape"] == "32x64"
+    assert rows["model.norm"]["choice"] == report.FUNCTORCH  # LlamaRMSNorm has no dpgrad sampler
+
+
+def test_python_dash_m_prints_json_on_stdout(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("DPGRAD_TUNE", "DPGRAD_BACKEND", "TRITON_INTERPRET")}
+    env["DPGRAD_TUNE_DIR"] = str(tmp_path / "store")
+    proc = subprocess.run(
+        [sys.executable, "-m", "dpgrad", "autotune-report", "--model", "tiny", "--batch-size", "2", "--seq-len", "8",
+         "--json", "-"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert [r["name"] for r in data["rows"]] == TINY_LAYERS
+    assert data["settings"]["tune_mode"] == "on" and data["settings"]["seq_len"] == 8
+    assert "CUDA is not available" in proc.stderr and "autotune 16/16" in proc.stderr
