@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .linear_token_sum import token_sum
 from .reference import LinearPerSample
 from .triton_common import INTERPRET, cdiv, check_dtypes, configs, dot_fp32, empty, min_block
 
@@ -140,8 +141,6 @@ def linear_per_sample(
         )
     elif bias and B * p > 0:
         # No weight tiles (d == 0): the bias comes from its own pass.
-        from .linear_token_sum import token_sum
-
         b, bias_sq = token_sum(G, write_sum=grad, norm=norm, out_dtype=out_dtype)
         if norm:
             b_sq = bias_sq[:, None]

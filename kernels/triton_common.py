@@ -6,7 +6,6 @@ kernels to run on CPU tensors (Triton's interpreter, used by the tests).
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Dict, List, Sequence
 
@@ -57,10 +56,6 @@ def check_dtypes(name: str, *tensors: torch.Tensor) -> None:
                 f"{name}: the Triton kernels take float32, bfloat16 or float16 tensors, got "
                 f"{t.dtype}; use the eager backend (DPGRAD_BACKEND=eager) for other dtypes"
             )
-
-
-def numel(shape) -> int:
-    return math.prod(shape)
 
 
 @triton.jit

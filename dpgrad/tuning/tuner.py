@@ -19,7 +19,7 @@ import os
 import time
 import types
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
@@ -27,7 +27,7 @@ import torch
 from dpgrad.kernels import reference
 
 from . import cost_model, store
-from .candidates import Candidate, Shape, applicable, shape_of
+from .candidates import CANDIDATES, Candidate, Shape, applicable, shape_of
 
 ENV_VAR = "DPGRAD_TUNE"
 MODES = ("off", "cached", "on")
@@ -224,9 +224,7 @@ class Tuner:
             # An only candidate, or a choice from the store or the cost model: a recording
             # (the autotune report) still wants the chosen candidate's time on these inputs.
             try:
-                chosen = next(c for c in applicable(decision.kind, shape_of(decision.kind, inputs),
-                                                    tuple(t for t in inputs if isinstance(t, torch.Tensor)))
-                              if c.name == decision.choice)
+                chosen = next(c for c in CANDIDATES[decision.kind] if c.name == decision.choice)
                 decision.timings_ms[decision.choice] = self.timer(lambda: chosen.run(*inputs), inputs[1].device,
                                                                   name=chosen.name)
             except Exception as exc:
@@ -304,6 +302,3 @@ def get_tuner() -> Tuner:
         _TUNER = Tuner()
     return _TUNER
 
-
-def decision_dict(decision: Decision) -> dict:
-    return asdict(decision)
