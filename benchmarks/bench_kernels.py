@@ -27,7 +27,6 @@ import datetime
 import json
 import platform
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -46,6 +45,7 @@ from opacus.grad_sample.embedding_norm_sample import compute_embedding_norm_samp
 from opacus.grad_sample.linear import compute_linear_grad_sample, compute_linear_norm_sample  # noqa: E402
 
 from dpgrad.kernels import triton_ops as ops  # noqa: E402
+from dpgrad.report import git_commit  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 DEV = "cuda"
@@ -196,16 +196,6 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
-def _commit() -> str:
-    try:
-        return subprocess.check_output(
-            ["git", "describe", "--always", "--dirty"], cwd=Path(__file__).parent, text=True,
-            stderr=subprocess.DEVNULL,
-        ).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def write_results(rows: list, path: Path | None = None) -> Path:
     """Write the JSON record of ``rows`` (default benchmarks/results/kernels_<gpu>.json)."""
     device = torch.cuda.get_device_name()
@@ -213,7 +203,7 @@ def write_results(rows: list, path: Path | None = None) -> Path:
         "benchmark": "kernels",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device,
-        "commit": _commit(),
+        "commit": git_commit() or "unknown",
         "versions": {
             "python": platform.python_version(),
             "torch": torch.__version__,
@@ -332,7 +322,7 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     path = write_results(rows, args.output)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"opacus {opacus.__version__}, commit {_commit()}\nwritten {path}")
+          f"opacus {opacus.__version__}, commit {git_commit() or 'unknown'}\nwritten {path}")
     return 0
 
 

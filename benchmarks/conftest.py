@@ -5,10 +5,11 @@ from __future__ import annotations
 import datetime
 import json
 import platform
-import subprocess
 from pathlib import Path
 
 import torch
+
+from dpgrad.report import git_commit
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -23,13 +24,6 @@ def _device() -> str:
     except OSError:
         pass
     return f"cpu: {platform.processor() or platform.machine()} x {torch.get_num_threads()} threads"
-
-
-def _commit() -> str:
-    try:
-        return subprocess.check_output(["git", "describe", "--always", "--dirty"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -70,7 +64,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     record = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": _device(),
-        "commit": _commit(),
+        "commit": git_commit() or "unknown",
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "opacus": opacus.__version__},
         "results": rows,
     }

@@ -108,7 +108,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _git_commit() -> Optional[str]:
+def git_commit() -> Optional[str]:
+    """``git describe --always --dirty`` of this checkout; None for an installed copy or no git."""
     root = Path(__file__).resolve().parents[1]
     if not (root / ".git").exists():  # an installed copy: the commit would be someone else's
         return None
@@ -192,7 +193,7 @@ def _run(settings: ReportSettings, device: torch.device, dtype: torch.dtype, pro
         "schema": SCHEMA,
         "device": dev_name,
         "versions": {**store.versions(), "python": sys.version.split()[0]},
-        "commit": _git_commit(),
+        "commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": {"name": settings.model, "parameters": sum(p.numel() for p in built.module.parameters()),
                   "trainable_layers": len(layers)},
