@@ -296,6 +296,16 @@ class GradSampleModule(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._close_pass)
             self._pass_open = True
         try:
+            if not activations:
+                raise RuntimeError(
+                    f"layer '{self._layer_names[layer]}' is in a second hooked backward pass through "
+                    "the same graph; its inputs went to the first. Per-sample gradients take one "
+                    "forward pass per hooked backward pass (disable_hooks() for any other pass)."
+                )
+            # The hook lives as long as the graph, which the caller's loss can keep alive after
+            # backward: it must not keep the layer's inputs alive with it.
+            activations, taken = list(activations), activations
+            taken.clear()
             backprops = grad.detach()
             if self.loss_reduction == "mean":
                 backprops = backprops * batch_size
