@@ -1,21 +1,34 @@
 """dpgrad: fast differentially private training (DP-SGD) for PyTorch.
 
 Drop-in replacements for Opacus's wrappers: ``GradSampleModule`` (per-sample gradients) and
-``GradSampleModuleFastGradientClipping`` (per-sample gradient norms, ghost clipping).
+``GradSampleModuleFastGradientClipping`` (per-sample gradient norms, ghost clipping), and for
+its loss wrapper ``DPLossFastGradientClipping`` (one backward pass with ``single_backward=True``).
 """
 
 from . import samplers  # noqa: F401  (registers the built-in samplers)
 from .fast_gradient_clipping import GradSampleModuleFastGradientClipping
 from .grad_sample_module import GradSampleModule
-from .registry import GRAD_SAMPLERS, NORM_SAMPLERS, register_grad_sampler, register_norm_sampler
+from .loss import DPLossFastGradientClipping, DPTensorFastGradientClipping
+from .registry import (
+    CLIPPED_SUM_SAMPLERS,
+    GRAD_SAMPLERS,
+    NORM_SAMPLERS,
+    register_clipped_sum_sampler,
+    register_grad_sampler,
+    register_norm_sampler,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CLIPPED_SUM_SAMPLERS",
+    "DPLossFastGradientClipping",
+    "DPTensorFastGradientClipping",
     "GRAD_SAMPLERS",
     "NORM_SAMPLERS",
     "GradSampleModule",
     "GradSampleModuleFastGradientClipping",
+    "register_clipped_sum_sampler",
     "register_grad_sampler",
     "register_norm_sampler",
 ]

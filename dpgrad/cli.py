@@ -4,8 +4,9 @@
 chose, the time of every candidate, the speedup over Opacus and the extra memory. The default
 command.
 
-``dpgrad demo``: a short DP-SGD training run of the built-in transformer with ghost clipping,
-printing the loss and per-sample gradient-norm statistics of every step.
+``dpgrad demo``: a short DP-SGD training run of the built-in transformer with ghost clipping
+(one backward pass per step unless --backward double), printing the loss and per-sample
+gradient-norm statistics of every step.
 """
 
 from __future__ import annotations
@@ -34,22 +35,16 @@ def dp_sgd_step(
     noise_multiplier: float,
     generator: Optional[torch.Generator] = None,
 ) -> torch.Tensor:
-    """One DP-SGD step from a batch's per-sample losses (B,), with two backward passes.
+    """One DP-SGD step from a batch's per-sample losses (B,).
 
-    The first pass gives the per-sample gradient norms, the second the clipped summed
-    gradient ``sum_b c_b g_b``; Gaussian noise of std ``noise_multiplier * C`` is added and
-    the sum divided by B, as Opacus's DPOptimizerFastGradientClipping does. Returns the
-    per-sample gradient norms.
+    ``model.clipped_backward`` (one backward pass or two, as the wrapper was built) leaves the
+    clipped summed gradient ``sum_b c_b g_b`` in ``p.grad``; Gaussian noise of std
+    ``noise_multiplier * C`` is added and the sum divided by B, as Opacus's
+    DPOptimizerFastGradientClipping does. Returns the per-sample gradient norms.
     """
-    loss_per_sample.mean().backward(retain_graph=True)
-    coef = model.get_clipping_coef()
-    norms = model.per_sample_gradient_norms
     optimizer.zero_grad(set_to_none=True)
-    model.disable_hooks()
-    try:
-        (coef.to(loss_per_sample.dtype) * loss_per_sample).sum().backward()
-    finally:
-        model.enable_hooks()
+    model.clipped_backward(loss_per_sample)
+    norms = model.per_sample_gradient_norms
     std = noise_multiplier * model.max_grad_norm
     batch_size = max(1, loss_per_sample.shape[0])
     for p in model.parameters():
@@ -69,20 +64,23 @@ def demo(argv: List[str]) -> int:
     parser.add_argument("--noise-multiplier", type=float, default=0.5)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backward", choices=["single", "double"], default="single",
+                        help="one backward pass per step (default) or Opacus's two")
     args = parser.parse_args(argv)
 
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     cfg = TinyTransformerConfig()
     model = GradSampleModuleFastGradientClipping(
-        TinyTransformer(cfg), max_grad_norm=args.max_grad_norm, loss_reduction="mean"
+        TinyTransformer(cfg), max_grad_norm=args.max_grad_norm, loss_reduction="mean",
+        single_backward=args.backward == "single",
     )
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     n_params = sum(p.numel() for p in model.parameters())
     print(
         f"dpgrad demo: TinyTransformer ({n_params / 1e6:.2f}M parameters, {cfg.n_layers} layers, "
         f"d_model {cfg.d_model}), batch {args.batch_size} x {args.seq_len} tokens, "
-        f"C = {args.max_grad_norm}, sigma = {args.noise_multiplier}, device cpu"
+        f"C = {args.max_grad_norm}, sigma = {args.noise_multiplier}, {args.backward} backward, device cpu"
     )
     print(f"{'step':>4} {'loss':>8} {'norm min':>9} {'median':>9} {'max':>9} {'clipped':>8} {'time s':>7}")
     for step in range(1, args.steps + 1):

@@ -4,17 +4,29 @@ Layers with a registered norm sampler (Linear, Embedding) get their per-sample g
 without materialising per-sample gradients ("ghost clipping"); every other layer gets its
 per-sample gradients, whose norms are taken at the end of the backward pass. Opacus's
 ``DPLossFastGradientClipping`` and ``DPOptimizerFastGradientClipping`` work with it unchanged.
+
+``clipped_backward`` (what ``dpgrad.DPLossFastGradientClipping`` calls) does better than
+Opacus's protocol. Its norm pass asks autograd only for the gradients of the layer outputs
+(``dpgrad.autograd_graph``), so no weight gradient is computed to be thrown away. Then either
+a second backward of ``sum_b c_b loss_b`` gives the clipped gradient (double backward, as in
+Opacus), or, with ``single_backward=True``, each layer's clipped gradient comes from the
+inputs and backprops the norm pass kept ("book-keeping"): the clipped-sum samplers for
+Linear and Embedding, ``sum_b c_b g_b`` of the per-sample gradients for every other layer.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from dpgrad import registry
+from dpgrad.autograd_graph import lowest_marked_edges, mark_output
 from dpgrad.grad_sample_module import GradSampleModule
+
+# What a norm pass does with the layers' inputs and backprops besides taking norms.
+NORMS_ONLY, KEEP_FOR_CLIPPING = "norms", "keep"
 
 
 def _refuse_tied(m: nn.Module) -> None:
@@ -51,9 +63,15 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         max_grad_norm: the clipping bound C of ``get_clipping_coef``.
         use_ghost_clipping: norms without per-sample gradients for layers with a norm sampler;
             with False, every layer's norm comes from its per-sample gradient.
+        single_backward: dpgrad's own keyword. One backward pass gives the norms and then the
+            clipped gradient ("book-keeping"); the pass must come from
+            ``dpgrad.DPLossFastGradientClipping`` or ``clipped_backward``. With False (the
+            default) ``clipped_backward`` runs two passes, as Opacus does, and a plain
+            backward works as in Opacus.
     """
 
     NORM_SAMPLERS = registry.NORM_SAMPLERS
+    CLIPPED_SUM_SAMPLERS = registry.CLIPPED_SUM_SAMPLERS
 
     def __init__(
         self,
@@ -66,6 +84,7 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         max_grad_norm: float = 1,
         use_ghost_clipping: bool = True,
         check_finite: bool = True,
+        single_backward: bool = False,
     ):
         if use_ghost_clipping:
             _refuse_tied(m)
@@ -78,13 +97,25 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
             check_finite=check_finite,
         )
         self.use_ghost_clipping = use_ghost_clipping
+        self.single_backward = single_backward
         self.max_grad_norm = max_grad_norm
         self.trainable_parameters = [p for _, p in self._trainable_parameters()]
         self._per_sample_gradient_norms = None
         self._pass_norms: Dict[nn.Parameter, torch.Tensor] = {}
+        # Marks this wrapper's layer outputs in the autograd graph (dpgrad.autograd_graph).
+        self._output_mark = object()
+        self._norm_pass: Optional[str] = None  # NORMS_ONLY or KEEP_FOR_CLIPPING during clipped_backward
+        self._pass_kept: List[Tuple[nn.Module, list, torch.Tensor]] = []  # (layer, activations, backprops)
+        self._to_clip: Optional[Tuple[list, Dict[nn.Parameter, torch.Tensor]]] = None
 
     def _uses_norm_sampler(self, layer: nn.Module) -> bool:
-        return self.use_ghost_clipping and type(layer) in self.NORM_SAMPLERS
+        # Single backward clips a layer from its norm alone only if it can also sum it clipped.
+        kind = type(layer)
+        return (
+            self.use_ghost_clipping
+            and kind in self.NORM_SAMPLERS
+            and (not self.single_backward or kind in self.CLIPPED_SUM_SAMPLERS)
+        )
 
     def forward(self, *args, **kwargs):
         if self.hooks_enabled and self.training and torch.is_grad_enabled():
@@ -92,16 +123,25 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
                 p._norm_sample = None
         return super().forward(*args, **kwargs)
 
-    def _on_forward(self, layer: nn.Module, name: str, params: List[nn.Parameter]) -> None:
+    def _on_forward(self, layer: nn.Module, name: str, params: List[nn.Parameter], out: torch.Tensor) -> None:
         if self._uses_norm_sampler(layer) and layer in self._forward_seen:
             raise NotImplementedError(
                 f"layer '{name}' ran twice in one forward pass; under ghost clipping the norm of "
                 "its per-sample gradient cannot be assembled from the two uses. Call each "
                 "layer once per forward, or wrap with use_ghost_clipping=False."
             )
-        super()._on_forward(layer, name, params)
+        super()._on_forward(layer, name, params, out)
+        mark_output(out, self._output_mark)
 
     def _process_layer(self, layer: nn.Module, activations: list, backprops: torch.Tensor) -> None:
+        if self.single_backward and self._norm_pass is None:
+            raise RuntimeError(
+                f"layer '{self._layer_names[layer]}': this wrapper has single_backward=True, so its "
+                "backward pass must come from dpgrad.DPLossFastGradientClipping (loss.backward() "
+                "on what it returns) or wrapper.clipped_backward(per_sample_losses). A plain "
+                "backward would leave unclipped gradients in p.grad; Opacus's "
+                "DPLossFastGradientClipping needs single_backward=False."
+            )
         if not self._uses_norm_sampler(layer):
             return super()._process_layer(layer, activations, backprops)
         norms = self.NORM_SAMPLERS[type(layer)](layer, activations, backprops)
@@ -116,21 +156,99 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
                     "combine their norms. Run backward after every forward pass."
                 )
             self._pass_norms[p] = norm
+        if self._norm_pass == KEEP_FOR_CLIPPING:
+            self._pass_kept.append((layer, activations, backprops))
 
     def _abort_pass(self) -> None:
         super()._abort_pass()
         self._pass_norms = {}
+        self._pass_kept = []
 
     def _finish_pass(self, params: List[nn.Parameter]) -> None:
         norms = dict(self._pass_norms)
-        for p in params:
-            gs = p._current_grad_sample
+        grad_samples = {p: p._current_grad_sample for p in params}
+        for p, gs in grad_samples.items():
             acc = torch.float64 if gs.dtype == torch.float64 else torch.float32
             norms[p] = torch.linalg.vector_norm(gs.flatten(1), dim=1, dtype=acc)
         self._check_finite(norms, "gradient norms")
         for p, norm in norms.items():
             p._norm_sample = norm
             p.grad_sample = None
+        if self._norm_pass == KEEP_FOR_CLIPPING:
+            self._to_clip = (self._pass_kept, grad_samples)
+            self._pass_kept = []
+
+    # ------------------------------------------------------------------ dpgrad's backward
+    def clipped_backward(self, loss_per_sample: torch.Tensor) -> None:
+        """Add the clipped gradient ``sum_b c_b * grad(loss_b)`` of the last forward pass to ``p.grad``.
+
+        ``loss_per_sample``: (B,), each sample's own loss. ``c_b = min(1, C / (norm_b + 1e-6))``
+        from per-sample norms over all trainable parameters (``get_clipping_coef``). ``p.grad``
+        ends as Opacus's two-pass protocol leaves it (for either ``loss_reduction``), plus
+        what it held before: several calls before one optimizer step accumulate micro-batches,
+        each clipped on its own. ``p._norm_sample`` and ``per_sample_gradient_norms`` are set.
+
+        The norm pass computes no weight gradients. Then, with ``single_backward``, the
+        clipped gradients come from what that pass kept; otherwise a second backward pass of
+        ``sum_b c_b * loss_b`` (hooks disabled) computes them. Raises ValueError for a loss
+        that is not (B,) or has no graph, RuntimeError when the loss does not depend on any
+        layer this wrapper hooked in training mode.
+        """
+        if loss_per_sample.dim() != 1:
+            raise ValueError(
+                f"clipped_backward takes one loss per sample, shape (B,), not {tuple(loss_per_sample.shape)}; "
+                "for a loss per token, reduce each sequence first (DPLossFastGradientClipping's shape=)"
+            )
+        if loss_per_sample.grad_fn is None:
+            raise ValueError("the per-sample losses have no autograd graph (computed under torch.no_grad()?)")
+        reduced = loss_per_sample.mean() if self.loss_reduction == "mean" else loss_per_sample.sum()
+        targets = lowest_marked_edges(reduced.grad_fn, self._output_mark)
+        if not targets:
+            raise RuntimeError(
+                "the loss depends on no layer this wrapper hooked: run the forward pass through "
+                "the wrapper, in training mode, with hooks enabled and gradients on"
+            )
+        self._norm_pass = KEEP_FOR_CLIPPING if self.single_backward else NORMS_ONLY
+        try:
+            torch.autograd.grad(reduced, targets, retain_graph=not self.single_backward, allow_unused=True)
+        finally:
+            self._norm_pass = None
+        try:
+            coef = self.get_clipping_coef()
+            if coef.shape != loss_per_sample.shape:
+                raise ValueError(
+                    f"{loss_per_sample.shape[0]} losses for a batch of {coef.shape[0]} samples: "
+                    "give one loss per sample"
+                )
+            if self.single_backward:
+                self._add_clipped_gradients(coef)
+            else:
+                self.disable_hooks()
+                try:
+                    (coef.to(loss_per_sample.device) * loss_per_sample).sum().backward()
+                finally:
+                    self.enable_hooks()
+        finally:
+            self._to_clip = None
+
+    def _add_clipped_gradients(self, coef: torch.Tensor) -> None:
+        """``p.grad += sum_b c_b g_b`` for every parameter of the kept pass, freeing as it goes."""
+        if self._to_clip is None:
+            raise RuntimeError(
+                "the norm pass reached no hooked layer (hooks disabled after the forward pass?): "
+                "nothing to clip"
+            )
+        layers, grad_samples = self._to_clip
+        while layers:
+            layer, activations, backprops = layers.pop()
+            sums = self.CLIPPED_SUM_SAMPLERS[type(layer)](layer, activations, backprops, coef)
+            for p, g in sums.items():
+                _add_to_grad(p, g)
+        for p in list(grad_samples):
+            gs = grad_samples.pop(p)
+            acc = torch.float64 if gs.dtype == torch.float64 else torch.float32
+            g = coef.to(device=gs.device, dtype=acc) @ gs.flatten(1).to(acc)
+            _add_to_grad(p, g.view(p.shape).to(p.dtype))
 
     def get_norm_sample(self) -> torch.Tensor:
         """Per-sample gradient norms over all trainable parameters, (B,)."""
@@ -176,3 +294,11 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
     @per_sample_gradient_norms.setter
     def per_sample_gradient_norms(self, value: torch.Tensor) -> None:
         self._per_sample_gradient_norms = value
+
+
+def _add_to_grad(p: nn.Parameter, g: torch.Tensor) -> None:
+    """Accumulate ``g`` into ``p.grad`` as autograd would (``g`` is a fresh tensor)."""
+    if p.grad is None:
+        p.grad = g
+    else:
+        p.grad.add_(g)

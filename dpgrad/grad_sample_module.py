@@ -279,10 +279,10 @@ class GradSampleModule(nn.Module):
         name = self._layer_names[layer]
         activations = [a.detach() if isinstance(a, torch.Tensor) else a for a in inputs]
         batch_size = self._batch_size(layer, name, activations)
-        self._on_forward(layer, name, params)
+        self._on_forward(layer, name, params, out)
         out.register_hook(partial(self._capture_backprops, layer, params, activations, batch_size))
 
-    def _on_forward(self, layer: nn.Module, name: str, params: List[nn.Parameter]) -> None:
+    def _on_forward(self, layer: nn.Module, name: str, params: List[nn.Parameter], out: torch.Tensor) -> None:
         self._forward_seen.add(layer)
         for p in params:
             p._forward_counter += 1

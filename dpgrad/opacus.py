@@ -3,8 +3,9 @@
 Two ways in:
 
 * ``make_private(engine, ...)``: like ``PrivacyEngine.make_private``, but the model is wrapped
-  by dpgrad's ``GradSampleModule`` / ``GradSampleModuleFastGradientClipping``; the optimizer,
-  the loss wrapper, the data loader and the privacy accounting are Opacus's own.
+  by dpgrad's ``GradSampleModule`` / ``GradSampleModuleFastGradientClipping`` and, under ghost
+  clipping, the loss by dpgrad's ``DPLossFastGradientClipping`` (``single_backward=True`` for
+  one backward pass); the optimizer, the data loader and the privacy accounting are Opacus's.
 * ``register_with_opacus()``: put dpgrad's samplers for Linear, Embedding, LayerNorm and
   RMSNorm into Opacus's registries, so that Opacus's own wrappers use them. Returns a handle
   that undoes it (``.unregister()`` or ``with``).
@@ -27,6 +28,7 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
 from dpgrad import registry
 from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping
 from dpgrad.grad_sample_module import GradSampleModule
+from dpgrad.loss import DPLossFastGradientClipping
 
 __all__ = ["OpacusRegistration", "make_private", "register_with_opacus"]
 
@@ -144,31 +146,40 @@ def _check_optimizer_params(module: nn.Module, optimizer) -> None:
             )
 
 
-def _wrap(module: nn.Module, *, grad_sample_mode: str, batch_first: bool, loss_reduction: str, max_grad_norm: float):
+def _wrap(
+    module: nn.Module,
+    *,
+    grad_sample_mode: str,
+    batch_first: bool,
+    loss_reduction: str,
+    max_grad_norm: float,
+    single_backward: bool,
+):
     cls = _WRAPPERS[grad_sample_mode]
     if isinstance(module, GradSampleModule):
         # A dpgrad wrapper is reused only if it already is what this call would build.
+        ghost = cls is GradSampleModuleFastGradientClipping
         mismatch = (
             type(module) is not cls
             or module.batch_first != batch_first
             or module.loss_reduction != loss_reduction
             or module.force_functorch != (grad_sample_mode == "functorch")
-            or (cls is GradSampleModuleFastGradientClipping and module.max_grad_norm != max_grad_norm)
+            or (ghost and (module.max_grad_norm != max_grad_norm or module.single_backward != single_backward))
         )
         if mismatch:
             raise ValueError(
                 f"the module is already a {type(module).__name__} (batch_first="
                 f"{module.batch_first}, loss_reduction={module.loss_reduction!r}) that does not "
                 f"match grad_sample_mode={grad_sample_mode!r}, batch_first={batch_first}, "
-                f"loss_reduction={loss_reduction!r}, max_grad_norm={max_grad_norm}: pass the "
-                "plain module (wrapper.to_standard_module())"
+                f"loss_reduction={loss_reduction!r}, max_grad_norm={max_grad_norm}, "
+                f"single_backward={single_backward}: pass the plain module (wrapper.to_standard_module())"
             )
         return module
     kwargs = dict(batch_first=batch_first, loss_reduction=loss_reduction)
     if grad_sample_mode == "functorch":
         kwargs["force_functorch"] = True
     if cls is GradSampleModuleFastGradientClipping:
-        kwargs["max_grad_norm"] = max_grad_norm
+        kwargs.update(max_grad_norm=max_grad_norm, single_backward=single_backward)
     return cls(module, **kwargs)
 
 
@@ -189,6 +200,7 @@ def make_private(
     clipping: str = "flat",
     wrap_model: bool = True,
     rand_on_empty: bool = False,
+    single_backward: bool = False,
     **kwargs,
 ):
     """``PrivacyEngine.make_private`` with the model wrapped by dpgrad.
@@ -196,8 +208,9 @@ def make_private(
     Assembled from the engine's own pieces, in the order ``PrivacyEngine.make_private``
     (Opacus 1.6) uses them: the engine's module validation, its data loader (Poisson
     sampling), its DP optimizer, its accountant (hooked on ``optimizer.step``) and, under
-    ghost clipping, its ``DPLossFastGradientClipping``. So ``privacy_engine.get_epsilon``
-    accounts for training done with the returned objects.
+    ghost clipping, dpgrad's ``DPLossFastGradientClipping`` (Opacus's signature; its backward
+    computes no weight gradient it throws away). So ``privacy_engine.get_epsilon`` accounts
+    for training done with the returned objects.
 
     Args:
         privacy_engine: an ``opacus.PrivacyEngine``.
@@ -210,6 +223,8 @@ def make_private(
             default), "hooks" (``dpgrad.GradSampleModule``) or "functorch" (the same with
             ``force_functorch=True``).
         clipping: only "flat" (one ``max_grad_norm`` over all parameters).
+        single_backward: under "ghost", one backward pass per step instead of two
+            (``GradSampleModuleFastGradientClipping(single_backward=True)``).
         wrap_model: only True; dpgrad always wraps the model.
         **kwargs: passed to the DP optimizer, as ``PrivacyEngine.make_private`` does.
 
@@ -219,8 +234,8 @@ def make_private(
 
     Raises:
         ValueError: for distributed modules, clipping other than "flat", several clipping
-            bounds, an unknown ``grad_sample_mode``, or optimizer parameters that are not the
-            module's.
+            bounds, an unknown ``grad_sample_mode``, ``single_backward`` without "ghost", or
+            optimizer parameters that are not the module's.
 
     Example::
 
@@ -240,7 +255,7 @@ def make_private(
         for x, y in train_loader:
             optimizer.zero_grad()
             loss = criterion(model(x), y)
-            loss.backward()  # both backward passes of ghost clipping
+            loss.backward()  # norms, clipping factors, clipped gradient
             optimizer.step()
         print(engine.get_epsilon(delta=1e-5))
     """
@@ -258,6 +273,11 @@ def make_private(
         raise ValueError("flat clipping takes one max_grad_norm, not a list of per-layer bounds")
     if not wrap_model:
         raise ValueError("dpgrad always wraps the model: wrap_model=False is not supported")
+    if single_backward and grad_sample_mode != "ghost":
+        raise ValueError(
+            f"single_backward=True clips from per-sample norms: it needs grad_sample_mode='ghost', "
+            f"not {grad_sample_mode!r}"
+        )
     if noise_generator is not None and privacy_engine.secure_mode:
         raise ValueError("Passing seed is prohibited in secure mode")
     _refuse_distributed(module)
@@ -270,6 +290,7 @@ def make_private(
         batch_first=batch_first,
         loss_reduction=loss_reduction,
         max_grad_norm=max_grad_norm,
+        single_backward=single_backward,
     )
     if poisson_sampling:
         module.forbid_grad_accumulation()
@@ -301,8 +322,6 @@ def make_private(
     if grad_sample_mode == "ghost":
         if criterion is None:
             criterion = nn.CrossEntropyLoss(reduction=loss_reduction)
-        criterion = privacy_engine._prepare_criterion(
-            module=module, optimizer=optimizer, criterion=criterion, loss_reduction=loss_reduction, **kwargs
-        )
+        criterion = DPLossFastGradientClipping(module, optimizer, criterion, loss_reduction=loss_reduction)
         return module, optimizer, criterion, data_loader
     return module, optimizer, data_loader

@@ -1,4 +1,5 @@
-"""DP fine-tuning with Opacus's PrivacyEngine and dpgrad's ghost-clipping wrapper.
+"""DP fine-tuning with Opacus's PrivacyEngine and dpgrad's ghost-clipping wrapper, one
+backward pass per step.
 
 Run: .venv/bin/python examples/privacy_engine.py [--steps N]
 Trains dpgrad's built-in transformer on synthetic sequences with Poisson sampling and prints
@@ -30,6 +31,7 @@ def main(steps: int = 20) -> float:
         criterion=torch.nn.CrossEntropyLoss(ignore_index=cfg.padding_idx),
         noise_multiplier=0.8,
         max_grad_norm=1.0,
+        single_backward=True,
     )
     step = 0
     while step < steps:
@@ -38,7 +40,7 @@ def main(steps: int = 20) -> float:
             logits = model(x)
             # shape= makes the privacy unit one sequence, not one token.
             loss = criterion(logits.reshape(-1, cfg.vocab_size), y.reshape(-1), shape=logits.shape[:2])
-            loss.backward()
+            loss.backward()  # one pass: norms, then each layer's clipped gradient
             optimizer.step()
             step += 1
             if step % 5 == 0 or step == steps:

@@ -74,9 +74,10 @@ def token_sum(
     return out, sq.sum(dim=1) if norm else None
 
 
-def linear_bias_grad_sample(G: torch.Tensor) -> torch.Tensor:
-    """Per-sample bias gradients ``sum_t G_b[t]``: (B, T, p) -> (B, p) in G's dtype."""
-    return token_sum(G)[0]
+def linear_bias_grad_sample(G: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Per-sample bias gradients ``sum_t G_b[t]``: (B, T, p) -> (B, p) in ``out_dtype`` (default
+    G's dtype), summed in fp32."""
+    return token_sum(G, out_dtype=out_dtype)[0]
 
 
 def linear_bias_sq_norm(G: torch.Tensor) -> torch.Tensor:

@@ -106,9 +106,10 @@ def linear_clipped_sum(
     return weight.to(out_dtype), scaled.sum(dim=(0, 1)).to(out_dtype) if bias else None
 
 
-def linear_bias_grad_sample(G: torch.Tensor) -> torch.Tensor:
-    """Per-sample bias gradients ``sum_t G_b[t]``: G (B, T, p) -> (B, p)."""
-    return G.sum(dim=1)
+def linear_bias_grad_sample(G: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Per-sample bias gradients ``sum_t G_b[t]``: G (B, T, p) -> (B, p) in ``out_dtype``
+    (default G's dtype)."""
+    return G.sum(dim=1, dtype=out_dtype)
 
 
 def linear_bias_sq_norm(G: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,9 @@ from opacus.grad_sample import (  # noqa: E402
     GradSampleModuleFastGradientClipping as OpacusGradSampleModuleFastGradientClipping,
 )
 from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping  # noqa: E402
-from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping  # noqa: E402
+from opacus.utils.fast_gradient_clipping_utils import (  # noqa: E402
+    DPLossFastGradientClipping as OpacusDPLossFastGradientClipping,
+)
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import dpgrad  # noqa: E402
@@ -70,27 +72,38 @@ def _train(model, optimizer, criterion, loader, steps):
 
 
 # ---------------------------------------------------------------------- make_private
-@pytest.mark.parametrize("mode", ["ghost", "hooks"])
+# grad_sample_mode, and single_backward under "ghost".
+MODES = {"ghost": ("ghost", False), "ghost-single": ("ghost", True), "hooks": ("hooks", False)}
+
+
+def _make_private(engine, model, mode, **kwargs):
+    grad_sample_mode, single = MODES[mode]
+    extra = dict(single_backward=True) if single else {}
+    return dpgrad.opacus.make_private(
+        engine,
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=kwargs.pop("lr", 0.1)),
+        criterion=nn.CrossEntropyLoss(),
+        grad_sample_mode=grad_sample_mode,
+        **extra,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("mode", list(MODES))
 def test_make_private_trains_and_accounts(mode):
     torch.manual_seed(0)  # Poisson sampling draws from the global generator
     engine = PrivacyEngine(accountant="rdp")
     model = _model()
     before = [p.detach().clone() for p in model.parameters()]
-    out = dpgrad.opacus.make_private(
-        engine,
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=DataLoader(_dataset(), batch_size=BATCH),
-        criterion=nn.CrossEntropyLoss(),
-        noise_multiplier=1.0,
-        max_grad_norm=1.0,
-        grad_sample_mode=mode,
-    )
-    if mode == "ghost":
+    out = _make_private(engine, model, mode, data_loader=DataLoader(_dataset(), batch_size=BATCH),
+                        noise_multiplier=1.0, max_grad_norm=1.0)
+    if mode.startswith("ghost"):
         module, optimizer, criterion, loader = out
         assert type(module) is dpgrad.GradSampleModuleFastGradientClipping
+        assert module.single_backward == (mode == "ghost-single")
         assert isinstance(optimizer, DPOptimizerFastGradientClipping)
-        assert isinstance(criterion, DPLossFastGradientClipping)
+        assert isinstance(criterion, dpgrad.DPLossFastGradientClipping)
         assert module.max_grad_norm == 1.0
     else:
         module, optimizer, loader = out
@@ -112,7 +125,7 @@ def test_make_private_trains_and_accounts(mode):
     assert all(torch.isfinite(p).all() for p in after)
 
 
-@pytest.mark.parametrize("mode", ["ghost", "hooks"])
+@pytest.mark.parametrize("mode", list(MODES))
 def test_one_step_matches_opacus_ghost_clipping(mode):
     """No noise, no Poisson sampling: dpgrad's update equals Opacus's own ghost clipping."""
     max_grad_norm = 0.05  # small enough that every sample is clipped, by its own factor
@@ -134,17 +147,8 @@ def test_one_step_matches_opacus_ghost_clipping(mode):
         grad_sample_mode="ghost",
     )
     assert type(theirs[0]) is OpacusGradSampleModuleFastGradientClipping
-    ours = dpgrad.opacus.make_private(
-        PrivacyEngine(accountant="rdp"),
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-        criterion=nn.CrossEntropyLoss(),
-        data_loader=loader(),
-        noise_multiplier=0.0,
-        max_grad_norm=max_grad_norm,
-        poisson_sampling=False,
-        grad_sample_mode=mode,
-    )
+    ours = _make_private(PrivacyEngine(accountant="rdp"), model, mode, lr=1.0, data_loader=loader(),
+                         noise_multiplier=0.0, max_grad_norm=max_grad_norm, poisson_sampling=False)
     if mode == "hooks":
         ours = (ours[0], ours[1], nn.CrossEntropyLoss(), ours[2])
 
@@ -153,7 +157,7 @@ def test_one_step_matches_opacus_ghost_clipping(mode):
         assert _train(module, optimizer, criterion, data, steps=1) == 1
         module.update = [p.detach() - s for p, s in zip(module.parameters(), start)]
 
-    if mode == "ghost":
+    if mode.startswith("ghost"):
         norms = ours[0].per_sample_gradient_norms
         assert (norms > max_grad_norm).all(), "the test should exercise clipping"
     for name, (u_ours, u_theirs) in zip(
@@ -185,6 +189,7 @@ def test_make_private_default_criterion_follows_loss_reduction():
         (dict(max_grad_norm=[1.0, 1.0]), "one max_grad_norm"),
         (dict(grad_sample_mode="ew"), "not supported"),
         (dict(wrap_model=False), "always wraps"),
+        (dict(grad_sample_mode="hooks", single_backward=True), "needs grad_sample_mode='ghost'"),
     ],
 )
 def test_make_private_refuses_what_it_does_not_support(kwargs, match):

@@ -27,7 +27,11 @@ def test_core_imports_neither_opacus_nor_a_top_level_kernels(tmp_path):
     assert out.split() == ["False", "True"]
 
 
-def test_demo_trains_and_reports_norms(capsys):
+# The demo and the example check their own wiring at their models' real sizes; the Triton pass
+# of `make test` would spend minutes there in the interpreter (the kernels are tested at small
+# shapes elsewhere, also through the wrappers), so these two stay on the eager kernels.
+def test_demo_trains_and_reports_norms(capsys, monkeypatch):
+    monkeypatch.setenv("DPGRAD_BACKEND", "eager")
     assert cli.main(["demo", "--steps", "3", "--batch-size", "4", "--seq-len", "16"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].startswith("dpgrad demo: TinyTransformer")
@@ -43,19 +47,20 @@ def test_unknown_command_is_a_usage_error(capsys):
     assert "usage: dpgrad" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("wrapper", ["dpgrad", "opacus"])
-def test_benchmark_step_runs(wrapper, monkeypatch):
-    """The benchmark's step function works for both wrappers (timings are not asserted)."""
+@pytest.mark.parametrize("provider", ["non-private", "opacus-ghost", "dpgrad-double", "dpgrad-single"])
+def test_benchmark_step_runs(provider, monkeypatch):
+    """The DP-step benchmark's step works for every provider (timings are not asserted)."""
     pytest.importorskip("opacus")
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
-    import bench_ghost_step
+    import bench_dp_step
 
-    step = bench_ghost_step.make_step(wrapper, seq_len=16)
+    step = bench_dp_step.make_step(provider, "tiny", batch=2, seq_len=16, dtype="fp32")
     step()
 
 
 def test_privacy_engine_example_runs(monkeypatch, capsys):
     pytest.importorskip("opacus")
+    monkeypatch.setenv("DPGRAD_BACKEND", "eager")
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "examples"))
     import privacy_engine
 

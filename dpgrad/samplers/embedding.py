@@ -10,8 +10,9 @@ from typing import Dict, List
 import torch
 import torch.nn as nn
 
+from dpgrad.backend import ops_for
 from dpgrad.tuning import get_tuner
-from dpgrad.registry import register_grad_sampler, register_norm_sampler
+from dpgrad.registry import register_clipped_sum_sampler, register_grad_sampler, register_norm_sampler
 
 
 def _ids_and_backprops(layer: nn.Embedding, activations: List[torch.Tensor], backprops: torch.Tensor):
@@ -50,3 +51,19 @@ def embedding_norm_sample(
         return {}
     inputs = (*prepared, layer.num_embeddings, layer.padding_idx)
     return {layer.weight: get_tuner().select("embedding_norm", inputs, layer).run(*inputs).sqrt()}
+
+
+@register_clipped_sum_sampler(nn.Embedding)
+def embedding_clipped_sum(
+    layer: nn.Embedding, activations: List[torch.Tensor], backprops: torch.Tensor, coef: torch.Tensor
+) -> Dict[nn.Parameter, torch.Tensor]:
+    """Clipped gradient of an Embedding layer, ``index_add`` of ``c_b * g_bt`` rows: (V, d) in
+    the weight's dtype, accumulated in fp32; coef: (B,)."""
+    prepared = _ids_and_backprops(layer, activations, backprops)
+    if prepared is None:
+        return {}
+    ids, G = prepared
+    ops = ops_for(G)
+    clipped = ops.embedding_clipped_sum(ids, G, coef, layer.num_embeddings, layer.padding_idx,
+                                        out_dtype=layer.weight.dtype)
+    return {layer.weight: clipped}

@@ -14,8 +14,9 @@ import torch
 import torch.nn as nn
 
 from dpgrad.backend import ops_for
+from dpgrad.kernels.reference import accumulation_dtype
 from dpgrad.tuning import get_tuner
-from dpgrad.registry import register_grad_sampler, register_norm_sampler
+from dpgrad.registry import register_clipped_sum_sampler, register_grad_sampler, register_norm_sampler
 
 
 def flatten_tokens(activations: torch.Tensor, backprops: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -71,4 +72,27 @@ def linear_norm_sample(
         out[layer.weight] = cand.run(A, G).sqrt()
     if bias:
         out[layer.bias] = ops_for(A, G).linear_bias_sq_norm(G).sqrt()
+    return out
+
+
+@register_clipped_sum_sampler(nn.Linear)
+def linear_clipped_sum(
+    layer: nn.Linear, activations: List[torch.Tensor], backprops: torch.Tensor, coef: torch.Tensor
+) -> Dict[nn.Parameter, torch.Tensor]:
+    """Clipped gradients of a Linear layer, ``(c ⊙ G)^T A`` (p, d) and ``sum_b c_b sum_t G_b[t]``
+    (p,), in the parameters' dtypes, accumulated in fp32; coef: (B,)."""
+    A, G = flatten_tokens(activations[0], backprops)
+    weight, bias = _trainable(layer)
+    ops = ops_for(A, G)
+    out = {}
+    if weight:
+        w, b = ops.linear_clipped_sum(A, G, coef, bias=bias, out_dtype=layer.weight.dtype)
+        out[layer.weight] = w
+        if bias:
+            out[layer.bias] = b.to(layer.bias.dtype)
+    elif bias:
+        # A frozen weight (e.g. bias-only fine-tuning): no GEMM, only the token sums.
+        acc = accumulation_dtype(G)
+        sums = ops.linear_bias_grad_sample(G, out_dtype=acc)
+        out[layer.bias] = (coef.to(device=G.device, dtype=acc) @ sums).to(layer.bias.dtype)
     return out

@@ -1,0 +1,171 @@
+"""``DPLossFastGradientClipping``: the loss wrapper of ghost clipping, with Opacus 1.6's signature.
+
+The criterion gives one loss per sample; ``backward()`` on the result leaves in ``p.grad`` the
+clipped gradient ``sum_b c_b * grad(loss_b)``. With dpgrad's
+``GradSampleModuleFastGradientClipping`` it calls the wrapper's ``clipped_backward``: one
+backward pass with ``single_backward=True``, else a norm pass that computes no weight
+gradients and the second pass of Opacus's protocol. Gradients accumulate over several
+backward calls (micro-batches) until the optimizer clears them. With Opacus's own wrapper it
+runs Opacus's protocol, unchanged. Opacus's ``DPOptimizerFastGradientClipping`` then adds the
+noise and takes the step, and its accountant counts it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping
+
+REDUCTIONS = ("mean", "sum")
+
+
+class DPTensorFastGradientClipping:
+    """Per-sample losses (B,) whose ``backward()`` is the clipped backward of ghost clipping.
+
+    Scalar arithmetic (``loss / k``, ``w * loss``, ``loss + other``...) applies to every
+    sample's loss. ``item()`` and ``detach()`` give the reduced loss.
+    """
+
+    def __init__(self, module, optimizer, loss_per_sample: torch.Tensor, loss_reduction: str = "mean"):
+        self.module = module
+        self.optimizer = optimizer
+        self.loss_per_sample = loss_per_sample
+        self.loss_reduction = loss_reduction
+
+    def _reduced(self) -> torch.Tensor:
+        return self.loss_per_sample.mean(dim=0) if self.loss_reduction == "mean" else self.loss_per_sample.sum(dim=0)
+
+    def detach(self) -> torch.Tensor:
+        """The reduced loss (mean or sum over samples), detached."""
+        return self._reduced().detach()
+
+    def item(self) -> float:
+        return self.detach().item()
+
+    def _with(self, loss_per_sample: torch.Tensor) -> "DPTensorFastGradientClipping":
+        return DPTensorFastGradientClipping(self.module, self.optimizer, loss_per_sample, self.loss_reduction)
+
+    def _other(self, other):
+        if isinstance(other, DPTensorFastGradientClipping):
+            if other.loss_reduction != self.loss_reduction:
+                raise ValueError(
+                    f"cannot combine losses reduced by {self.loss_reduction!r} and {other.loss_reduction!r}"
+                )
+            return other.loss_per_sample
+        return other
+
+    def __add__(self, other):
+        return self._with(self.loss_per_sample + self._other(other))
+
+    __radd__ = __add__
+
+    def __sub__(self, other):
+        return self._with(self.loss_per_sample - self._other(other))
+
+    def __rsub__(self, other):
+        return self._with(self._other(other) - self.loss_per_sample)
+
+    def __mul__(self, other):
+        return self._with(self.loss_per_sample * self._other(other))
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, other):
+        return self._with(self.loss_per_sample / self._other(other))
+
+    def __neg__(self):
+        return self._with(-self.loss_per_sample)
+
+    def __repr__(self) -> str:
+        return (
+            f"DPTensorFastGradientClipping(loss_reduction={self.loss_reduction}, "
+            f"shape={tuple(self.loss_per_sample.shape)})"
+        )
+
+    def __str__(self) -> str:
+        return f"DPTensorFastGradientClipping({self.item():.4f})"
+
+    def backward(self) -> None:
+        """Add ``sum_b c_b * grad(loss_b)`` to ``p.grad`` (see the module docstring)."""
+        if isinstance(self.module, GradSampleModuleFastGradientClipping):
+            self.module.clipped_backward(self.loss_per_sample)
+            return
+        # Another wrapper with Opacus's interface (Opacus's own): Opacus's protocol, whose first
+        # pass also fills p.grad, cleared before the second.
+        self._reduced().backward(retain_graph=True)
+        self.optimizer.zero_grad()
+        coef = self.module.get_clipping_coef()
+        self.module.disable_hooks()
+        try:
+            (coef.to(self.loss_per_sample.device) * self.loss_per_sample).sum().backward()
+        finally:
+            self.module.enable_hooks()
+
+
+class DPLossFastGradientClipping:
+    """Wraps a criterion so that it returns per-sample losses ready for clipped backward.
+
+    Opacus 1.6's signature and behaviour.
+
+    Args:
+        module: ``dpgrad.GradSampleModuleFastGradientClipping`` (or Opacus's).
+        optimizer: the DP optimizer (Opacus's ``DPOptimizerFastGradientClipping``); its
+            ``loss_reduction`` must match.
+        criterion: a loss with a ``reduction`` attribute (set to the module's if missing),
+            e.g. ``nn.CrossEntropyLoss``; it is called with ``reduction="none"``.
+        loss_reduction: "mean" or "sum", the same as the module's, the optimizer's and the
+            criterion's.
+    """
+
+    def __init__(self, module, optimizer, criterion, loss_reduction: str = "mean"):
+        if loss_reduction not in REDUCTIONS:
+            raise ValueError(f"loss_reduction = {loss_reduction!r}: use 'mean' or 'sum'")
+        if not hasattr(criterion, "reduction"):
+            criterion.reduction = module.loss_reduction
+        found = {
+            "loss_reduction": loss_reduction,
+            "criterion.reduction": criterion.reduction,
+            "module.loss_reduction": module.loss_reduction,
+        }
+        if hasattr(optimizer, "loss_reduction"):
+            found["optimizer.loss_reduction"] = optimizer.loss_reduction
+        if len(set(found.values())) > 1:
+            raise ValueError(
+                "the module, the optimizer, the criterion and DPLossFastGradientClipping must "
+                f"reduce the loss the same way; got {found}"
+            )
+        self.module = module
+        self.optimizer = optimizer
+        self.criterion = criterion
+        self.loss_reduction = loss_reduction
+
+    def __call__(self, *args, shape=None, **kwargs) -> DPTensorFastGradientClipping:
+        """The criterion's per-sample losses, wrapped.
+
+        ``shape``: the (B, T, ...) shape of the outputs before they were flattened to
+        (B*T, ...) for a token-level criterion (e.g. language-model logits (B, T, V)); each
+        sequence is then one sample, its loss the mean over its tokens (those not equal to the
+        criterion's ``ignore_index``, when it has one) or, under "sum", their sum.
+        """
+        old = self.criterion.reduction
+        self.criterion.reduction = "none"
+        try:
+            loss_per_sample = self.criterion(*args, **kwargs)
+        finally:
+            self.criterion.reduction = old
+        if shape is not None and loss_per_sample.shape[0] == shape[0] * shape[1]:
+            loss_per_sample = self._per_sequence(loss_per_sample.view(shape[0], shape[1]), args, kwargs)
+        return DPTensorFastGradientClipping(self.module, self.optimizer, loss_per_sample, self.loss_reduction)
+
+    def _per_sequence(self, token_losses: torch.Tensor, args, kwargs) -> torch.Tensor:
+        if self.loss_reduction == "sum":
+            return token_losses.sum(dim=1)
+        ignore_index = getattr(self.criterion, "ignore_index", None)
+        targets: Optional[torch.Tensor] = kwargs.get("target", args[1] if len(args) >= 2 else None)
+        if ignore_index is None or targets is None:
+            return token_losses.mean(dim=1)
+        # Ignored positions have a zero loss; they must not count in the mean either.
+        counted = (targets.view(token_losses.shape) != ignore_index).sum(dim=1).clamp(min=1)
+        return token_losses.sum(dim=1) / counted

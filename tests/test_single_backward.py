@@ -1,0 +1,362 @@
+"""Clipped backward (``clipped_backward``, ``dpgrad.DPLossFastGradientClipping``) in both modes.
+
+``p.grad`` after single backward must equal the double backward's and the float64 reference
+``sum_k sum_b c_kb * g_kb`` (fp32 rel 1e-5) on random models mixing every supported layer
+(``tests/mixed_net.py``), for both loss reductions, over one or several micro-batches (each
+clipped on its own). The clipping factors are dpgrad's own, checked against the reference
+norms separately, so the sums are compared on the same factors.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import HealthCheck, event, given, settings
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import dpgrad
+from mixed_net import FREEZES, NetConfig, build, fp32_budget_used_by_autograd, make_batch, model_cases, per_sample_loss
+from per_sample_reference import RTOL, assert_norms_close, assert_tensor_close, per_sample_grads, total_norm
+
+MODES = ["single", "double"]
+
+
+def wrap(model, mode, *, loss_reduction="mean", batch_first=True, max_grad_norm=1.0, ghost=True):
+    return dpgrad.GradSampleModuleFastGradientClipping(
+        model,
+        batch_first=batch_first,
+        loss_reduction=loss_reduction,
+        max_grad_norm=max_grad_norm,
+        use_ghost_clipping=ghost,
+        single_backward=mode == "single",
+    )
+
+
+def dp_criterion(wrapped, loss_reduction):
+    # The loss wrapper only reads the optimizer's loss_reduction (Opacus's optimizer has one).
+    optimizer = SimpleNamespace(loss_reduction=loss_reduction)
+    return dpgrad.DPLossFastGradientClipping(
+        wrapped, optimizer, nn.CrossEntropyLoss(reduction=loss_reduction), loss_reduction
+    )
+
+
+def clipping_bound(model, batches, batch_first):
+    """C between the middle reference norms of the first micro-batch: about half are clipped."""
+    x, y = batches[0]
+    ranked = total_norm(per_sample_grads(model, x.detach(), y, per_sample_loss, batch_first)).sort().values
+    B = ranked.numel()
+    if B < 2 or ranked[B // 2] == 0:
+        return 1.0
+    return float(ranked[B // 2 - 1] + ranked[B // 2]) / 2
+
+
+def check_clipped_sums(model, batches, mode, loss_reduction, batch_first, rtol=RTOL, ghost=True):
+    """Accumulate the micro-batches through DPLossFastGradientClipping; check every p.grad
+    against the float64 reference clipped sum. Returns {name: p.grad}."""
+    refs = [per_sample_grads(model, x.detach(), y, per_sample_loss, batch_first) for x, y in batches]
+    C = clipping_bound(model, batches, batch_first)
+    params = dict(model.named_parameters())
+    wrapped = wrap(model, mode, loss_reduction=loss_reduction, batch_first=batch_first, max_grad_norm=C, ghost=ghost)
+    criterion = dp_criterion(wrapped, loss_reduction)
+    expected = {n: 0 for n in refs[0]}
+    scale = {n: 0.0 for n in refs[0]}
+    for (x, y), ref in zip(batches, refs):
+        loss = criterion(wrapped(x), y)
+        loss.backward()
+        norms = wrapped.per_sample_gradient_norms
+        assert_norms_close(norms, total_norm(ref), "per-sample norms", rtol)
+        coef = (C / (norms + 1e-6)).clamp(max=1.0).double()
+        for n, g in ref.items():
+            expected[n] = expected[n] + torch.einsum("b,b...->...", coef, g)
+            if g.shape[0]:
+                scale[n] += (coef[:, None] * g.flatten(1).abs()).sum(0).max().item()
+    grads = {}
+    for n, p in params.items():
+        if n not in expected:
+            assert p.grad is None, f"frozen {n} got a gradient"
+            continue
+        want = torch.zeros_like(p, dtype=torch.float64) + expected[n]
+        # A trainable parameter no backward reached keeps None, as after Opacus's protocol.
+        got = torch.zeros_like(p) if p.grad is None else p.grad
+        assert got.dtype == p.dtype
+        assert_tensor_close(got, want, f"clipped {n}.grad ({mode})", scale[n], rtol)
+        grads[n] = got
+    return grads
+
+
+# ---------------------------------------------------------------------------- fixed shapes
+@pytest.mark.parametrize("freeze", ["none", "weight", "bias", "layer", "embedding"])
+@pytest.mark.parametrize("micro_batches", [1, 3])
+@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+def test_single_equals_double_and_reference(loss_reduction, micro_batches, freeze):
+    cfg = NetConfig()
+    model = build(cfg, seed=0, freeze=FREEZES[freeze])
+    # Micro-batches of different sizes, as Poisson sampling gives.
+    batches = [make_batch(cfg, B=4 + k, T=3, seed=10 + k) for k in range(micro_batches)]
+    single = check_clipped_sums(copy.deepcopy(model), batches, "single", loss_reduction, True)
+    double = check_clipped_sums(copy.deepcopy(model), batches, "double", loss_reduction, True)
+    for n in single:
+        assert_tensor_close(single[n], double[n].double(), f"single vs double {n}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_batch_second_and_without_ghost_clipping(mode):
+    """batch_first=False, and use_ghost_clipping=False (every layer from per-sample gradients)."""
+    cfg = NetConfig(batch_first=False)
+    batches = [make_batch(cfg, B=5, T=4, seed=20), make_batch(cfg, B=3, T=4, seed=21)]
+    check_clipped_sums(build(cfg, seed=1), batches, mode, "mean", False)
+    check_clipped_sums(build(cfg, seed=1), batches, mode, "sum", False, ghost=False)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(case=model_cases(MODES))
+def test_random_models_match_float64_reference(case):
+    """Random mixed models, with one or two micro-batches; ill-conditioned draws (see
+    test_reference_models) run in float64 against rtol 1e-10."""
+    cfg = case["cfg"]
+    model = build(cfg, seed=case["seed"], freeze=case["freeze"])
+    if not any(p.requires_grad for p in model.parameters()):
+        model.head.bias.requires_grad_(True)
+    batches = [make_batch(cfg, B=case["B"], T=case["T"], seed=case["seed"] + 1)]
+    if case["seed"] % 2:
+        batches.append(make_batch(cfg, B=max(1, case["B"] - 1), T=case["T"], seed=case["seed"] + 2))
+    rtol = RTOL
+    for x, y in batches:
+        ref = per_sample_grads(model, x, y, per_sample_loss, batch_first=cfg.batch_first)
+        if fp32_budget_used_by_autograd(model, x, y, ref, cfg.batch_first) > 0.25:
+            event("ill-conditioned in fp32: checked in float64")
+            model, rtol = model.double(), 1e-10
+            break
+    check_clipped_sums(model, batches, case["wrapper"], case["loss_reduction"], cfg.batch_first, rtol)
+
+
+# ---------------------------------------------------------------------------- models that stress the graph walk
+class InPlaceMLP(nn.Module):
+    """A Linear whose output is changed in place (ReLU(inplace=True)), a branch that joins
+    later, and a LayerNorm between Linears."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 7)
+        self.b = nn.Linear(7, 5)
+        self.side = nn.Linear(6, 5)
+        self.norm = nn.LayerNorm(5)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = F.relu(self.a(x), inplace=True)
+        return self.head(self.norm(self.b(h) + self.side(x)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("input_requires_grad", [False, True])
+def test_in_place_and_branches(mode, input_requires_grad):
+    torch.manual_seed(3)
+    model = InPlaceMLP()
+    x = torch.randn(6, 6, requires_grad=input_requires_grad)
+    y = torch.randint(0, 3, (6,))
+    check_clipped_sums(model, [(x, y)], mode, "mean", True)
+
+
+class Reused(nn.Module):
+    """One Linear called twice (tied use), between LayerNorms: only without ghost clipping."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 6)
+        self.shared = nn.Linear(6, 6)
+        self.norm = nn.LayerNorm(6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.shared(self.inp(x)))
+        return self.head(self.norm(self.shared(h)).mean(1))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reused_layer_without_ghost_clipping(mode):
+    torch.manual_seed(4)
+    x, y = torch.randn(5, 3, 4), torch.randint(0, 3, (5,))
+    check_clipped_sums(Reused(), [(x, y)], mode, "sum", True, ghost=False)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_forwards_then_two_backwards(mode):
+    """Each loss is clipped on its own graph even when both forwards ran first."""
+    cfg = NetConfig()
+    model = build(cfg, seed=5)
+    batches = [make_batch(cfg, B=4, T=3, seed=30), make_batch(cfg, B=3, T=2, seed=31)]
+    ref_model = copy.deepcopy(model)
+    refs = [per_sample_grads(ref_model, x, y, per_sample_loss) for x, y in batches]
+    wrapped = wrap(model, mode, loss_reduction="sum", max_grad_norm=0.3)
+    criterion = dp_criterion(wrapped, "sum")
+    losses = [criterion(wrapped(x), y) for x, y in batches]
+    expected = {}
+    for loss, ref in zip(losses, refs):
+        loss.backward()
+        norms = wrapped.per_sample_gradient_norms
+        assert_norms_close(norms, total_norm(ref))
+        coef = (0.3 / (norms + 1e-6)).clamp(max=1.0).double()
+        for n, g in ref.items():
+            expected[n] = expected.get(n, 0) + torch.einsum("b,b...->...", coef, g)
+    for n, p in model.named_parameters():
+        assert_tensor_close(p.grad, expected[n], n)
+
+
+# ---------------------------------------------------------------------------- what the norm pass computes
+class OpShapes(TorchDispatchMode):
+    """Records the output shapes of the matrix products and embedding backwards that run."""
+
+    WATCHED = ("aten.mm", "aten.addmm", "aten.embedding_dense_backward")
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+        self.active = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.active and str(func).startswith(self.WATCHED):
+            self.shapes.append((str(func), tuple(out.shape)))
+        return out
+
+
+def _weight_gradients(rec: OpShapes, model: nn.Module):
+    weights = {tuple(p.shape) for n, p in model.named_parameters() if n.endswith("weight")}
+    return [(op, s) for op, s in rec.shapes if s in weights or "embedding_dense_backward" in op]
+
+
+def test_norm_pass_computes_no_weight_gradient():
+    """Until the second pass starts (hooks disabled), no weight-gradient GEMM and no dense
+    embedding gradient runs; a plain hooked backward, as Opacus's first pass does, runs them."""
+    # B = 5 and B * T = 15 are no layer's out-features: only a weight gradient has a weight's shape.
+    cfg = NetConfig(V=9, d=8, k=2, q=5, r=3, c=4)
+    model = build(cfg, seed=6)
+    x, y = make_batch(cfg, B=5, T=3, seed=7)
+
+    wrapped = wrap(copy.deepcopy(model), "double")
+    with OpShapes() as rec:
+        losses = per_sample_loss(wrapped(x), y)
+        disable_hooks = wrapped.disable_hooks
+
+        def second_pass_starts():
+            rec.active = False
+            disable_hooks()
+
+        wrapped.disable_hooks = second_pass_starts
+        wrapped.clipped_backward(losses)
+    assert rec.shapes, "the recorder saw no matrix product"
+    assert _weight_gradients(rec, model) == []
+
+    plain = wrap(copy.deepcopy(model), "double")
+    with OpShapes() as rec:
+        per_sample_loss(plain(x), y).mean().backward()
+    assert _weight_gradients(rec, model), "the check must see the weight gradients of a plain backward"
+
+
+# ---------------------------------------------------------------------------- memory
+def _live_tensors_of_shape(shape) -> int:
+    gc.collect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecated torch attributes touched by the scan
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and tuple(o.shape) == shape)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nothing_kept_after_backward(mode):
+    """Once backward returns, no layer input or backprop stays alive, even while the caller
+    still holds the loss (and so the graph)."""
+    torch.manual_seed(8)
+    B, width = 4, 37  # no parameter (or gradient) has the shape (B, width) of the layers' inputs
+    model = nn.Sequential(nn.Linear(5, width), nn.Tanh(), nn.LayerNorm(width), nn.Linear(width, width),
+                          nn.Tanh(), nn.Linear(width, 2))
+    wrapped = wrap(model, mode, loss_reduction="sum")
+    loss = dp_criterion(wrapped, "sum")(wrapped(torch.randn(B, 5)), torch.randint(0, 2, (B,)))
+    loss.backward()
+    assert _live_tensors_of_shape((B, width)) == 0
+    assert all(p.grad is not None for p in model.parameters())
+    del loss
+
+
+# ---------------------------------------------------------------------------- misuse
+def test_plain_backward_of_a_single_backward_wrapper_raises():
+    model = build(NetConfig(), seed=9)
+    x, y = make_batch(NetConfig(), B=3, T=2, seed=9)
+    wrapped = wrap(model, "single")
+    with pytest.raises(RuntimeError, match="single_backward=True.*DPLossFastGradientClipping"):
+        per_sample_loss(wrapped(x), y).mean().backward()
+    # The wrapper is usable afterwards.
+    wrapped.zero_grad()
+    dp_criterion(wrapped, "mean")(wrapped(x), y).backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_clipped_backward_refuses_what_it_cannot_clip(mode):
+    model = build(NetConfig(), seed=10)
+    x, y = make_batch(NetConfig(), B=3, T=2, seed=10)
+    wrapped = wrap(model, mode)
+    with pytest.raises(ValueError, match=r"shape \(B,\)"):
+        wrapped.clipped_backward(per_sample_loss(wrapped(x), y)[:, None])
+    with pytest.raises(ValueError, match="3 losses for a batch of 2"):
+        wrapped.clipped_backward(torch.cat([per_sample_loss(wrapped(x[:2]), y[:2]), torch.ones(1)]))
+    with pytest.raises(ValueError, match="no autograd graph"):
+        with torch.no_grad():
+            wrapped.clipped_backward(per_sample_loss(wrapped(x), y))
+    wrapped.eval()
+    with pytest.raises(RuntimeError, match="depends on no layer this wrapper hooked"):
+        wrapped.clipped_backward(per_sample_loss(wrapped(x), y))
+    assert all(p.grad is None for p in model.parameters())
+
+
+# ---------------------------------------------------------------------------- the loss wrapper
+def test_dp_loss_checks_reductions():
+    wrapped = wrap(build(NetConfig(), seed=11), "single", loss_reduction="mean")
+    with pytest.raises(ValueError, match="reduce the loss the same way"):
+        dpgrad.DPLossFastGradientClipping(wrapped, SimpleNamespace(loss_reduction="sum"), nn.CrossEntropyLoss())
+    with pytest.raises(ValueError, match="loss_reduction = 'none'"):
+        dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss(), loss_reduction="none")
+
+    def criterion(logits, target):  # no reduction attribute: the module's is used
+        return F.cross_entropy(logits, target, reduction=criterion.reduction)
+
+    loss = dpgrad.DPLossFastGradientClipping(wrapped, None, criterion)
+    assert criterion.reduction == "mean" and loss.loss_reduction == "mean"
+
+
+def test_dp_loss_per_sequence_and_arithmetic():
+    """shape=(B, T): one loss per sequence, the mean over the tokens not equal to
+    ignore_index; scalar arithmetic acts on every sample's loss."""
+    torch.manual_seed(12)
+    B, T, V = 3, 5, 7
+    logits = torch.randn(B, T, V, requires_grad=True)
+    targets = torch.randint(0, V, (B, T))
+    targets[0, 2:] = -100
+    targets[2, :] = -100  # a sequence with nothing to predict
+    wrapped = wrap(nn.Linear(2, 2), "single")
+    ce = nn.CrossEntropyLoss()
+    loss = dpgrad.DPLossFastGradientClipping(wrapped, None, ce)(logits.view(-1, V), targets.view(-1), shape=(B, T, V))
+    assert ce.reduction == "mean"  # restored
+    token = F.cross_entropy(logits.view(-1, V), targets.view(-1), reduction="none").view(B, T)
+    valid = (targets != -100).sum(1)
+    expected = torch.stack([token[0].sum() / 2, token[1].sum() / T, torch.zeros(())])
+    assert valid.tolist() == [2, T, 0]
+    torch.testing.assert_close(loss.loss_per_sample, expected)
+    torch.testing.assert_close(loss.detach(), expected.mean())
+    assert loss.item() == pytest.approx(expected.mean().item())
+    torch.testing.assert_close((2 * loss / 4 - 1 + loss).loss_per_sample, expected * 1.5 - 1)
+    torch.testing.assert_close((-loss).loss_per_sample, -expected)
+    torch.testing.assert_close((1 - loss).loss_per_sample, 1 - expected)
+    summed = dpgrad.DPLossFastGradientClipping(wrap(nn.Linear(2, 2), "single", loss_reduction="sum"), None,
+                                               nn.CrossEntropyLoss(reduction="sum"), "sum")
+    torch.testing.assert_close(summed(logits.view(-1, V), targets.view(-1), shape=(B, T)).loss_per_sample,
+                               token.sum(1))
+    with pytest.raises(ValueError, match="reduced by 'mean' and 'sum'"):
+        loss + summed(logits.view(-1, V), targets.view(-1), shape=(B, T))
