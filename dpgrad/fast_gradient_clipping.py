@@ -159,6 +159,12 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         if self._norm_pass == KEEP_FOR_CLIPPING:
             self._pass_kept.append((layer, activations, backprops))
 
+    def _begin_pass(self) -> None:
+        # Norms belong to one backward pass: a parameter this pass does not reach has a zero
+        # gradient in it, whatever an earlier pass (of another forward) left.
+        for p in self.trainable_parameters:
+            p._norm_sample = None
+
     def _abort_pass(self) -> None:
         super()._abort_pass()
         self._pass_norms = {}

@@ -295,6 +295,7 @@ class GradSampleModule(nn.Module):
         if not self._pass_open:
             torch.autograd.Variable._execution_engine.queue_callback(self._close_pass)
             self._pass_open = True
+            self._begin_pass()
         try:
             if not activations:
                 raise RuntimeError(
@@ -345,6 +346,10 @@ class GradSampleModule(nn.Module):
                 self._pass_params[p] = None
 
     # ------------------------------------------------------------------ end of a backward pass
+    def _begin_pass(self) -> None:
+        """Called at the first hook of a backward pass; per-sample gradients accumulate across
+        passes, so there is nothing to reset here."""
+
     def _close_pass(self) -> None:
         try:
             self._finish_pass(list(self._pass_params))

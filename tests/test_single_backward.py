@@ -210,6 +210,45 @@ def test_two_forwards_then_two_backwards(mode):
         assert_tensor_close(p.grad, expected[n], n)
 
 
+class TwoHeads(nn.Module):
+    """A shared body and two heads; ``which`` says which head the next forward uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 6)
+        self.a = nn.Linear(6, 3)
+        self.b = nn.Linear(6, 3)
+        self.which = "a"
+
+    def forward(self, x):
+        return getattr(self, self.which)(torch.tanh(self.body(x)))
+
+
+@pytest.mark.parametrize("mode", MODES + ["opacus-protocol"])
+def test_norms_are_those_of_the_pass(mode):
+    """Two forwards through different heads, then the two backward passes: the second pass's
+    norms leave out the head only the first pass reached (no stale norms)."""
+    torch.manual_seed(13)
+    model = TwoHeads()
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    refs = {}
+    for head in "ab":
+        model.which = head
+        refs[head] = total_norm(per_sample_grads(model, x, y, per_sample_loss))
+    wrapped = wrap(model, "double" if mode == "opacus-protocol" else mode, loss_reduction="sum")
+    losses = {}
+    for head in "ab":
+        model.which = head
+        losses[head] = per_sample_loss(wrapped(x), y)
+    for head in "ab":
+        if mode == "opacus-protocol":
+            losses[head].sum().backward()
+        else:
+            wrapped.clipped_backward(losses[head])
+        assert_norms_close(wrapped.get_norm_sample(), refs[head], f"head {head}")
+        wrapped.zero_grad()
+
+
 # ---------------------------------------------------------------------------- what the norm pass computes
 class OpShapes(TorchDispatchMode):
     """Records the output shapes of the matrix products and embedding backwards that run."""
