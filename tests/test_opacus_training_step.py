@@ -130,28 +130,24 @@ def test_accumulated_micro_batches_make_one_step(loss_reduction):
     _assert_same(double, at_once, names, "double, accumulated")
 
 
-def test_opacus_loss_wrapper_with_dpgrad_modules():
-    """Opacus's own DPLossFastGradientClipping still drives dpgrad's double-backward wrapper
-    (drop-in); a single-backward wrapper refuses it, saying what to use instead."""
-    cfg = CONFIGS["gpt2-like"]
+@pytest.mark.parametrize("kind, config, loss_reduction", [("double", "gpt2-like", "mean"),
+                                                           ("opacus", "llama-like", "sum")])
+def test_either_loss_wrapper_drives_either_double_backward_module(kind, config, loss_reduction):
+    """Opacus's own DPLossFastGradientClipping drives dpgrad's double-backward wrapper
+    (drop-in), and dpgrad's runs Opacus's protocol on Opacus's wrapper: the same step."""
+    cfg = CONFIGS[config]
     torch.manual_seed(2)
     model = TinyTransformer(cfg)
     names = [n for n, _ in model.named_parameters()]
     batches = _batches(cfg, [4], seed=2)
-    theirs, _ = _step("double", OpacusDPLossFastGradientClipping, copy.deepcopy(model), batches, "mean")
-    ours, _ = _step("double", dpgrad.DPLossFastGradientClipping, copy.deepcopy(model), batches, "mean")
-    _assert_same(ours, theirs, names, "Opacus's loss wrapper")
+    theirs, _ = _step(kind, OpacusDPLossFastGradientClipping, copy.deepcopy(model), batches, loss_reduction)
+    ours, _ = _step(kind, dpgrad.DPLossFastGradientClipping, copy.deepcopy(model), batches, loss_reduction)
+    _assert_same(ours, theirs, names, f"dpgrad's loss wrapper on the {kind} module")
+
+
+def test_single_backward_refuses_opacus_loss_wrapper():
+    """Opacus's loss wrapper starts with a plain backward, which would leave unclipped
+    gradients: the single-backward wrapper refuses it and says what to use instead."""
+    cfg = CONFIGS["gpt2-like"]
     with pytest.raises(RuntimeError, match="single_backward=True.*dpgrad.DPLossFastGradientClipping"):
-        _step("single", OpacusDPLossFastGradientClipping, copy.deepcopy(model), batches, "mean")
-
-
-def test_dpgrad_loss_wrapper_with_opacus_module():
-    """dpgrad's loss wrapper runs Opacus's protocol on Opacus's own wrapper."""
-    cfg = CONFIGS["llama-like"]
-    torch.manual_seed(3)
-    model = TinyTransformer(cfg)
-    names = [n for n, _ in model.named_parameters()]
-    batches = _batches(cfg, [4], seed=3)
-    theirs, _ = _step("opacus", OpacusDPLossFastGradientClipping, copy.deepcopy(model), batches, "sum")
-    ours, _ = _step("opacus", dpgrad.DPLossFastGradientClipping, copy.deepcopy(model), batches, "sum")
-    _assert_same(ours, theirs, names, "dpgrad's loss wrapper on Opacus's module")
+        _step("single", OpacusDPLossFastGradientClipping, TinyTransformer(cfg), _batches(cfg, [4]), "mean")
