@@ -24,6 +24,7 @@ import torch.nn as nn
 from dpgrad import registry
 from dpgrad.autograd_graph import lowest_marked_edges, mark_output
 from dpgrad.grad_sample_module import GradSampleModule
+from dpgrad.kernels.reference import accumulation_dtype
 
 # What a norm pass does with the layers' inputs and backprops besides taking norms.
 NORMS_ONLY, KEEP_FOR_CLIPPING = "norms", "keep"
@@ -174,8 +175,7 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         norms = dict(self._pass_norms)
         grad_samples = {p: p._current_grad_sample for p in params}
         for p, gs in grad_samples.items():
-            acc = torch.float64 if gs.dtype == torch.float64 else torch.float32
-            norms[p] = torch.linalg.vector_norm(gs.flatten(1), dim=1, dtype=acc)
+            norms[p] = torch.linalg.vector_norm(gs.flatten(1), dim=1, dtype=accumulation_dtype(gs))
         self._check_finite(norms, "gradient norms")
         for p, norm in norms.items():
             p._norm_sample = norm
@@ -229,11 +229,7 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
             if self.single_backward:
                 self._add_clipped_gradients(coef)
             else:
-                self.disable_hooks()
-                try:
-                    (coef.to(loss_per_sample.device) * loss_per_sample).sum().backward()
-                finally:
-                    self.enable_hooks()
+                weighted_backward(self, coef, loss_per_sample)
         finally:
             self._to_clip = None
 
@@ -252,7 +248,7 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
                 _add_to_grad(p, g)
         for p in list(grad_samples):
             gs = grad_samples.pop(p)
-            acc = torch.float64 if gs.dtype == torch.float64 else torch.float32
+            acc = accumulation_dtype(gs)
             g = coef.to(device=gs.device, dtype=acc) @ gs.flatten(1).to(acc)
             _add_to_grad(p, g.view(p.shape).to(p.dtype))
 
@@ -300,6 +296,16 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
     @per_sample_gradient_norms.setter
     def per_sample_gradient_norms(self, value: torch.Tensor) -> None:
         self._per_sample_gradient_norms = value
+
+
+def weighted_backward(module, coef: torch.Tensor, loss_per_sample: torch.Tensor) -> None:
+    """The second pass of Opacus's protocol: backward of ``sum_b c_b loss_b`` with ``module``'s
+    hooks off, which adds ``sum_b c_b grad(loss_b)`` to ``p.grad``."""
+    module.disable_hooks()
+    try:
+        (coef.to(loss_per_sample.device) * loss_per_sample).sum().backward()
+    finally:
+        module.enable_hooks()
 
 
 def _add_to_grad(p: nn.Parameter, g: torch.Tensor) -> None:

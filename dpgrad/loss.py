@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping
+from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping, weighted_backward
 
 REDUCTIONS = ("mean", "sum")
 
@@ -96,12 +96,7 @@ class DPTensorFastGradientClipping:
         # pass also fills p.grad, cleared before the second.
         self._reduced().backward(retain_graph=True)
         self.optimizer.zero_grad()
-        coef = self.module.get_clipping_coef()
-        self.module.disable_hooks()
-        try:
-            (coef.to(self.loss_per_sample.device) * self.loss_per_sample).sum().backward()
-        finally:
-            self.module.enable_hooks()
+        weighted_backward(self.module, self.module.get_clipping_coef(), self.loss_per_sample)
 
 
 class DPLossFastGradientClipping:
