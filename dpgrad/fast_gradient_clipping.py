@@ -1,9 +1,15 @@
 """``GradSampleModuleFastGradientClipping``: per-sample gradient norms, a drop-in for Opacus's.
 
-Layers with a registered norm sampler (Linear, Embedding) get their per-sample gradient norms
-without materialising per-sample gradients ("ghost clipping"); every other layer gets its
-per-sample gradients, whose norms are taken at the end of the backward pass. Opacus's
-``DPLossFastGradientClipping`` and ``DPOptimizerFastGradientClipping`` work with it unchanged.
+Layers with a registered norm sampler (Linear, Embedding, Hugging Face's Conv1D) get their
+per-sample gradient norms without materialising per-sample gradients ("ghost clipping");
+every other layer gets its per-sample gradients, whose norms are taken at the end of the
+backward pass. Opacus's ``DPLossFastGradientClipping`` and ``DPOptimizerFastGradientClipping``
+work with it unchanged.
+
+A parameter used more than once (an input embedding tied to the output layer, a layer
+called twice) gets the exact norm of its summed per-sample gradient, ``sqrt(sum_i |g_i|^2 +
+2 sum_{i<j} <g_i, g_j>)``: each use's norm from its norm sampler, each cross term from the
+uses' factors (``registry.register_factor_sampler``), never a per-sample gradient.
 
 ``clipped_backward`` (what ``dpgrad.DPLossFastGradientClipping`` calls) does better than
 Opacus's protocol. Its norm pass asks autograd only for the gradients of the layer outputs
@@ -23,34 +29,12 @@ import torch.nn as nn
 
 from dpgrad import registry
 from dpgrad.autograd_graph import lowest_marked_edges, mark_output
+from dpgrad.backend import ops_for
 from dpgrad.grad_sample_module import GradSampleModule
 from dpgrad.kernels.reference import accumulation_dtype
 
 # What a norm pass does with the layers' inputs and backprops besides taking norms.
 NORMS_ONLY, KEEP_FOR_CLIPPING = "norms", "keep"
-
-
-def _refuse_tied(m: nn.Module) -> None:
-    """Raise before touching ``m`` if a trainable parameter is shared by a ghost-clipped layer."""
-    # One module registered under two names is hooked once, so it is not tying.
-    owners: Dict[nn.Parameter, Dict[nn.Module, str]] = {}
-    ghost = set()
-    for name, layer in m.named_modules(remove_duplicate=False):
-        for p in layer.parameters(recurse=False):
-            if p.requires_grad:
-                owners.setdefault(p, {}).setdefault(layer, name)
-                if type(layer) in registry.NORM_SAMPLERS:
-                    ghost.add(p)
-    for p, layers in owners.items():
-        names = list(layers.values())
-        if len(names) > 1 and p in ghost:
-            raise NotImplementedError(
-                f"parameter tying is not supported with ghost clipping: layers {names} share one "
-                "parameter (tied input and output embeddings?), and the norm of its per-sample "
-                "gradient is not the sum of the layers' norms. Untie it, e.g. "
-                "`lm_head.weight = nn.Parameter(lm_head.weight.detach().clone())`, or wrap with "
-                "use_ghost_clipping=False or with dpgrad.GradSampleModule."
-            )
 
 
 class GradSampleModuleFastGradientClipping(GradSampleModule):
@@ -73,6 +57,7 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
 
     NORM_SAMPLERS = registry.NORM_SAMPLERS
     CLIPPED_SUM_SAMPLERS = registry.CLIPPED_SUM_SAMPLERS
+    FACTOR_SAMPLERS = registry.FACTOR_SAMPLERS
 
     def __init__(
         self,
@@ -87,8 +72,12 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         check_finite: bool = True,
         single_backward: bool = False,
     ):
-        if use_ghost_clipping:
-            _refuse_tied(m)
+        registry.resolve(m)
+        self.use_ghost_clipping = use_ghost_clipping
+        self.single_backward = single_backward
+        # Parameters a ghost-clipped layer shares: their uses' factors are kept for the cross
+        # terms. Found here for tied weights, in the forward pass for a layer called twice.
+        self._shared = self._shared_ghost_parameters(m, force_functorch)
         super().__init__(
             m,
             batch_first=batch_first,
@@ -97,12 +86,12 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
             force_functorch=force_functorch,
             check_finite=check_finite,
         )
-        self.use_ghost_clipping = use_ghost_clipping
-        self.single_backward = single_backward
         self.max_grad_norm = max_grad_norm
         self.trainable_parameters = [p for _, p in self._trainable_parameters()]
         self._per_sample_gradient_norms = None
-        self._pass_norms: Dict[nn.Parameter, torch.Tensor] = {}
+        # Squared norms of the ghost-clipped parameters, and the factors of shared ones' uses.
+        self._pass_sq: Dict[nn.Parameter, torch.Tensor] = {}
+        self._pass_factors: Dict[nn.Parameter, list] = {}
         # Marks this wrapper's layer outputs in the autograd graph (dpgrad.autograd_graph).
         self._output_mark = object()
         self._norm_pass: Optional[str] = None  # NORMS_ONLY or KEEP_FOR_CLIPPING during clipped_backward
@@ -118,6 +107,48 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
             and (not self.single_backward or kind in self.CLIPPED_SUM_SAMPLERS)
         )
 
+    def _shared_ghost_parameters(self, m: nn.Module, force_functorch: bool) -> set:
+        """Trainable parameters that several hooked layers use, at least one ghost-clipped.
+
+        Raises, before the model is touched, where a shared parameter's norm cannot be exact:
+        a ghost-clipped use beside a per-sample-gradient one, or a layer without a factor
+        sampler.
+        """
+        owners: Dict[nn.Parameter, Dict[str, bool]] = {}
+        hooked = dict(self._layers_to_hook(m))
+        for name, layer in hooked.items():
+            whole = force_functorch or type(layer) not in self.GRAD_SAMPLERS
+            for p in layer.parameters(recurse=whole):
+                if p.requires_grad:
+                    owners.setdefault(p, {})[name] = self._uses_norm_sampler(layer)
+        shared = set()
+        for p, layers in owners.items():
+            if len(layers) < 2 or not any(layers.values()):
+                continue
+            names = list(layers)
+            if not all(layers.values()):
+                raise NotImplementedError(
+                    f"layers {names} share one parameter, and ghost clipping takes the norms of "
+                    f"{[n for n, g in layers.items() if g]} from norm samplers but of "
+                    f"{[n for n, g in layers.items() if not g]} from per-sample gradients, which "
+                    "cannot be combined exactly. Untie the parameter, or wrap with "
+                    "use_ghost_clipping=False."
+                )
+            self._check_factors({n: hooked[n] for n in names})
+            shared.add(p)
+        return shared
+
+    def _check_factors(self, layers: Dict[str, nn.Module]) -> None:
+        """Raise unless every one of these layers, which use one parameter, has a factor sampler."""
+        missing = {n: type(layer).__name__ for n, layer in layers.items() if type(layer) not in self.FACTOR_SAMPLERS}
+        if missing:
+            raise NotImplementedError(
+                f"layers {list(layers)} use one parameter under ghost clipping, but {missing} have "
+                "no factor sampler (dpgrad.register_factor_sampler), so the norm of the summed "
+                "gradient cannot be exact. Register one, untie the parameter, or wrap with "
+                "use_ghost_clipping=False."
+            )
+
     def forward(self, *args, **kwargs):
         if self.hooks_enabled and self.training and torch.is_grad_enabled():
             for p in self.trainable_parameters:
@@ -125,12 +156,10 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         return super().forward(*args, **kwargs)
 
     def _on_forward(self, layer: nn.Module, name: str, params: List[nn.Parameter], out: torch.Tensor) -> None:
-        if self._uses_norm_sampler(layer) and layer in self._forward_seen:
-            raise NotImplementedError(
-                f"layer '{name}' ran twice in one forward pass; under ghost clipping the norm of "
-                "its per-sample gradient cannot be assembled from the two uses. Call each "
-                "layer once per forward, or wrap with use_ghost_clipping=False."
-            )
+        if self._uses_norm_sampler(layer) and layer in self._forward_seen and not self._shared.issuperset(params):
+            # Called twice: from now on its parameters' uses are combined by their factors.
+            self._check_factors({name: layer})
+            self._shared.update(params)
         super()._on_forward(layer, name, params, out)
         mark_output(out, self._output_mark)
 
@@ -146,17 +175,27 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         if not self._uses_norm_sampler(layer):
             return super()._process_layer(layer, activations, backprops)
         norms = self.NORM_SAMPLERS[type(layer)](layer, activations, backprops)
+        factors = None
         for p, norm in norms.items():
             if not p.requires_grad:
                 continue
-            if p in self._pass_norms:
+            sq = norm.to(accumulation_dtype(norm)).square()
+            if p in self._shared:
+                if factors is None:
+                    factors = self.FACTOR_SAMPLERS[type(layer)](layer, activations, backprops)
+                mine = factors[p]
+                ops = ops_for(*(t for t in mine if t.is_floating_point()))
+                for earlier in self._pass_factors.get(p, ()):
+                    sq = sq + 2 * ops.outer_sum_inner(*earlier, *mine)
+                self._pass_factors.setdefault(p, []).append(mine)
+            elif p in self._pass_sq:
                 raise NotImplementedError(
                     f"parameter '{self._param_names.get(p)}' of layer '{self._layer_names[layer]}' "
                     "received two gradient contributions in one backward pass (several forward "
-                    "passes before one backward, or a reused layer); ghost clipping cannot "
-                    "combine their norms. Run backward after every forward pass."
+                    "passes before one backward); ghost clipping combines the uses of one forward "
+                    "pass only. Run backward after every forward pass."
                 )
-            self._pass_norms[p] = norm
+            self._pass_sq[p] = sq if p not in self._pass_sq else self._pass_sq[p] + sq
         if self._norm_pass == KEEP_FOR_CLIPPING:
             self._pass_kept.append((layer, activations, backprops))
 
@@ -168,11 +207,13 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
 
     def _abort_pass(self) -> None:
         super()._abort_pass()
-        self._pass_norms = {}
+        self._pass_sq = {}
+        self._pass_factors = {}
         self._pass_kept = []
 
     def _finish_pass(self, params: List[nn.Parameter]) -> None:
-        norms = dict(self._pass_norms)
+        # Rounding can take the square of an exact zero (opposite uses) slightly below it.
+        norms = {p: sq.clamp_min(0).sqrt() for p, sq in self._pass_sq.items()}
         grad_samples = {p: p._current_grad_sample for p in params}
         for p, gs in grad_samples.items():
             norms[p] = torch.linalg.vector_norm(gs.flatten(1), dim=1, dtype=accumulation_dtype(gs))
@@ -306,6 +347,7 @@ def weighted_backward(module, coef: torch.Tensor, loss_per_sample: torch.Tensor)
         (coef.to(loss_per_sample.device) * loss_per_sample).sum().backward()
     finally:
         module.enable_hooks()
+
 
 
 def _add_to_grad(p: nn.Parameter, g: torch.Tensor) -> None:

@@ -80,6 +80,7 @@ class GradSampleModule(nn.Module):
         if loss_reduction not in ("sum", "mean"):
             raise ValueError(f"loss_reduction = {loss_reduction!r}: only 'sum' and 'mean' are supported")
         _refuse_wrapped(m)
+        registry.resolve(m)
         errors = self.validate(m, strict=strict)
         super().__init__()
         self._module = m
@@ -259,6 +260,15 @@ class GradSampleModule(nn.Module):
         n = x.shape[batch_dim]
         if self._forward_batch is None:
             self._forward_batch = n
+        elif n == 1 and self._forward_batch > 1:
+            raise ValueError(
+                f"layer '{name}' got an input of shape {tuple(x.shape)}, with 1 along the batch "
+                f"dimension {batch_dim} where earlier layers of this forward pass got "
+                f"{self._forward_batch} samples: the model broadcasts it over the batch, so its "
+                "gradient is the whole batch's, not per sample. Give the input one row per sample; "
+                "for Hugging Face models, whose position ids default to a single row, pass "
+                "position_ids=torch.arange(T).expand(B, T) (with B samples of T tokens)."
+            )
         elif n != self._forward_batch:
             raise ValueError(
                 f"layer '{name}' got {n} samples along dimension {batch_dim} (input shape "

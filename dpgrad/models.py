@@ -20,7 +20,8 @@ class TinyTransformerConfig:
 
     ``norm``: "layer" (nn.LayerNorm) or "rms" (nn.RMSNorm); ``bias``: biases on the Linear
     layers; ``mlp``: "gelu" (up, GELU, down; GPT-2) or "swiglu" (down(silu(gate(x)) * up(x));
-    Llama). The defaults are the demo's model.
+    Llama); ``tie_embeddings``: the output layer uses the token embedding's weight (GPT-2).
+    The defaults are the demo's model.
     """
 
     vocab_size: int = 512
@@ -33,6 +34,7 @@ class TinyTransformerConfig:
     norm: str = "layer"
     bias: bool = True
     mlp: str = "gelu"
+    tie_embeddings: bool = False
 
     def __post_init__(self):
         if self.norm not in ("layer", "rms"):
@@ -87,8 +89,9 @@ class TinyTransformer(nn.Module):
         self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = cfg.make_norm()
-        # Untied from the input embedding: ghost clipping does not support tied weights yet.
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.tok.weight
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         # Contiguous, not expanded: Opacus's embedding norm sampler, which the benchmarks run

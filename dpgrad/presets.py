@@ -3,8 +3,8 @@
 ``build_model(name, device, dtype)`` gives a model for a preset name (``PRESETS``) or, when
 Hugging Face ``transformers`` is installed, ``hf:<model_type>`` (``hf:gpt2``, ``hf:llama``):
 that architecture's default config with random weights. Nothing is downloaded either way.
-Every preset is a :class:`dpgrad.models.TinyTransformer` with an untied output head, since
-ghost clipping refuses tied weights for now.
+Every preset is a :class:`dpgrad.models.TinyTransformer`; as in the models they are shaped
+after, the output layer shares the token embedding's weight (except the demo's ``tiny``).
 """
 
 from __future__ import annotations
@@ -23,20 +23,21 @@ HF_PREFIX = "hf:"
 PRESETS: Dict[str, TinyTransformerConfig] = {
     # The demo's model: fast enough to tune on a laptop CPU.
     "tiny": TinyTransformerConfig(),
-    # GPT-2 small and medium shapes (124M and 355M with tied weights; the untied head adds
-    # vocab x d_model parameters).
+    # GPT-2 small and medium: 124M and 355M parameters, the output layer tied to the embedding.
     "gpt2-small": TinyTransformerConfig(
-        vocab_size=50257, max_seq_len=1024, d_model=768, n_heads=12, n_layers=12, d_ff=3072
+        vocab_size=50257, max_seq_len=1024, d_model=768, n_heads=12, n_layers=12, d_ff=3072,
+        tie_embeddings=True,
     ),
     "gpt2-medium": TinyTransformerConfig(
-        vocab_size=50257, max_seq_len=1024, d_model=1024, n_heads=16, n_layers=24, d_ff=4096
+        vocab_size=50257, max_seq_len=1024, d_model=1024, n_heads=16, n_layers=24, d_ff=4096,
+        tie_embeddings=True,
     ),
-    # Llama-3.2-1B-like: its vocabulary, width, depth and SwiGLU MLP, RMSNorm and no biases;
-    # full multi-head attention (no grouped KV heads) and learned positions (no RoPE), so it
-    # is larger than the real 1.24B model.
+    # Llama-3.2-1B-like: its vocabulary, width, depth and SwiGLU MLP, RMSNorm, no biases and
+    # tied embeddings; full multi-head attention (no grouped KV heads) and learned positions
+    # (no RoPE), so it is larger than the real 1.24B model.
     "llama-1b": TinyTransformerConfig(
         vocab_size=128256, max_seq_len=4096, d_model=2048, n_heads=32, n_layers=16, d_ff=8192,
-        norm="rms", bias=False, mlp="swiglu",
+        norm="rms", bias=False, mlp="swiglu", tie_embeddings=True,
     ),
 }
 
@@ -135,8 +136,6 @@ def _build_hf(name, device, dtype, seq_len, overrides) -> BuiltModel:
     import transformers
 
     model_type = name[len(HF_PREFIX):]
-    # Untied: ghost clipping refuses tied input and output embeddings for now.
-    overrides.setdefault("tie_word_embeddings", False)
     if model_type not in transformers.CONFIG_MAPPING:
         raise ValueError(
             f"model {name!r}: transformers {transformers.__version__} has no model type {model_type!r}; "

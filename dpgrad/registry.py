@@ -3,15 +3,25 @@
 A grad sampler computes per-sample gradients and a norm sampler per-sample gradient norms;
 both have Opacus's signature ``fn(layer, activations, backprops) -> {parameter: tensor}``,
 with ``activations`` the list of the layer's inputs and ``backprops`` the gradient of each
-sample's loss w.r.t. the layer output, batch first. A clipped-sum sampler,
-``fn(layer, activations, backprops, coef) -> {parameter: sum_b coef_b * gradient_b}``, gives
-the clipped gradient of a layer from the same inputs, without per-sample gradients; the
-single-backward mode needs one for every layer it clips from norms alone.
+sample's loss w.r.t. the layer output, batch first. Two more kinds serve ghost clipping:
+- a clipped-sum sampler, ``fn(layer, activations, backprops, coef) -> {parameter: sum_b
+  coef_b * gradient_b}``, gives the clipped gradient of a layer from the same inputs without
+  per-sample gradients; the single-backward mode needs one for every layer it clips from
+  norms alone;
+- a factor sampler, ``fn(layer, activations, backprops) -> {parameter: (left, right)}``,
+  writes each per-sample gradient as a sum of outer products ``sum_t left_b[t] ⊗ right_b[t]``
+  (``left`` (B, T, n), or token ids (B, T) standing for one-hot rows); with it the norm of a
+  parameter used more than once (tied weights, a layer called twice) is exact, cross terms
+  included (``dpgrad.kernels.reference.outer_sum_inner``).
+
+A layer class from another package (``transformers.pytorch_utils.Conv1D``) is registered by
+its dotted path, so that dpgrad never imports that package: ``resolve(model)`` enters such
+classes in the tables once a model holding them is wrapped.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Sequence, Type, Union
+from typing import Callable, Dict, List, Sequence, Tuple, Type, Union
 
 import torch.nn as nn
 
@@ -19,30 +29,53 @@ Sampler = Callable
 GRAD_SAMPLERS: Dict[Type[nn.Module], Sampler] = {}
 NORM_SAMPLERS: Dict[Type[nn.Module], Sampler] = {}
 CLIPPED_SUM_SAMPLERS: Dict[Type[nn.Module], Sampler] = {}
+FACTOR_SAMPLERS: Dict[Type[nn.Module], Sampler] = {}
+
+# "package.module.Class" -> [(table, sampler)], for classes dpgrad does not import.
+_BY_PATH: Dict[str, List[Tuple[Dict[Type[nn.Module], Sampler], Sampler]]] = {}
+
+Target = Union[Type[nn.Module], str, Sequence[Union[Type[nn.Module], str]]]
 
 
-def _classes(target: Union[Type[nn.Module], Sequence[Type[nn.Module]]]):
-    return list(target) if isinstance(target, Sequence) else [target]
+def class_path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _register(table: Dict[Type[nn.Module], Sampler], target_class_or_classes):
+def _targets(target: Target) -> list:
+    if isinstance(target, (str, type)):
+        return [target]
+    return list(target)
+
+
+def _register(table: Dict[Type[nn.Module], Sampler], target: Target):
     def decorator(fn: Sampler) -> Sampler:
-        for cls in _classes(target_class_or_classes):
-            table[cls] = fn
+        for cls in _targets(target):
+            if isinstance(cls, str):
+                _BY_PATH.setdefault(cls, []).append((table, fn))
+            else:
+                table[cls] = fn
         return fn
 
     return decorator
 
 
-def register_grad_sampler(target_class_or_classes: Union[Type[nn.Module], Sequence[Type[nn.Module]]]):
+def resolve(model: nn.Module) -> None:
+    """Enter the classes registered by dotted path that ``model`` uses in the tables."""
+    for cls in {type(m) for m in model.modules()}:
+        for table, fn in _BY_PATH.get(class_path(cls), ()):
+            table.setdefault(cls, fn)
+
+
+def register_grad_sampler(target_class_or_classes: Target):
     """Decorator: register ``fn(layer, activations, backprops)`` as the grad sampler of a layer type.
 
     The function returns ``{parameter: per-sample gradient of shape (B, *parameter.shape)}``.
+    A layer type is a class, its dotted path as a string, or a sequence of them.
     """
     return _register(GRAD_SAMPLERS, target_class_or_classes)
 
 
-def register_norm_sampler(target_class_or_classes: Union[Type[nn.Module], Sequence[Type[nn.Module]]]):
+def register_norm_sampler(target_class_or_classes: Target):
     """Decorator: register ``fn(layer, activations, backprops)`` as the norm sampler of a layer type.
 
     The function returns ``{parameter: per-sample gradient L2 norm of shape (B,)}`` without
@@ -51,7 +84,7 @@ def register_norm_sampler(target_class_or_classes: Union[Type[nn.Module], Sequen
     return _register(NORM_SAMPLERS, target_class_or_classes)
 
 
-def register_clipped_sum_sampler(target_class_or_classes: Union[Type[nn.Module], Sequence[Type[nn.Module]]]):
+def register_clipped_sum_sampler(target_class_or_classes: Target):
     """Decorator: register ``fn(layer, activations, backprops, coef)`` as the clipped-sum sampler
     of a layer type.
 
@@ -60,3 +93,14 @@ def register_clipped_sum_sampler(target_class_or_classes: Union[Type[nn.Module],
     norm sampler it lets the single-backward mode clip the layer from its inputs and backprops.
     """
     return _register(CLIPPED_SUM_SAMPLERS, target_class_or_classes)
+
+
+def register_factor_sampler(target_class_or_classes: Target):
+    """Decorator: register ``fn(layer, activations, backprops)`` as the factor sampler of a layer type.
+
+    The function returns ``{parameter: (left, right)}`` with the per-sample gradient equal to
+    ``sum_t left_b[t] ⊗ right_b[t]`` (reshaped to the parameter's shape): ``left`` (B, T, n)
+    or integer ids (B, T) for one-hot rows (an id below 0 for none), ``right`` (B, T, m).
+    Ghost clipping needs one to combine the uses of a parameter used more than once.
+    """
+    return _register(FACTOR_SAMPLERS, target_class_or_classes)

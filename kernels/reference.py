@@ -191,6 +191,40 @@ def linear_weight_sq_norm(A: torch.Tensor, G: torch.Tensor, algorithm: str = "au
     return run_linear_norm(sys.modules[__name__], A, G, algorithm)
 
 
+def _left_gram(L1: torch.Tensor, L2: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """``(L1[t] · L2[s])`` for every token pair, (B, T1, T2); integer L are ids of one-hot rows."""
+    ids1, ids2 = not L1.is_floating_point(), not L2.is_floating_point()
+    if ids1 and ids2:
+        return ((L1[:, :, None] == L2[:, None, :]) & (L1[:, :, None] >= 0)).to(acc)
+    if ids1:
+        return _left_gram(L2, L1, acc).transpose(1, 2)
+    if ids2:
+        # One-hot row x_s picks column x_s of each dense row: a gather, never a one-hot.
+        B, T1 = L1.shape[:2]
+        picked = L1.gather(2, L2.clamp_min(0)[:, None, :].expand(B, T1, L2.shape[1])).to(acc)
+        return picked * (L2 >= 0)[:, None, :]
+    return torch.bmm(L1.to(acc), L2.to(acc).transpose(1, 2))
+
+
+def outer_sum_inner(L1: torch.Tensor, R1: torch.Tensor, L2: torch.Tensor, R2: torch.Tensor) -> torch.Tensor:
+    """Per-sample inner products ``<sum_t L1_b[t] ⊗ R1_b[t], sum_s L2_b[s] ⊗ R2_b[s]>_F``, (B,).
+
+    L: (B, T, n) dense, or integer token ids (B, T) standing for one-hot rows of length n (an
+    id below 0 stands for a zero row); R: (B, T, m). The cross term of a parameter used twice
+    (a tied embedding and output layer, a Linear called twice): ``sum_{t,s} (L1[t] · L2[s]) *
+    (R1[t] · R2[s])``, one batch slice at a time, never the (n, m) matrices. About
+    2*B*T1*T2*(n + m) flops for dense factors; ids cost a gather instead of their n.
+    Accumulated in fp32 (fp64 for fp64 inputs).
+    """
+    acc = accumulation_dtype(*(t for t in (L1, R1, L2, R2) if t.is_floating_point()))
+    B, T1, T2 = R1.shape[0], R1.shape[1], R2.shape[1]
+    out = torch.zeros(B, dtype=acc, device=R1.device)
+    for s in batch_slices(B, 3 * T1 * T2):
+        right = torch.bmm(R1[s].to(acc), R2[s].to(acc).transpose(1, 2))
+        out[s] = (_left_gram(L1[s], L2[s], acc) * right).sum(dim=(1, 2))
+    return out
+
+
 def _embedding_rows(ids: torch.Tensor, G: torch.Tensor, padding_idx: Optional[int]):
     """Flatten (B, T) ids and (B, T, d) backprops to kept rows, dropping padding positions."""
     B = ids.shape[0]

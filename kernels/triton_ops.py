@@ -16,7 +16,9 @@ from .linear_grad_sample import linear_per_sample
 from .linear_norm_direct import linear_weight_sq_norm_direct
 from .linear_norm_gram import linear_weight_sq_norm_gram
 from .linear_token_sum import linear_bias_grad_sample, linear_bias_sq_norm, linear_weight_sq_norm_outer
-from .reference import LinearPerSample, run_linear_norm
+# The cross term of a parameter used twice is two batched GEMMs (or a gather): torch's own
+# kernels serve on every device.
+from .reference import LinearPerSample, outer_sum_inner, run_linear_norm
 
 NAME = "triton"
 
@@ -35,6 +37,7 @@ __all__ = [
     "linear_weight_sq_norm_direct",
     "linear_weight_sq_norm_gram",
     "linear_weight_sq_norm_outer",
+    "outer_sum_inner",
 ]
 
 

@@ -199,8 +199,8 @@ def _expected_parameters(cfg) -> int:
 
     mlp = linear(d, f) * (2 if cfg.mlp == "swiglu" else 1) + linear(f, d)
     block = 2 * norm + linear(d, 3 * d) + linear(d, d) + mlp
-    untied_head = d * cfg.vocab_size
-    return (cfg.vocab_size + cfg.max_seq_len) * d + cfg.n_layers * block + norm + untied_head
+    head = 0 if cfg.tie_embeddings else d * cfg.vocab_size
+    return (cfg.vocab_size + cfg.max_seq_len) * d + cfg.n_layers * block + norm + head
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
@@ -208,17 +208,17 @@ def test_presets_build_to_their_documented_sizes(name):
     built = build_model(name, "meta")
     cfg = PRESETS[name]
     assert sum(p.numel() for p in built.module.parameters()) == _expected_parameters(cfg)
-    assert built.module.head.weight is not built.module.tok.weight  # untied: ghost clipping refuses tying
+    assert (built.module.head.weight is built.module.tok.weight) == (name != "tiny")
     if name == "llama-1b":
         assert isinstance(built.module.ln_f, torch.nn.RMSNorm) and built.module.blocks[0].up.bias is None
         assert built.module.blocks[0].gate.out_features == 8192
 
 
 @pytest.mark.parametrize("name, published", [("gpt2-small", 124_439_808), ("gpt2-medium", 354_823_168)])
-def test_gpt2_presets_are_gpt2_sized_but_for_the_untied_head(name, published):
-    """GPT-2's published parameter counts (tied head) plus one vocab x d_model head."""
+def test_gpt2_presets_are_gpt2_sized(name, published):
+    """GPT-2's published parameter counts (with the head tied to the embedding)."""
     built = build_model(name, "meta")
-    assert sum(p.numel() for p in built.module.parameters()) - built.module.head.weight.numel() == published
+    assert sum(p.numel() for p in built.module.parameters()) == published
 
 
 def test_hf_model_report_names_hugging_face_layers(tmp_path):

@@ -358,15 +358,44 @@ def test_wrapping_an_opacus_wrapped_module(wrapper):
 
 
 # ---------------------------------------------------------------------------- tying and reuse
-def test_tied_weights_refused_under_ghost_clipping_before_any_change():
+@pytest.mark.parametrize("loss_reduction", ["sum", "mean"])
+def test_tied_weights_under_ghost_clipping(loss_reduction):
+    """The tied weight's norm is that of the summed gradient, cross term included."""
     model, pristine = make(TiedLM)
+    wrapped = FGC(model, loss_reduction=loss_reduction, use_ghost_clipping=True)
+    ids, y = lm_batch()
+    assert_step_correct(wrapped, pristine, ids, y, loss_reduction)
+
+
+class TiedToFunctorch(nn.Module):
+    """A Linear's weight also used by a layer dpgrad has no sampler for (torch.func)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.other = Scale(self.lin.weight)
+
+    def forward(self, x):
+        return self.other(self.lin(x))
+
+
+class Scale(nn.Module):
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x):
+        return x @ self.weight
+
+
+def test_weight_tied_between_ghost_and_per_sample_layers_refused_before_any_change():
+    model, pristine = make(TiedToFunctorch)
     with pytest.raises(NotImplementedError) as err:
         FGC(model, use_ghost_clipping=True)
-    says(err, "'emb'", "'lm_head'", "Untie", "use_ghost_clipping=False")
+    says(err, "'lin'", "'other'", "per-sample gradients", "use_ghost_clipping=False")
     assert_untouched(model)
-    assert model.lm_head.weight is model.emb.weight
-    ids, y = lm_batch()
-    assert_trains_normally(model, pristine, ids, y)
+    x = torch.randn(3, 4)
+    assert_trains_normally(model, pristine, x, torch.randint(0, 4, (3,)))
 
 
 @pytest.mark.parametrize("wrapper", ["gsm", "fgc"])
@@ -422,14 +451,13 @@ def test_one_layer_registered_twice_is_not_tying_under_ghost_clipping():
 
 
 def test_layer_called_twice_under_ghost_clipping():
+    """Its two uses' norms and their cross term make the norm of the summed gradient."""
     model, pristine = make()
+    model.encoder.reuse = pristine.encoder.reuse = True
     wrapped = FGC(model, loss_reduction="sum", use_ghost_clipping=True)
     x, y = batch()
-    model.encoder.reuse = True
-    with pytest.raises(NotImplementedError) as err:
-        wrapped(x)
-    says(err, "'encoder.proj'", "twice", "use_ghost_clipping=False")
-    model.encoder.reuse = False
+    assert_step_correct(wrapped, pristine, x, y)
+    model.encoder.reuse = pristine.encoder.reuse = False
     assert_step_correct(wrapped, pristine, x, y)
 
 

@@ -393,3 +393,69 @@ def test_embedding_samplers(padding_idx):
     layer.weight.requires_grad_(False)
     assert embedding_samplers.embedding_grad_sample(layer, [ids], gy) == {}
     assert embedding_samplers.embedding_norm_sample(layer, [ids], gy) == {}
+
+
+# ---------------------------------------------------------------------------- uses of one parameter
+def naive_outer_sum(L: torch.Tensor, R: torch.Tensor, n: int) -> torch.Tensor:
+    """(B, n, m) float64: sum_t L[t] ⊗ R[t], integer L being ids of one-hot rows (< 0: none)."""
+    B, T = R.shape[:2]
+    out = torch.zeros(B, n, R.shape[-1], dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            if L.is_floating_point():
+                out[b] += torch.outer(L[b, t].double(), R[b, t].double())
+            elif L[b, t] >= 0:
+                out[b, L[b, t]] += R[b, t].double()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("kinds", ["dense-dense", "ids-dense", "dense-ids", "ids-ids"])
+@pytest.mark.parametrize("B,T1,T2,n,m", [(3, 4, 5, 6, 7), (2, 1, 3, 5, 1), (0, 2, 2, 3, 3), (4, 6, 6, 2, 8)])
+def test_outer_sum_inner(B, T1, T2, n, m, kinds, dtype):
+    """<W1_b, W2_b> of two per-sample gradients given as outer-product sums, by gathers and
+    token-pair Grams, against the matrices themselves."""
+    g = torch.Generator().manual_seed(B * 100 + T1 * 10 + T2)
+
+    def left(T, kind):
+        if kind == "ids":
+            return torch.randint(-1, n, (B, T), generator=g)  # -1: a padding position
+        return torch.randn(B, T, n, generator=g).to(dtype)
+
+    k1, k2 = kinds.split("-")
+    L1, L2 = left(T1, k1), left(T2, k2)
+    R1, R2 = torch.randn(B, T1, m, generator=g).to(dtype), torch.randn(B, T2, m, generator=g).to(dtype)
+    expected = (naive_outer_sum(L1, R1, n) * naive_outer_sum(L2, R2, n)).sum(dim=(1, 2))
+    got = R.outer_sum_inner(L1, R1, L2, R2)
+    assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    # A sum of products of either sign: the error is relative to the sum of magnitudes.
+    scale = (naive_outer_sum(L1, R1, n).abs() * naive_outer_sum(L2, R2, n).abs()).sum(dim=(1, 2))
+    assert ((got.double() - expected).abs() <= NORM_RTOL[torch.float32 if dtype == torch.bfloat16 else dtype]
+            * scale + 1e-12).all()
+
+
+def test_outer_sum_inner_of_a_use_with_itself_is_its_squared_norm():
+    A, G = make_AG(3, 5, 4, 6, torch.float64)
+    assert_norms_close(R.outer_sum_inner(G, A, G, A), sq_norms(naive_linear_grad_sample(A, G)), 1e-12)
+    ids = torch.randint(0, 7, (3, 5), generator=torch.Generator().manual_seed(2))
+    ids[0, :2] = -1
+    ref = naive_outer_sum(ids, G, 7)
+    assert_norms_close(R.outer_sum_inner(ids, G, ids, G), sq_norms(ref), 1e-12)
+
+
+def test_factor_samplers_rebuild_the_per_sample_gradients():
+    """Linear (weight and bias) and Embedding (padding dropped) factors sum to the grad samples."""
+    linear = nn.Linear(4, 6)
+    A, G = make_AG(3, 5, 4, 6, torch.float64)
+    factors = linear_samplers.linear_factors(linear.double(), [A], G)
+    grads = linear_samplers.linear_grad_sample(linear, [A], G)
+    for p in (linear.weight, linear.bias):
+        L, Rt = factors[p]
+        assert_tensor_close(naive_outer_sum(L, Rt, L.shape[-1]).view(grads[p].shape), grads[p], 1e-12)
+    emb = nn.Embedding(7, 6, padding_idx=2).double()
+    ids = torch.randint(0, 7, (3, 5), generator=torch.Generator().manual_seed(3))
+    ids[1, 1] = 2
+    (L, Rt), = embedding_samplers.embedding_factors(emb, [ids], G).values()
+    assert (L[ids == 2] == -1).all()
+    expected = embedding_samplers.embedding_grad_sample(emb, [ids], G)[emb.weight]
+    assert_tensor_close(naive_outer_sum(L, Rt, 7), expected, 1e-12)

@@ -166,7 +166,7 @@ def test_in_place_and_branches(mode, input_requires_grad):
 
 
 class Reused(nn.Module):
-    """One Linear called twice (tied use), between LayerNorms: only without ghost clipping."""
+    """One Linear called twice, between LayerNorms."""
 
     def __init__(self):
         super().__init__()
@@ -180,11 +180,41 @@ class Reused(nn.Module):
         return self.head(self.norm(self.shared(h)).mean(1))
 
 
+@pytest.mark.parametrize("ghost", [True, False])
 @pytest.mark.parametrize("mode", MODES)
-def test_reused_layer_without_ghost_clipping(mode):
+def test_reused_layer(mode, ghost):
     torch.manual_seed(4)
-    x, y = torch.randn(5, 3, 4), torch.randint(0, 3, (5,))
-    check_clipped_sums(Reused(), [(x, y)], mode, "sum", True, ghost=False)
+    batches = [(torch.randn(5, 3, 4), torch.randint(0, 3, (5,))), (torch.randn(2, 3, 4), torch.randint(0, 3, (2,)))]
+    check_clipped_sums(Reused(), batches, mode, "sum", True, ghost=ghost)
+
+
+class TiedClassifier(nn.Module):
+    """Token embedding (with padding) -> Linear -> mean -> output layer tied to the embedding."""
+
+    def __init__(self, V: int = 9, d: int = 5):
+        super().__init__()
+        self.emb = nn.Embedding(V, d, padding_idx=0)
+        self.mix = nn.Linear(d, d)
+        self.out = nn.Linear(d, V)
+        self.out.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.out(torch.tanh(self.mix(self.emb(ids))).mean(1))
+
+
+@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+@pytest.mark.parametrize("mode", MODES)
+def test_tied_embedding_and_output_layer(mode, loss_reduction):
+    """The tied weight's norm includes the cross term of its two uses; its clipped gradient
+    is the sum of both uses' clipped sums."""
+    torch.manual_seed(5)
+    g = torch.Generator().manual_seed(6)
+    batches = []
+    for B in (5, 3):
+        ids = torch.randint(0, 9, (B, 4), generator=g)
+        ids[0, :2] = 0
+        batches.append((ids, torch.randint(0, 9, (B,), generator=g)))
+    check_clipped_sums(TiedClassifier(), batches, mode, loss_reduction, True)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -5,14 +5,20 @@ Positions holding ``padding_idx`` contribute nothing: PyTorch gives that row no 
 
 from __future__ import annotations
 
-from typing import Dict, List
+import math
+from typing import Dict, List, Tuple
 
 import torch
 import torch.nn as nn
 
 from dpgrad.backend import ops_for
 from dpgrad.tuning import get_tuner
-from dpgrad.registry import register_clipped_sum_sampler, register_grad_sampler, register_norm_sampler
+from dpgrad.registry import (
+    register_clipped_sum_sampler,
+    register_factor_sampler,
+    register_grad_sampler,
+    register_norm_sampler,
+)
 
 
 def _ids_and_backprops(layer: nn.Embedding, activations: List[torch.Tensor], backprops: torch.Tensor):
@@ -67,3 +73,22 @@ def embedding_clipped_sum(
     clipped = ops.embedding_clipped_sum(ids, G, coef, layer.num_embeddings, layer.padding_idx,
                                         out_dtype=layer.weight.dtype)
     return {layer.weight: clipped}
+
+
+@register_factor_sampler(nn.Embedding)
+def embedding_factors(
+    layer: nn.Embedding, activations: List[torch.Tensor], backprops: torch.Tensor
+) -> Dict[nn.Parameter, Tuple[torch.Tensor, torch.Tensor]]:
+    """The per-sample gradient as ``sum_t onehot(x_bt) ⊗ g_bt``: ids (B, T) with padding
+    positions set to -1 (no row), and the backprops (B, T, d)."""
+    prepared = _ids_and_backprops(layer, activations, backprops)
+    if prepared is None:
+        return {}
+    ids, G = prepared
+    B = ids.shape[0]
+    # Not reshape(B, -1): that is ambiguous for an empty batch.
+    T = math.prod(ids.shape[1:])
+    ids = ids.reshape(B, T)
+    if layer.padding_idx is not None:
+        ids = ids.masked_fill(ids == layer.padding_idx, -1)
+    return {layer.weight: (ids, G.reshape(B, T, G.shape[-1]))}

@@ -1,0 +1,258 @@
+"""Hugging Face models built from tiny configs (random weights), against a float64 microbatch reference.
+
+GPT-2 (Conv1D projections, the LM head tied to the token embedding), Llama with PEFT LoRA
+adapters (RMSNorm, rotary positions, no bias; only the adapters train) and a BERT-style
+encoder with a classification head. Causal-LM losses are per sequence, the mean over the
+tokens not labelled -100 (padding, with an attention mask), as DPLossFastGradientClipping's
+``shape=`` gives them. The reference runs each sample alone through a float64 copy with plain
+autograd. dpgrad, in both modes: per-sample norms within fp32 rel 1e-5 (bf16 rel 1e-2), and
+``p.grad`` equal to ``sum_b c_b g_b``, element-wise within rel 1e-5 of the gradient's scale.
+
+Some gradients are zero in exact arithmetic (an attention key bias: softmax ignores a shift
+of all scores) and only rounding noise in the model's own precision. For those the element
+tolerance is also floored at 4x the error plain autograd makes, running the same samples one
+at a time in the model's precision: measured, never assumed. Norm tolerances are not touched.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable, Dict
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+import dpgrad  # noqa: E402
+from per_sample_reference import RTOL, assert_norms_close, assert_tensor_close, total_norm  # noqa: E402
+
+MODES = {"single": True, "double": False}
+B, T, V = 4, 8, 40
+BF16_RTOL = 1e-2
+
+
+@dataclass
+class Case:
+    """A model and its batch: ``forward(model, rows)`` gives the criterion's arguments and
+    ``shape`` for the rows of the batch (a slice)."""
+
+    model: nn.Module
+    forward: Callable
+    per_sample_loss: Callable  # plain torch: (model, rows, loss_reduction) -> (len(rows),)
+
+
+def _batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, V, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[0, 5:] = 0  # right padding
+    mask[2, 3:] = 0
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+def causal_lm(model: nn.Module, position_ids: bool) -> Case:
+    ids, mask = _batch()
+    labels = ids.masked_fill(mask == 0, -100)
+    positions = torch.arange(T).expand(B, T)
+
+    def logits_of(m, rows):
+        extra = dict(position_ids=positions[rows]) if position_ids else {}
+        return m(input_ids=ids[rows], attention_mask=mask[rows], **extra).logits[:, :-1]
+
+    def forward(m, rows):
+        logits = logits_of(m, rows)
+        return (logits.reshape(-1, V), labels[rows, 1:].reshape(-1)), logits.shape[:2]
+
+    def per_sample_loss(m, rows, loss_reduction="mean"):
+        logits = logits_of(m, rows).float()
+        token = F.cross_entropy(logits.transpose(1, 2), labels[rows, 1:], reduction="none")
+        # Opacus's per-sequence loss: the mean over the labelled tokens, or under "sum" their sum.
+        return token.sum(1) / ((labels[rows, 1:] != -100).sum(1) if loss_reduction == "mean" else 1)
+
+    return Case(model, forward, per_sample_loss)
+
+
+def gpt2() -> Case:
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=V, n_positions=T, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=1)
+    model = transformers.GPT2LMHeadModel(cfg)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    return causal_lm(model, position_ids=True)
+
+
+def llama_config(**kwargs):
+    return transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                    num_key_value_heads=1, vocab_size=V, max_position_embeddings=T, pad_token_id=0,
+                                    bos_token_id=1, eos_token_id=1, **kwargs)
+
+
+def lora(model: nn.Module) -> nn.Module:
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
+    model = peft.get_peft_model(model, config)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # zero at start: the A's gradients would all be zero
+            nn.init.normal_(p, std=0.2)
+    return model
+
+
+def llama_lora() -> Case:
+    torch.manual_seed(1)
+    return causal_lm(lora(transformers.LlamaForCausalLM(llama_config(tie_word_embeddings=True))), position_ids=False)
+
+
+def bert() -> Case:
+    torch.manual_seed(2)
+    cfg = transformers.BertConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                  vocab_size=V, max_position_embeddings=T, type_vocab_size=2, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0, num_labels=3, pad_token_id=0)
+    model = transformers.BertForSequenceClassification(cfg)
+    ids, mask = _batch(seed=3)
+    y = torch.randint(0, 3, (B,), generator=torch.Generator().manual_seed(4))
+    positions = torch.arange(T).expand(B, T)
+
+    def logits_of(m, rows):
+        return m(input_ids=ids[rows], attention_mask=mask[rows], position_ids=positions[rows]).logits
+
+    return Case(model, lambda m, rows: ((logits_of(m, rows), y[rows]), None),
+                lambda m, rows, loss_reduction="mean": F.cross_entropy(logits_of(m, rows).float(), y[rows],
+                                                                       reduction="none"))
+
+
+CASES = {"gpt2": gpt2, "llama_lora": llama_lora, "bert": bert}
+
+
+def reference(case: Case, dtype=torch.float64, loss_reduction="mean") -> Dict[str, torch.Tensor]:
+    """Per-sample gradients of the trainable parameters by plain autograd, one sample at a
+    time, on a copy of the model in ``dtype`` (None: the model's own)."""
+    model = copy.deepcopy(case.model)
+    if dtype is not None:
+        model = model.to(dtype)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    grads = {n: [] for n in params}
+    for b in range(B):
+        model.zero_grad()
+        case.per_sample_loss(model, slice(b, b + 1), loss_reduction).sum().backward()
+        for n, p in params.items():
+            grads[n].append(torch.zeros_like(p) if p.grad is None else p.grad.clone())
+    return {n: torch.stack(g) for n, g in grads.items()}
+
+
+def clipped_step(case: Case, single: bool, loss_reduction: str, C: float, autocast: bool = False):
+    """dpgrad's clipped backward on the whole batch: (model, per-sample norms)."""
+    model = copy.deepcopy(case.model)
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(model, max_grad_norm=C, loss_reduction=loss_reduction,
+                                                          single_backward=single)
+    criterion = dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss(reduction=loss_reduction),
+                                                  loss_reduction)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        args, shape = case.forward(wrapped, slice(None))
+        loss = criterion(*args, shape=shape)
+    loss.backward()
+    return model, wrapped.per_sample_gradient_norms
+
+
+def check(case: Case, single: bool, loss_reduction: str = "mean", rtol: float = RTOL, autocast=False):
+    ref = reference(case, loss_reduction=loss_reduction)
+    own = reference(case, dtype=None, loss_reduction=loss_reduction)  # plain autograd in the model's precision
+    ref_norms = total_norm(ref)
+    C = float(ref_norms.median())  # about half the samples clipped
+    model, norms = clipped_step(case, single, loss_reduction, C, autocast)
+    assert norms.dtype == torch.float32
+    assert_norms_close(norms, ref_norms, "per-sample norms", rtol)
+    coef = (C / (norms + 1e-6)).clamp(max=1.0).double()
+    assert (coef < 1).any() and (coef == 1).any()
+    params = dict(model.named_parameters())
+    for n, g in ref.items():
+        expected = torch.einsum("b,b...->...", coef, g)
+        scale = (coef[:, None] * g.flatten(1).abs()).sum(0).max().item()
+        autograd_error = (torch.einsum("b,b...->...", coef, own[n].double()) - expected).abs().max().item()
+        got = params[n].grad
+        assert got is not None and got.dtype == params[n].dtype, n
+        assert_tensor_close(got, expected, f"clipped {n}.grad", max(scale, 4 * autograd_error / rtol), rtol)
+    for n, p in params.items():
+        if n not in ref:
+            assert p.grad is None, f"frozen {n} got a gradient"
+    return model
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("name", list(CASES))
+def test_fp32_matches_float64_reference(name, mode):
+    check(CASES[name](), MODES[mode])
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_gpt2_sum_reduction(mode):
+    check(gpt2(), MODES[mode], loss_reduction="sum")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("name", ["gpt2", "llama_lora"])
+def test_half_precision_weights(name, mode, dtype):
+    """bf16 and fp16 weights: norms accumulated in fp32, within bf16's rel 1e-2 of a float64
+    run of the same (rounded) weights."""
+    case = CASES[name]()
+    case.model.to(dtype)
+    check(case, MODES[mode], rtol=BF16_RTOL)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_fp32_weights_under_autocast(mode):
+    """Linear inputs in fp32 meet bf16 backprops: no dtype error, fp32 gradients and norms."""
+    check(gpt2(), MODES[mode], rtol=BF16_RTOL, autocast=True)
+
+
+def test_gpt2_per_sample_gradients_of_conv1d():
+    """GradSampleModule: Conv1D's per-sample gradients come from the Linear kernels, transposed."""
+    case = gpt2()
+    ref = reference(case)
+    model = copy.deepcopy(case.model)
+    wrapped = dpgrad.GradSampleModule(model, loss_reduction="sum")
+    conv1d = type(model.transformer.h[0].attn.c_attn)
+    assert conv1d in dpgrad.GRAD_SAMPLERS and wrapped._functorch_layers == set()
+    case.per_sample_loss(wrapped, slice(None)).sum().backward()
+    for n, p in model.named_parameters():
+        assert_tensor_close(p.grad_sample, ref[n], n)
+
+
+def test_lora_hooks_only_the_adapters():
+    """Frozen base layers are not hooked: they cost no per-sample work."""
+    case = llama_lora()
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(case.model, single_backward=True)
+    names = list(wrapped._layer_names.values())
+    assert names and all(".lora_A." in n or ".lora_B." in n for n in names), names
+    trainable = [n for n, p in case.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+
+
+@pytest.mark.parametrize("order", ["moved_first", "peft_first"])
+def test_lora_whether_moved_before_or_after_peft(order):
+    """The model is moved to the device (CUDA when there is one) before or after
+    get_peft_model; on a CPU-only machine this only checks that the order does not matter."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(1)
+    base = transformers.LlamaForCausalLM(llama_config())
+    model = lora(base.to(device)) if order == "moved_first" else lora(base).to(device)
+    case = causal_lm(model.float().cpu(), position_ids=False) if device == "cpu" else None
+    if case is not None:
+        check(case, single=True)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_broadcast_position_ids_are_refused_with_the_fix(name):
+    """Left to themselves, these models embed positions (1, T) and broadcast them over the
+    batch, which has no per-sample gradient: the error says to pass position_ids."""
+    case = CASES[name]()
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(case.model)
+    ids, mask = _batch()
+    with pytest.raises(ValueError, match=r"position_ids=torch.arange\(T\).expand\(B, T\)"):
+        wrapped(input_ids=ids, attention_mask=mask)
