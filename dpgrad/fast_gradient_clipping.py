@@ -275,23 +275,36 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
             self._to_clip = None
 
     def _add_clipped_gradients(self, coef: torch.Tensor) -> None:
-        """``p.grad += sum_b c_b g_b`` for every parameter of the kept pass, freeing as it goes."""
+        """``p.grad += sum_b c_b g_b`` for every parameter of the kept pass, freeing as it goes.
+
+        The sums reach ``p.grad`` through autograd's own accumulation, in one backward call
+        (``_ClippedGradients``): ``p.grad`` is set or added to as by any backward pass, with
+        no copy, and the hooks others put on parameters run (DistributedDataParallel reduces
+        the gradients there).
+        """
         if self._to_clip is None:
             raise RuntimeError(
                 "the norm pass reached no hooked layer (hooks disabled after the forward pass?): "
                 "nothing to clip"
             )
         layers, grad_samples = self._to_clip
-        while layers:
-            layer, activations, backprops = layers.pop()
-            sums = self.CLIPPED_SUM_SAMPLERS[type(layer)](layer, activations, backprops, coef)
-            for p, g in sums.items():
-                _add_to_grad(p, g)
-        for p in list(grad_samples):
-            gs = grad_samples.pop(p)
-            acc = accumulation_dtype(gs)
-            g = coef.to(device=gs.device, dtype=acc) @ gs.flatten(1).to(acc)
-            _add_to_grad(p, g.view(p.shape).to(p.dtype))
+        params = list(dict.fromkeys([p for layer, _, _ in layers for p in self._layer_params(layer)] + list(grad_samples)))
+
+        def clipped_sums() -> Dict[nn.Parameter, torch.Tensor]:
+            sums: Dict[nn.Parameter, torch.Tensor] = {}
+            while layers:
+                layer, activations, backprops = layers.pop()
+                for p, g in self.CLIPPED_SUM_SAMPLERS[type(layer)](layer, activations, backprops, coef).items():
+                    sums[p] = g if p not in sums else sums[p] + g
+            for p in list(grad_samples):
+                gs = grad_samples.pop(p)
+                acc = accumulation_dtype(gs)
+                g = (coef.to(device=gs.device, dtype=acc) @ gs.flatten(1).to(acc)).view(p.shape).to(p.dtype)
+                sums[p] = g if p not in sums else sums[p] + g
+            return sums
+
+        if params:
+            _ClippedGradients.apply(clipped_sums, params, *params).backward()
 
     def get_norm_sample(self) -> torch.Tensor:
         """Per-sample gradient norms over all trainable parameters, (B,)."""
@@ -349,10 +362,19 @@ def weighted_backward(module, coef: torch.Tensor, loss_per_sample: torch.Tensor)
         module.enable_hooks()
 
 
+class _ClippedGradients(torch.autograd.Function):
+    """A node whose backward hands the parameters their clipped gradients.
 
-def _add_to_grad(p: nn.Parameter, g: torch.Tensor) -> None:
-    """Accumulate ``g`` into ``p.grad`` as autograd would (``g`` is a fresh tensor)."""
-    if p.grad is None:
-        p.grad = g
-    else:
-        p.grad.add_(g)
+    Computed inside backward, the sums are held by autograd alone when they reach the
+    parameters, so a missing ``p.grad`` takes the tensor itself rather than a copy.
+    """
+
+    @staticmethod
+    def forward(ctx, compute, params, *tensors):
+        ctx.compute, ctx.params = compute, params
+        return tensors[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        sums = ctx.compute()
+        return (None, None, *(sums.get(p) for p in ctx.params))

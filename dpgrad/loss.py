@@ -21,6 +21,15 @@ from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping, 
 REDUCTIONS = ("mean", "sum")
 
 
+def clipping_wrapper(module):
+    """The ghost-clipping wrapper in ``module``: itself, or the one inside a
+    ``DistributedDataParallel`` (or any wrapper that keeps it as ``.module``)."""
+    found = module
+    while not hasattr(found, "get_clipping_coef") and isinstance(getattr(found, "module", None), torch.nn.Module):
+        found = found.module
+    return found if hasattr(found, "get_clipping_coef") else module
+
+
 class DPTensorFastGradientClipping:
     """Per-sample losses (B,) whose ``backward()`` is the clipped backward of ghost clipping.
 
@@ -89,14 +98,15 @@ class DPTensorFastGradientClipping:
 
     def backward(self) -> None:
         """Add ``sum_b c_b * grad(loss_b)`` to ``p.grad`` (see the module docstring)."""
-        if isinstance(self.module, GradSampleModuleFastGradientClipping):
-            self.module.clipped_backward(self.loss_per_sample)
+        wrapper = clipping_wrapper(self.module)
+        if isinstance(wrapper, GradSampleModuleFastGradientClipping):
+            wrapper.clipped_backward(self.loss_per_sample)
             return
         # Another wrapper with Opacus's interface (Opacus's own): Opacus's protocol, whose first
         # pass also fills p.grad, cleared before the second.
         self._reduced().backward(retain_graph=True)
         self.optimizer.zero_grad()
-        weighted_backward(self.module, self.module.get_clipping_coef(), self.loss_per_sample)
+        weighted_backward(wrapper, wrapper.get_clipping_coef(), self.loss_per_sample)
 
 
 class DPLossFastGradientClipping:
@@ -105,7 +115,8 @@ class DPLossFastGradientClipping:
     Opacus 1.6's signature and behaviour.
 
     Args:
-        module: ``dpgrad.GradSampleModuleFastGradientClipping`` (or Opacus's).
+        module: ``dpgrad.GradSampleModuleFastGradientClipping`` (or Opacus's), possibly inside
+            ``torch.nn.parallel.DistributedDataParallel``.
         optimizer: the DP optimizer (Opacus's ``DPOptimizerFastGradientClipping``); its
             ``loss_reduction`` must match.
         criterion: a loss with a ``reduction`` attribute (set to the module's if missing),
@@ -117,12 +128,13 @@ class DPLossFastGradientClipping:
     def __init__(self, module, optimizer, criterion, loss_reduction: str = "mean"):
         if loss_reduction not in REDUCTIONS:
             raise ValueError(f"loss_reduction = {loss_reduction!r}: use 'mean' or 'sum'")
+        wrapper = clipping_wrapper(module)
         if not hasattr(criterion, "reduction"):
-            criterion.reduction = module.loss_reduction
+            criterion.reduction = wrapper.loss_reduction
         found = {
             "loss_reduction": loss_reduction,
             "criterion.reduction": criterion.reduction,
-            "module.loss_reduction": module.loss_reduction,
+            "module.loss_reduction": wrapper.loss_reduction,
         }
         if hasattr(optimizer, "loss_reduction"):
             found["optimizer.loss_reduction"] = optimizer.loss_reduction

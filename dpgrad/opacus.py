@@ -19,6 +19,7 @@ from __future__ import annotations
 from itertools import chain
 from typing import Dict, Iterable, List, Optional, Tuple, Type
 
+import torch
 import torch.nn as nn
 from opacus.grad_sample.grad_sample_module import GradSampleHooks
 from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
@@ -118,22 +119,21 @@ def register_with_opacus(layers: Iterable[Type[nn.Module]] = DEFAULT_LAYERS) -> 
 
 
 # ---------------------------------------------------------------------- make_private
-def _refuse_distributed(module: nn.Module) -> None:
+def _is_distributed(module: nn.Module) -> bool:
+    """True for a model in ``DistributedDataParallel`` (torch's or Opacus's); raises for FSDP."""
     from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    distributed: Tuple[type, ...] = (DPDDP, DDP)
     try:
         from torch.distributed._composable.fsdp import FSDPModule
-
-        distributed += (FSDPModule,)
     except ImportError:  # torch built without distributed support
-        pass
-    if isinstance(module, distributed):
+        FSDPModule = ()
+    if FSDPModule and isinstance(module, FSDPModule):
         raise ValueError(
-            f"dpgrad.opacus.make_private got a {type(module).__name__}: distributed training "
-            "is not supported. Pass the plain nn.Module, or use PrivacyEngine.make_private."
+            "dpgrad.opacus.make_private got a model sharded by FSDP, which dpgrad does not "
+            "support: wrap it in torch.nn.parallel.DistributedDataParallel instead"
         )
+    return isinstance(module, (DPDDP, DDP))
 
 
 def _check_optimizer_params(module: nn.Module, optimizer) -> None:
@@ -212,6 +212,13 @@ def make_private(
     computes no weight gradient it throws away). So ``privacy_engine.get_epsilon`` accounts
     for training done with the returned objects.
 
+    A ``module`` in ``torch.nn.parallel.DistributedDataParallel`` (or Opacus's DPDDP) is
+    trained distributed, as Opacus does it: dpgrad's wrapper goes around it, each process
+    draws its own share of the Poisson batches, and Opacus's distributed optimizer adds the
+    noise once, on rank 0, before summing over the processes. The norm pass of ghost clipping
+    computes no parameter gradients, so DistributedDataParallel reduces nothing until the
+    clipped gradients exist.
+
     Args:
         privacy_engine: an ``opacus.PrivacyEngine``.
         module, optimizer, data_loader, noise_multiplier, max_grad_norm, batch_first,
@@ -233,7 +240,7 @@ def make_private(
         ``(module, optimizer, data_loader)`` otherwise.
 
     Raises:
-        ValueError: for distributed modules, clipping other than "flat", several clipping
+        ValueError: for FSDP-sharded modules, clipping other than "flat", several clipping
             bounds, an unknown ``grad_sample_mode``, ``single_backward`` without "ghost", or
             optimizer parameters that are not the module's.
 
@@ -280,7 +287,7 @@ def make_private(
         )
     if noise_generator is not None and privacy_engine.secure_mode:
         raise ValueError("Passing seed is prohibited in secure mode")
-    _refuse_distributed(module)
+    distributed = _is_distributed(module)
     _check_optimizer_params(module, optimizer)
 
     privacy_engine.validate(module=module, optimizer=None, data_loader=None)
@@ -297,13 +304,15 @@ def make_private(
 
     data_loader = privacy_engine._prepare_data_loader(
         data_loader,
-        distributed=False,
+        distributed=distributed,
         poisson_sampling=poisson_sampling,
         batch_first=batch_first,
         rand_on_empty=rand_on_empty,
     )
     sample_rate = 1 / len(data_loader)
     expected_batch_size = int(len(data_loader.dataset) * sample_rate)
+    if distributed:  # per process, as Opacus has it
+        expected_batch_size /= torch.distributed.get_world_size()
 
     optimizer = privacy_engine._prepare_optimizer(
         optimizer=optimizer,
@@ -312,7 +321,7 @@ def make_private(
         expected_batch_size=expected_batch_size,
         loss_reduction=loss_reduction,
         noise_generator=noise_generator,
-        distributed=False,
+        distributed=distributed,
         clipping=clipping,
         grad_sample_mode="ghost" if grad_sample_mode == "ghost" else "hooks",
         **kwargs,

@@ -1,0 +1,148 @@
+"""What each process of tests/test_distributed.py runs (spawned; gloo on CPU).
+
+Every scenario returns plain numpy arrays: tensors sent through a queue would live in shared
+memory that disappears with the process.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import dpgrad
+import dpgrad.loss
+from dpgrad.models import TinyTransformer, TinyTransformerConfig, per_sample_lm_loss
+
+CFG = TinyTransformerConfig(vocab_size=31, max_seq_len=8, d_model=16, n_heads=2, n_layers=1, d_ff=24,
+                            tie_embeddings=True)
+C = 0.3  # below every per-sample norm: each sample is clipped by its own factor
+GLOBAL_BATCH = 6
+
+
+def model() -> TinyTransformer:
+    torch.manual_seed(0)
+    return TinyTransformer(CFG)
+
+
+def global_ids() -> torch.Tensor:
+    return torch.randint(1, CFG.vocab_size, (GLOBAL_BATCH, CFG.max_seq_len), generator=torch.Generator().manual_seed(1))
+
+
+def share(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's rows of a global batch: rank r takes rows r, r + world, ..."""
+    return x[rank::world]
+
+
+def _grads(m: nn.Module) -> dict:
+    return {n: p.grad.detach().clone().numpy() for n, p in m.named_parameters()}
+
+
+def lm_step(wrapped: nn.Module, criterion, ids: torch.Tensor) -> None:
+    """Forward and clipped backward of next-token losses, one per sequence."""
+    logits = wrapped(ids[:, :-1])
+    criterion(logits.reshape(-1, CFG.vocab_size), ids[:, 1:].reshape(-1), shape=logits.shape[:2]).backward()
+
+
+def clipped_gradients(rank: int, world: int, single: bool, order: str) -> dict:
+    """p.grad after two steps' clipped backward (the second checks that DDP finished the
+    first's reduction), and this rank's per-sample norms."""
+    net = model()
+    if order == "dpgrad(ddp)":
+        wrapped = dpgrad.GradSampleModuleFastGradientClipping(DDP(net), max_grad_norm=C, single_backward=single)
+    else:
+        wrapped = DDP(dpgrad.GradSampleModuleFastGradientClipping(net, max_grad_norm=C, single_backward=single))
+    criterion = dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss(), "mean")
+    ids = share(global_ids(), rank, world)
+    for _ in range(2):
+        net.zero_grad(set_to_none=True)
+        lm_step(wrapped, criterion, ids)
+    norms = dpgrad.loss.clipping_wrapper(wrapped).per_sample_gradient_norms
+    return {"grads": _grads(net), "norms": norms.detach().numpy()}
+
+
+def all_reduce_calls(rank: int, world: int, protocol: str) -> list:
+    """The passes in which DistributedDataParallel reduces a bucket during one step of
+    ``protocol``: "norms" (before the clipping factors exist) or "clipped" (after)."""
+    net = model()
+    ddp = DDP(dpgrad.GradSampleModuleFastGradientClipping(net, max_grad_norm=C))
+    wrapper = ddp.module
+    phase, calls = ["norms"], []
+
+    def counting_allreduce(state, bucket):
+        calls.append(phase[0])
+        fut = dist.all_reduce(bucket.buffer().div_(world), async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0])
+
+    get_clipping_coef = wrapper.get_clipping_coef
+
+    def coef_then_clipped_pass():
+        phase[0] = "clipped"
+        return get_clipping_coef()
+
+    wrapper.get_clipping_coef = coef_then_clipped_pass
+    ddp.register_comm_hook(None, counting_allreduce)
+    ids = share(global_ids(), rank, world)
+    losses = per_sample_lm_loss(ddp(ids), ids)
+    if protocol == "dpgrad":
+        wrapper.clipped_backward(losses)
+    else:  # Opacus's: a plain first pass, then the weighted second one
+        losses.mean().backward(retain_graph=True)
+        net.zero_grad()
+        dpgrad.fast_gradient_clipping.weighted_backward(wrapper, wrapper.get_clipping_coef(), losses)
+    return calls
+
+
+def privacy_engine_step(rank: int, world: int, single: bool, noise: float) -> dict:
+    """One step of dpgrad.opacus.make_private on the DDP model, each rank on its share."""
+    import dpgrad.opacus
+    from opacus import PrivacyEngine
+    from opacus.optimizers import DistributedDPOptimizerFastGradientClipping
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    net = model()
+    data = TensorDataset(global_ids())
+    # Rank r's rows r, r + world, ...: its share of the one batch.
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False)
+    wrapped, optimizer, criterion, loader = dpgrad.opacus.make_private(
+        PrivacyEngine(), module=DDP(net), optimizer=torch.optim.SGD(net.parameters(), lr=1.0),
+        data_loader=DataLoader(data, batch_size=len(data) // world, sampler=sampler),
+        criterion=nn.CrossEntropyLoss(), noise_multiplier=noise, max_grad_norm=C, poisson_sampling=False,
+        single_backward=single, noise_generator=torch.Generator().manual_seed(7 + rank),
+    )
+    assert isinstance(optimizer, DistributedDPOptimizerFastGradientClipping)
+    (batch,) = next(iter(loader))
+    assert torch.equal(batch, share(global_ids(), rank, world))
+    optimizer.zero_grad()
+    lm_step(wrapped, criterion, batch)
+    optimizer.step()
+    return {n: p.detach().clone().numpy() for n, p in net.named_parameters()}
+
+
+SCENARIOS = {
+    "clipped_gradients": clipped_gradients,
+    "all_reduce_calls": all_reduce_calls,
+    "privacy_engine_step": privacy_engine_step,
+}
+
+
+def run(rank: int, world: int, port: int, jobs: list, queue) -> None:
+    """Run each (name, kwargs) job on this rank; put (rank, [results]) or (rank, traceback)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        out = [SCENARIOS[name](rank, world, **kwargs) for name, kwargs in jobs]
+        queue.put((rank, out))
+    except BaseException:
+        import traceback
+
+        queue.put((rank, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+__all__ = ["C", "CFG", "global_ids", "lm_step", "model", "np", "run", "share"]

@@ -1,0 +1,124 @@
+"""DistributedDataParallel with 2 processes on gloo (CPU), against one process on the global batch.
+
+- ``p.grad`` after clipped backward, in both modes and with dpgrad's wrapper inside or around
+  DDP, is DDP's average of the ranks' clipped sums: the one-process clipped sum / world size.
+- The norm pass makes DDP reduce nothing: DDP reduces the clipped gradients, where with
+  Opacus's protocol (a plain first pass) it reduces the unclipped ones instead.
+- ``dpgrad.opacus.make_private`` on the DDP model with Opacus's distributed optimizer takes
+  the one-process step, noise included: the noise is drawn once, on rank 0.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+import dpgrad
+import distributed_worker as W
+from per_sample_reference import assert_norms_close, assert_tensor_close
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed")
+WORLD = 2
+MODES = {"single": True, "double": False}
+ORDERS = ["dpgrad(ddp)", "ddp(dpgrad)"]
+OPACUS = importlib.util.find_spec("opacus") is not None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(jobs: list) -> list:
+    """Each rank's results of ``jobs``, [rank][job]."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=W.run, args=(rank, WORLD, port, jobs, queue)) for rank in range(WORLD)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    for rank, out in results.items():
+        assert not isinstance(out, str), f"rank {rank} failed:\n{out}"
+    return [results[r] for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    jobs = [("clipped_gradients", dict(single=s, order=o)) for s in MODES.values() for o in ORDERS]
+    jobs += [("all_reduce_calls", dict(protocol=p)) for p in ("dpgrad", "opacus")]
+    if OPACUS:
+        jobs += [("privacy_engine_step", dict(single=s, noise=n)) for s in MODES.values() for n in (0.0, 1.0)]
+    return jobs, _run(jobs)
+
+
+def _result(ranks, name, **kwargs):
+    jobs, results = ranks
+    i = jobs.index((name, kwargs))
+    return [results[r][i] for r in range(WORLD)]
+
+
+def _one_process_clipped(single: bool):
+    net = W.model()
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(net, max_grad_norm=W.C, single_backward=single)
+    W.lm_step(wrapped, dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss()), W.global_ids())
+    return net, wrapped.per_sample_gradient_norms
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_gradients_are_the_one_process_clipped_sum_averaged(ranks, mode, order):
+    net, norms = _one_process_clipped(MODES[mode])
+    ids = torch.arange(W.GLOBAL_BATCH)
+    assert (norms > W.C).all(), "every sample should be clipped"
+    for rank, got in enumerate(_result(ranks, "clipped_gradients", single=MODES[mode], order=order)):
+        assert_norms_close(torch.from_numpy(got["norms"]), norms[W.share(ids, rank, WORLD)].double(), f"rank {rank}")
+        for n, p in net.named_parameters():
+            assert_tensor_close(torch.from_numpy(got["grads"][n]), p.grad.double() / WORLD, f"rank {rank} {n}")
+
+
+def test_norm_pass_reduces_nothing(ranks):
+    """DDP reduces the clipped gradients only. Opacus's protocol, whose first pass computes
+    the weight gradients, has DDP reduce those (unclipped) instead, and the clipped ones of
+    the second pass, with no forward pass between, not at all."""
+    ours = _result(ranks, "all_reduce_calls", protocol="dpgrad")
+    opacus = _result(ranks, "all_reduce_calls", protocol="opacus")
+    assert ours[0] and set(ours[0]) == {"clipped"} and ours[1] == ours[0]
+    assert opacus[0] and set(opacus[0]) == {"norms"}
+
+
+@pytest.mark.skipif(not OPACUS, reason="needs opacus")
+@pytest.mark.parametrize("noise", [0.0, 1.0])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_privacy_engine_step_is_the_one_process_step(ranks, mode, noise):
+    import dpgrad.opacus
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    net = W.model()
+    data = TensorDataset(W.global_ids())
+    wrapped, optimizer, criterion, loader = dpgrad.opacus.make_private(
+        PrivacyEngine(), module=net, optimizer=torch.optim.SGD(net.parameters(), lr=1.0),
+        data_loader=DataLoader(data, batch_size=len(data)), criterion=nn.CrossEntropyLoss(),
+        noise_multiplier=noise, max_grad_norm=W.C, poisson_sampling=False, single_backward=MODES[mode],
+        noise_generator=torch.Generator().manual_seed(7),  # rank 0's generator: its noise is the only one
+    )
+    (batch,) = next(iter(loader))
+    optimizer.zero_grad()
+    W.lm_step(wrapped, criterion, batch)
+    optimizer.step()
+    start = dict(W.model().named_parameters())
+    for rank, params in enumerate(_result(ranks, "privacy_engine_step", single=MODES[mode], noise=noise)):
+        for n, p in net.named_parameters():
+            update = (p - start[n]).detach().double()
+            assert update.abs().max() > 0, n
+            assert_tensor_close(torch.from_numpy(params[n]).double() - start[n].detach().double(), update,
+                                f"rank {rank} {n}")
