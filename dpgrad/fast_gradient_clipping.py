@@ -30,7 +30,7 @@ import torch.nn as nn
 from dpgrad import registry
 from dpgrad.autograd_graph import lowest_marked_edges, mark_output
 from dpgrad.backend import ops_for
-from dpgrad.grad_sample_module import GradSampleModule
+from dpgrad.grad_sample_module import GradSampleModule, _refuse_sharded
 from dpgrad.kernels.reference import accumulation_dtype
 
 # What a norm pass does with the layers' inputs and backprops besides taking norms.
@@ -72,6 +72,7 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         check_finite: bool = True,
         single_backward: bool = False,
     ):
+        _refuse_sharded(m)
         registry.resolve(m)
         self.use_ghost_clipping = use_ghost_clipping
         self.single_backward = single_backward

@@ -49,6 +49,22 @@ def _refuse_wrapped(m: nn.Module) -> None:
             )
 
 
+def _refuse_sharded(m: nn.Module) -> None:
+    """Raise before touching ``m`` if FSDP (``fully_shard``) shards it or a submodule."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed support
+        return
+    for name, sub in m.named_modules():
+        if isinstance(sub, FSDPModule):
+            raise NotImplementedError(
+                f"{'layer ' + repr(name) if name else 'the model'} is sharded by FSDP (fully_shard), "
+                "which dpgrad does not support: FSDP swaps each parameter for an unsharded copy "
+                "during forward and backward, so per-sample state would land on the copies. "
+                "Use torch.nn.parallel.DistributedDataParallel."
+            )
+
+
 class GradSampleModule(nn.Module):
     """Wraps a module so that each trainable parameter gets ``p.grad_sample`` after backward.
 
@@ -80,6 +96,7 @@ class GradSampleModule(nn.Module):
         if loss_reduction not in ("sum", "mean"):
             raise ValueError(f"loss_reduction = {loss_reduction!r}: only 'sum' and 'mean' are supported")
         _refuse_wrapped(m)
+        _refuse_sharded(m)
         registry.resolve(m)
         errors = self.validate(m, strict=strict)
         super().__init__()

@@ -123,7 +123,26 @@ def privacy_engine_step(rank: int, world: int, single: bool, noise: float) -> di
     return {n: p.detach().clone().numpy() for n, p in net.named_parameters()}
 
 
+def fsdp_refused(rank: int, world: int) -> str:
+    """The error of wrapping a model sharded by FSDP2, and whether the model was left as it was."""
+    from torch.distributed.fsdp import fully_shard
+
+    net = model()
+    fully_shard(net)
+
+    def hooks():  # FSDP2 has hooks of its own
+        return [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in net.modules()]
+
+    before = hooks()
+    try:
+        dpgrad.GradSampleModuleFastGradientClipping(net)
+    except NotImplementedError as err:
+        return f"{err} (untouched: {hooks() == before})"
+    return "no error"
+
+
 SCENARIOS = {
+    "fsdp_refused": fsdp_refused,
     "clipped_gradients": clipped_gradients,
     "all_reduce_calls": all_reduce_calls,
     "privacy_engine_step": privacy_engine_step,

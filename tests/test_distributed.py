@@ -6,6 +6,7 @@
   Opacus's protocol (a plain first pass) it reduces the unclipped ones instead.
 - ``dpgrad.opacus.make_private`` on the DDP model with Opacus's distributed optimizer takes
   the one-process step, noise included: the noise is drawn once, on rank 0.
+- A model sharded by FSDP2 is refused, untouched, with the alternative named.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def _run(jobs: list) -> list:
 def ranks():
     jobs = [("clipped_gradients", dict(single=s, order=o)) for s in MODES.values() for o in ORDERS]
     jobs += [("all_reduce_calls", dict(protocol=p)) for p in ("dpgrad", "opacus")]
+    jobs += [("fsdp_refused", {})]
     if OPACUS:
         jobs += [("privacy_engine_step", dict(single=s, noise=n)) for s in MODES.values() for n in (0.0, 1.0)]
     return jobs, _run(jobs)
@@ -122,3 +124,9 @@ def test_privacy_engine_step_is_the_one_process_step(ranks, mode, noise):
             assert update.abs().max() > 0, n
             assert_tensor_close(torch.from_numpy(params[n]).double() - start[n].detach().double(), update,
                                 f"rank {rank} {n}")
+
+
+def test_fsdp_is_refused_before_any_change(ranks):
+    for message in _result(ranks, "fsdp_refused"):
+        assert "sharded by FSDP" in message and "DistributedDataParallel" in message, message
+        assert message.endswith("(untouched: True)"), message
