@@ -37,6 +37,7 @@ def lowest_marked_edges(root: Node, mark: object) -> List[GradientEdge]:
     deeper than Python's recursion limit).
     """
     marked_below: Dict[Node, bool] = {}  # a marked node is at or below this one
+    children: Dict[Node, List[Node]] = {}  # next_functions builds new tuples at every call
     lowest: List[GradientEdge] = []
     stack = [root]
     while stack:
@@ -44,15 +45,17 @@ def lowest_marked_edges(root: Node, mark: object) -> List[GradientEdge]:
         if node in marked_below:
             stack.pop()
             continue
-        children = _children(node)
-        pending = [c for c in children if c not in marked_below]
-        if pending:
-            stack.extend(pending)
-            continue
+        below = children.get(node)
+        if below is None:
+            below = children[node] = _children(node)
+            pending = [c for c in below if c not in marked_below]
+            if pending:
+                stack.extend(pending)
+                continue
         stack.pop()
-        below = any(marked_below[c] for c in children)
         outputs = node.metadata.get(mark)
-        if outputs and not below:
+        has_below = any(marked_below[c] for c in below)
+        if outputs and not has_below:
             lowest.extend(GradientEdge(node, nr) for nr in sorted(outputs))
-        marked_below[node] = bool(outputs) or below
+        marked_below[node] = bool(outputs) or has_below
     return lowest
