@@ -1,0 +1,149 @@
+"""Mixed precision: fp32 weights under ``torch.autocast``, and bf16 / fp16 weights.
+
+Under autocast a layer can get fp32 inputs and bf16 backprops (a Linear after an fp32 layer)
+or bf16 inputs and fp32 backprops (on CUDA autocast runs LayerNorm in fp32 after a bf16
+Linear): Opacus issue #740's dtype errors. Models are checked against a float64 run of the
+same weights at bf16's tolerance (rel 1e-2), in both modes, with ghost clipping and without;
+every sampler is also given both mixes directly (CPU autocast makes only the first).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import dpgrad
+from dpgrad import registry
+from per_sample_reference import assert_norms_close, assert_tensor_close, per_sample_grads, total_norm
+
+RTOL = 1e-2
+
+
+class MixedNet(nn.Module):
+    """Embedding -> Linear -> GELU -> Linear -> LayerNorm -> RMSNorm -> mean -> Linear."""
+
+    def __init__(self, V=13, d=16, h=24, c=5):
+        super().__init__()
+        self.emb = nn.Embedding(V, d, padding_idx=0)
+        self.ln = nn.LayerNorm(d)
+        self.up = nn.Linear(d, h)
+        self.down = nn.Linear(h, d)
+        self.rms = nn.RMSNorm(d, eps=1e-6)
+        self.head = nn.Linear(d, c)
+
+    def forward(self, ids):
+        x = self.ln(self.down(F.gelu(self.up(self.emb(ids)))))
+        return self.head(self.rms(x).mean(1))
+
+
+def batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 13, (6, 5), generator=g), torch.randint(0, 5, (6,), generator=g)
+
+
+def loss_fn(logits, y):
+    return F.cross_entropy(logits.float(), y, reduction="none")
+
+
+def run(model, mode, ghost, autocast):
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(model, max_grad_norm=0.5, single_backward=mode == "single",
+                                                          use_ghost_clipping=ghost)
+    ids, y = batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        losses = loss_fn(wrapped(ids), y)
+    wrapped.clipped_backward(losses)
+    return wrapped.per_sample_gradient_norms
+
+
+@pytest.mark.parametrize("ghost", [True, False])
+@pytest.mark.parametrize("mode", ["single", "double"])
+def test_fp32_weights_under_autocast(mode, ghost):
+    torch.manual_seed(0)
+    model = MixedNet()
+    ids, y = batch()
+    ref = total_norm(per_sample_grads(model, ids, y, loss_fn))
+    seen = set()
+    hooks = [m.register_forward_hook(lambda m, i, o: seen.add((type(m).__name__, i[0].dtype, o.dtype)))
+             for m in (model.up,)]
+    norms = run(model, mode, ghost, autocast=True)
+    for h in hooks:
+        h.remove()
+    assert seen == {("Linear", torch.float32, torch.bfloat16)}  # fp32 inputs, bf16 backprops
+    assert norms.dtype == torch.float32
+    assert_norms_close(norms, ref, "autocast norms", RTOL)
+    for p in model.parameters():
+        assert p.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", ["single", "double"])
+def test_half_precision_weights(mode, dtype):
+    torch.manual_seed(0)
+    model = MixedNet().to(dtype)
+    ids, y = batch()
+    ref = total_norm(per_sample_grads(copy.deepcopy(model), ids, y, loss_fn))
+    norms = run(model, mode, True, autocast=False)
+    assert norms.dtype == torch.float32
+    assert_norms_close(norms, ref, f"{dtype} norms", RTOL)
+    for p in model.parameters():
+        assert p.grad.dtype == dtype
+
+
+LAYERS = {
+    "linear": lambda: nn.Linear(6, 7),
+    "layer_norm": lambda: nn.LayerNorm(6),
+    "rms_norm": lambda: nn.RMSNorm(6, eps=1e-6),
+}
+
+
+@pytest.mark.parametrize("mix", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)], ids=str)
+@pytest.mark.parametrize("kind", list(LAYERS))
+def test_every_sampler_takes_mixed_inputs_and_backprops(kind, mix):
+    """Grad, norm, clipped-sum and factor samplers with activations and backprops of different
+    dtypes, against float64 on the same (rounded) values."""
+    torch.manual_seed(1)
+    layer = LAYERS[kind]()
+    x = torch.randn(4, 3, 6).to(mix[0])
+    g = torch.randn(4, 3, layer.weight.shape[0]).to(mix[1])
+    layer64 = copy.deepcopy(layer).double()
+    expected = registry.GRAD_SAMPLERS[type(layer)](layer64, [x.double()], g.double())
+    expected = {name: expected[p] for name, p in layer64.named_parameters()}
+    got = registry.GRAD_SAMPLERS[type(layer)](layer, [x], g)
+    for name, p in layer.named_parameters():
+        assert got[p].dtype == p.dtype
+        assert_tensor_close(got[p], expected[name], f"{kind} {name}", rtol=RTOL)
+    if type(layer) in registry.NORM_SAMPLERS:
+        norms = registry.NORM_SAMPLERS[type(layer)](layer, [x], g)
+        coef = torch.rand(4)
+        sums = registry.CLIPPED_SUM_SAMPLERS[type(layer)](layer, [x], g, coef)
+        for name, p in layer.named_parameters():
+            assert norms[p].dtype == torch.float32
+            assert_norms_close(norms[p], expected[name].flatten(1).norm(dim=1), f"{kind} {name} norm", RTOL)
+            assert sums[p].dtype == p.dtype
+            assert_tensor_close(sums[p], torch.einsum("b,b...->...", coef.double(), expected[name]), name, rtol=RTOL)
+        for p, (L, R) in registry.FACTOR_SAMPLERS[type(layer)](layer, [x], g).items():
+            inner = dpgrad.kernels.reference.outer_sum_inner(L, R, L, R)
+            name = next(n for n, q in layer.named_parameters() if q is p)
+            assert_norms_close(inner.sqrt(), expected[name].flatten(1).norm(dim=1), f"{kind} {name} factors", RTOL)
+
+
+@pytest.mark.parametrize("backprops_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_rms_norm_default_eps_is_the_inputs(backprops_dtype):
+    """RMSNorm(eps=None) uses the input dtype's epsilon; the sampler computes in fp32 but must
+    keep bf16's, which dominates for small activations."""
+    torch.manual_seed(2)
+    layer = nn.RMSNorm(6)
+    x = (0.05 * torch.randn(3, 4, 6)).to(torch.bfloat16)
+    g = torch.randn(3, 4, 6).to(backprops_dtype)
+    got = registry.GRAD_SAMPLERS[nn.RMSNorm](layer, [x], g)[layer.weight]
+    expected = []
+    for b in range(3):
+        w = layer.weight.detach().double().requires_grad_()
+        y = F.rms_norm(x[b].double(), (6,), w, eps=torch.finfo(torch.bfloat16).eps)
+        (y * g[b].double()).sum().backward()
+        expected.append(w.grad)
+    assert_tensor_close(got, torch.stack(expected), "RMSNorm weight", rtol=RTOL)
