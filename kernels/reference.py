@@ -77,11 +77,17 @@ def linear_per_sample(
     """
     out_dtype = out_dtype or G.dtype
     acc = accumulation_dtype(A, G)
+    if not grad:
+        return LinearPerSample(None, None, linear_weight_sq_norm_direct(A, G) if norm else None,
+                               linear_bias_sq_norm(G) if norm and bias else None)
+    # The gradients are materialised anyway: their norms come from them, not a second product.
+    weight = torch.bmm(G.transpose(1, 2).to(acc), A.to(acc))
+    bias_sum = G.sum(dim=1, dtype=acc) if bias else None
     return LinearPerSample(
-        weight=torch.bmm(G.transpose(1, 2).to(acc), A.to(acc)).to(out_dtype) if grad else None,
-        bias=G.sum(dim=1, dtype=acc).to(out_dtype) if grad and bias else None,
-        weight_sq_norm=linear_weight_sq_norm_direct(A, G) if norm else None,
-        bias_sq_norm=linear_bias_sq_norm(G) if norm and bias else None,
+        weight=weight.to(out_dtype),
+        bias=bias_sum.to(out_dtype) if bias else None,
+        weight_sq_norm=weight.square().sum(dim=(1, 2)) if norm else None,
+        bias_sq_norm=bias_sum.square().sum(dim=1) if norm and bias else None,
     )
 
 
