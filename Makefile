@@ -1,6 +1,7 @@
 # The two commands: `make report` (the main job: the autotune report on the built-in default
-# model) and `make test` (the test suite). Each creates the virtual environment .venv on first
-# use. `make demo` (a short DP training run) and `make bench` are there too.
+# model, then the benchmark suites at small sizes and their dashboard) and `make test` (the
+# test suite). Each creates the virtual environment .venv on first use. `make demo` (a short DP
+# training run) and `make bench` (the full benchmark suites) are there too.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -16,9 +17,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
-# gpt2-small in bf16 on a CUDA GPU, the tiny preset in fp32 (eager fallback) otherwise.
+DASHBOARD := build/dashboard
+
+# gpt2-small in bf16 on a CUDA GPU, the tiny preset in fp32 (eager fallback) otherwise; then
+# the benchmark suites in quick mode (minutes on a CPU) and their dashboard.
 report: $(STAMP)
 	$(PY) -m dpgrad autotune-report
+	rm -f $(DASHBOARD)/*.json
+	DPGRAD_BENCH_QUICK=1 DPGRAD_RESULTS_DIR=$(DASHBOARD) $(PY) -m pytest benchmarks -q -p no:cacheprovider \
+		--benchmark-enable --benchmark-columns=median,rounds
+	$(PY) -m dpgrad dashboard $(DASHBOARD)/*.json -o $(DASHBOARD)/index.html
 
 demo: $(STAMP)
 	$(PY) -m dpgrad demo
@@ -27,9 +35,13 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 	# Again with every sampler on the Triton kernels (Triton's interpreter when there is no GPU).
 	DPGRAD_BACKEND=triton $(PY) -m pytest -q -p no:cacheprovider tests
+	# The benchmark suites at small sizes, once each and untimed: collection and one round.
+	DPGRAD_BENCH_QUICK=1 $(PY) -m pytest -q -p no:cacheprovider benchmarks
 
+# The full suites on a GPU (quick mode without one), into benchmarks/results and the README.
 bench: $(STAMP)
-	$(PY) -m pytest benchmarks -q --benchmark-enable
+	$(PY) -m pytest benchmarks -q -p no:cacheprovider --benchmark-enable
+	$(PY) -m dpgrad dashboard benchmarks/results/*.json -o build/dashboard.html --update-readme README.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,20 +1,20 @@
-"""One training step of a language model: non-private, Opacus ghost clipping, dpgrad double and
-single backward, all in the same run on the same weights and batch.
+"""One training step of a language model, every way of doing it, in one run on the same
+weights and batch: non-private; Opacus's hooks (per-sample gradients, DPOptimizer); torch.func
+(vmap of the per-sample gradients over the whole model, then Opacus's DPOptimizer); Opacus's
+ghost clipping; dpgrad's double and single backward.
 
-A DP step is forward, the loss wrapper's backward, and Opacus's
-``DPOptimizerFastGradientClipping`` step (noise 1.0, C = 1.0); the non-private step is
-forward, the mean token loss's backward and the plain optimizer's step. Each sequence is
-one sample (``shape=`` of the loss wrappers). Models:
-- ``tiny``, ``gpt2-small``: dpgrad's presets (``TinyTransformer``; gpt2-small has GPT-2
-  small's shapes and its tied embeddings);
+A DP step is forward, backward and Opacus's optimizer step (noise 1.0, C = 1.0); the
+non-private step is forward, the mean token loss's backward and the plain optimizer's step.
+Each sequence is one sample (``shape=`` of the loss wrappers). Models:
+- ``tiny``: dpgrad's demo preset (``TinyTransformer``, 0.56M parameters);
 - ``hf-gpt2``: Hugging Face GPT-2 small, full fine-tuning, tied embeddings (Opacus refuses
   tied weights under ghost clipping: its rows say so);
-- ``hf-llama-1b-lora16``: a Llama-3.2-1B-shaped Hugging Face model with PEFT LoRA adapters of
-  rank 16 on every projection, only the adapters trainable;
-- ``hf-gpt2-tiny``, ``hf-llama-tiny-lora16``: the same architectures at two layers, for CPUs.
-On a CPU the small cases run in fp32; on a CUDA GPU the real sizes in bf16. The conftest
-writes medians, ratios to the non-private step and to Opacus, tokens/s and (on a GPU) peak
-memory to benchmarks/results/dp_step_<cpu|cuda>.json.
+- ``hf-llama-1b``, ``hf-llama-1b-lora16``: a Llama-3.2-1B-shaped Hugging Face model, fully
+  fine-tuned, or with PEFT LoRA adapters of rank 16 on every projection (only they train);
+- ``-tiny`` variants of the Hugging Face models: the same architectures at two layers.
+Quick mode (the default without CUDA, ``DPGRAD_BENCH_QUICK=1`` otherwise) runs the small
+models in fp32; the full suite runs the real sizes in bf16 on a GPU and records peak memory.
+A provider that cannot run a model (out of memory, refused) is recorded with the reason.
 """
 
 from __future__ import annotations
@@ -26,27 +26,30 @@ from typing import Callable, Dict, Tuple
 import pytest
 import torch
 import torch.nn as nn
+from torch.func import functional_call, grad, vmap
 
 import dpgrad
+from dpgrad import results
 from dpgrad.models import TinyTransformerConfig, synthetic_batch
 from dpgrad.presets import DTYPES, build_model
 
 opacus = pytest.importorskip("opacus")
+from opacus.grad_sample import GradSampleModule as OpacusGSM  # noqa: E402
 from opacus.grad_sample import GradSampleModuleFastGradientClipping as OpacusFGC  # noqa: E402
-from opacus.optimizers import DPOptimizerFastGradientClipping  # noqa: E402
+from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping  # noqa: E402
 from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping as OpacusDPLoss  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 # (model, batch, tokens per sequence, dtype): about 8k tokens a step on the GPU.
 CASES = (
-    [("gpt2-small", 64, 128, "bf16"), ("gpt2-small", 8, 1024, "bf16"), ("hf-gpt2", 64, 128, "bf16"),
-     ("hf-gpt2", 8, 1024, "bf16"), ("hf-llama-1b-lora16", 8, 1024, "bf16")]
-    if CUDA
-    else [("tiny", 8, 64, "fp32"), ("tiny", 8, 256, "fp32"), ("hf-gpt2-tiny", 8, 64, "fp32"),
-          ("hf-llama-tiny-lora16", 8, 64, "fp32")]
+    [("tiny", 8, 64, "fp32"), ("tiny", 8, 256, "fp32"), ("hf-gpt2-tiny", 8, 64, "fp32"),
+     ("hf-llama-tiny", 8, 64, "fp32"), ("hf-llama-tiny-lora16", 8, 64, "fp32")]
+    if results.quick_mode()
+    else [("hf-gpt2", 64, 128, "bf16"), ("hf-gpt2", 8, 1024, "bf16"), ("hf-llama-1b", 8, 1024, "bf16"),
+          ("hf-llama-1b-lora16", 8, 1024, "bf16")]
 )
-PROVIDERS = ["non-private", "opacus-ghost", "dpgrad-double", "dpgrad-single"]
+PROVIDERS = ["non-private", "opacus-hooks", "torch-func", "opacus-ghost", "dpgrad-double", "dpgrad-single"]
 ROUNDS = 15 if CUDA else 10
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -84,8 +87,10 @@ def _hf(name: str) -> BenchModel:
         shape = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096, rope_theta=500000.0)
     cfg = transformers.LlamaConfig(**shape, tie_word_embeddings=True, **common)
-    lora = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS)
-    model = peft.get_peft_model(transformers.LlamaForCausalLM(cfg), lora)
+    model = transformers.LlamaForCausalLM(cfg)
+    if name.endswith("lora16"):
+        lora = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS)
+        model = peft.get_peft_model(model, lora)
     return BenchModel(model, cfg.vocab_size, 0, hf=True)
 
 
@@ -135,6 +140,8 @@ def make_step(provider: str, name: str, batch: int, seq_len: int, dtype: str) ->
 
         return step
 
+    if provider in ("opacus-hooks", "torch-func"):
+        return _per_sample_gradient_step(provider, built, model, inputs, targets, criterion, trainable, batch)
     if provider == "opacus-ghost":
         wrapped, loss_cls = OpacusFGC(model, max_grad_norm=1.0, loss_reduction="mean"), OpacusDPLoss
     else:
@@ -160,26 +167,64 @@ def make_step(provider: str, name: str, batch: int, seq_len: int, dtype: str) ->
     return step
 
 
+def _per_sample_gradient_step(provider, built, model, inputs, targets, criterion, trainable, batch):
+    """Opacus's DP-SGD from per-sample gradients: by its hooks, or by one vmap over the model."""
+    vocab = built.vocab_size
+    if provider == "opacus-hooks":
+        wrapped = OpacusGSM(model, loss_reduction="mean")
+
+        def backward():
+            criterion(built.logits(wrapped, inputs).reshape(-1, vocab), targets.reshape(-1)).backward()
+    else:
+        wrapped = model
+        frozen = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        buffers = dict(model.named_buffers())
+
+        def sample_loss(params, ids, target):
+            state = {**frozen, **buffers, **dict(zip(names, params))}
+            logits = built.logits(lambda *a, **k: functional_call(model, state, a, k), ids[None])
+            return criterion(logits.reshape(-1, vocab), target.reshape(-1))
+
+        per_sample = vmap(grad(sample_loss), in_dims=(None, 0, 0))
+
+        def backward():
+            grads = per_sample(tuple(p.detach() for p in trainable), inputs, targets)
+            for p, g in zip(trainable, grads):
+                p.grad_sample = g
+
+    optimizer = DPOptimizer(torch.optim.SGD(trainable, lr=1e-3), noise_multiplier=1.0, max_grad_norm=1.0,
+                            expected_batch_size=batch, loss_reduction="mean")
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        backward()
+        optimizer.step()
+
+    return step
+
+
 @pytest.mark.parametrize("provider", PROVIDERS)
 @pytest.mark.parametrize("name, batch, seq_len, dtype", CASES)
-def test_dp_step(benchmark, provider, name, batch, seq_len, dtype):
-    benchmark.group = f"DP step, {name}, B={batch}, T={seq_len}, {dtype}, {DEVICE.type}"
-    benchmark.extra_info.update(bench="dp_step", provider=provider, model=name, batch=batch, seq_len=seq_len,
-                                dtype=dtype, tokens=batch * seq_len)
+def test_dp_step(bench, provider, name, batch, seq_len, dtype):
+    bench.describe("dp_step", "dp_step", dict(model=name, batch=batch, seq_len=seq_len, dtype=dtype), provider,
+                   time_metric="step_time")
     try:
         step = make_step(provider, name, batch, seq_len, dtype)
+
+        def synced_step():
+            step()
+            _sync()
+
+        synced_step()  # warm-up (and, for dpgrad, the autotuner's first look at each shape)
     except NotImplementedError as err:
-        pytest.skip(f"{provider} does not run on {name}: {err}")
-
-    def synced_step():
-        step()
-        _sync()
-
-    synced_step()  # warm-up (and, for dpgrad, the autotuner's first look at each shape)
-    peak = None
+        bench.skip(f"refused: {err}".splitlines()[0][:200])
+    except torch.cuda.OutOfMemoryError:
+        bench.skip("out of memory")
+    except RuntimeError as err:  # torch.func cannot trace every model
+        bench.skip(f"error: {err}".splitlines()[0][:200])
     if CUDA:
         torch.cuda.reset_peak_memory_stats()
         synced_step()
-        peak = torch.cuda.max_memory_allocated()
-    benchmark.extra_info["peak_memory_bytes"] = peak
-    benchmark.pedantic(synced_step, rounds=ROUNDS, iterations=1, warmup_rounds=1)
+        bench.metrics["peak_memory"] = results.metric("peak_memory", torch.cuda.max_memory_allocated())
+    bench.benchmark_fixture.pedantic(synced_step, rounds=ROUNDS, iterations=1, warmup_rounds=1)

@@ -1,111 +1,149 @@
-"""Summarises the DP-step benchmarks (bench_dp_step.py) and keeps them under results/.
+"""Collects the suites' measurements into results files (``dpgrad.results``) and summarises them.
 
-Per case (model, batch, tokens, dtype): each provider's median step time, its ratio to the
-non-private step of the same run (time, and throughput = non-private time / its time), its
-ratio to Opacus's ghost clipping, tokens per second and, on a GPU, peak memory against the
-non-private step's.
+Each benchmark test asks for the ``bench`` fixture and says what it measures (``suite``,
+``benchmark``, ``shape``, ``provider``); it times with pytest-benchmark (whose rounds give
+the p20/p50/p80 of ``step_time`` or ``time``) or hands in metrics of its own (GPU kernel
+times from ``triton.testing.do_bench``, peak memory), or says why the provider did not run
+(``bench.skip(reason)``: Opacus refusing tied weights, out of memory). At the end of a run
+with timing enabled, each suite's rows get their ratios to the same run's baselines and go to
+``<suite>_<device>.json`` in ``$DPGRAD_RESULTS_DIR`` (default benchmarks/results). Runs with
+``--benchmark-disable`` (the test suite's quick pass: collection and one round) write nothing.
+
+``DPGRAD_BENCH_QUICK=1`` picks the small sizes; they are the default without CUDA.
 """
 
 from __future__ import annotations
 
-import datetime
-import importlib.util
-import json
-import platform
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Dict, List, Optional
 
-import torch
+import pytest
 
-from dpgrad.report import git_commit
+from dpgrad import results
 
-RESULTS = Path(__file__).parent / "results"
-BASELINE, OPACUS = "non-private", "opacus-ghost"
-
-
-def _device() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"cpu: {line.split(':', 1)[1].strip()} x {torch.get_num_threads()} threads"
-    except OSError:
-        pass
-    return f"cpu: {platform.processor() or platform.machine()} x {torch.get_num_threads()} threads"
+RESULTS = Path(os.environ.get("DPGRAD_RESULTS_DIR") or Path(__file__).parent / "results")
+QUICK = results.quick_mode()
+ROWS_KEY = pytest.StashKey[list]()
 
 
-def _versions() -> dict:
-    versions = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("opacus", "triton"):
-        if importlib.util.find_spec(name) is not None:
-            versions[name] = __import__(name).__version__
-    if torch.cuda.is_available():
-        versions["cuda"] = torch.version.cuda
-    return versions
+@dataclass
+class BenchRow:
+    """What one benchmark test measured (filled in by the test) and its outcome."""
+
+    benchmark_fixture: object
+    suite: str = ""
+    benchmark: str = ""
+    shape: Dict[str, object] = field(default_factory=dict)
+    provider: str = ""
+    status: str = "ok"
+    metrics: Dict[str, dict] = field(default_factory=dict)
+    time_metric: str = "time"
+
+    def describe(self, suite: str, benchmark: str, shape: Dict[str, object], provider: str,
+                 time_metric: str = "time") -> None:
+        self.suite, self.benchmark, self.shape, self.provider = suite, benchmark, shape, provider
+        self.time_metric = time_metric
+        self.benchmark_fixture.group = f"{benchmark} " + ", ".join(f"{k}={v}" for k, v in shape.items())
+        self.benchmark_fixture.extra_info.update(suite=suite, shape=shape, provider=provider)
+
+    def skip(self, reason: str) -> None:
+        """Record that the provider did not run here, and why; skips the test."""
+        self.status = reason
+        pytest.skip(f"{self.provider}: {reason}")
+
+    def to_result(self) -> Optional[dict]:
+        if self.status == "ok":
+            stats = getattr(self.benchmark_fixture, "stats", None)
+            data = getattr(getattr(stats, "stats", None), "data", None)
+            if self.time_metric not in self.metrics:
+                if not data:
+                    return None  # timing disabled: nothing measured
+                self.metrics[self.time_metric] = results.metric(self.time_metric, 0) | results.quantiles(data, 1e3)
+        return {"benchmark": self.benchmark, "shape": self.shape, "provider": self.provider,
+                "status": self.status, "metrics": self.metrics}
 
 
-def dp_step_rows(benchmarks) -> list:
-    """One row per (case, provider) with its median and its ratios to the same run's baselines."""
-    cases: dict = {}
-    for bench in benchmarks:
-        info = bench.extra_info
-        if info.get("bench") != "dp_step":
-            continue
-        case = (info["model"], info["batch"], info["seq_len"], info["dtype"])
-        cases.setdefault(case, {})[info["provider"]] = (bench.stats, info)
-    rows = []
-    for (model, batch, seq_len, dtype), providers in sorted(cases.items()):
-        base = providers.get(BASELINE)
-        opacus = providers.get(OPACUS)
-        for provider, (stats, info) in providers.items():
-            median = stats.median
-            row = {
-                "model": model, "batch": batch, "seq_len": seq_len, "dtype": dtype, "provider": provider,
-                "median_s": median, "q1_s": stats.q1, "q3_s": stats.q3, "rounds": stats.rounds,
-                "tokens_per_s": info["tokens"] / median,
-                "peak_memory_bytes": info.get("peak_memory_bytes"),
-            }
-            if base is not None:
-                row["time_over_non_private"] = median / base[0].median
-                row["throughput_over_non_private"] = base[0].median / median
-                peak, base_peak = info.get("peak_memory_bytes"), base[1].get("peak_memory_bytes")
-                row["peak_memory_over_non_private"] = peak / base_peak if peak and base_peak else None
-            if opacus is not None:
-                row["time_over_opacus_ghost"] = median / opacus[0].median
-            rows.append(row)
-    return rows
+def pytest_configure(config):
+    config.stash[ROWS_KEY] = []
+
+
+@pytest.fixture
+def bench(benchmark, request):
+    row = BenchRow(benchmark)
+    yield row
+    if row.suite:
+        request.config.stash[ROWS_KEY].append(row)
+
+
+def _derive_dp_step(rows: List[dict]) -> None:
+    """Throughput, and ratios to the non-private step and to Opacus ghost of the same case."""
+    cases: Dict[tuple, Dict[str, dict]] = {}
+    for r in rows:
+        cases.setdefault(tuple(sorted(r["shape"].items())), {})[r["provider"]] = r
+    for case in cases.values():
+        base, opacus = case.get("non-private"), case.get("opacus-ghost")
+        for r in case.values():
+            m = r["metrics"]
+            if r["status"] != "ok":
+                continue
+            t = m["step_time"]["p50"]
+            tokens = r["shape"]["batch"] * r["shape"]["seq_len"]
+            m["throughput"] = results.metric("throughput", tokens / t * 1e3, tokens / m["step_time"]["p80"] * 1e3,
+                                             tokens / m["step_time"]["p20"] * 1e3)
+            if base is not None and base["status"] == "ok":
+                m["throughput_over_non_private"] = results.metric(
+                    "throughput_over_non_private", base["metrics"]["step_time"]["p50"] / t)
+                peak, base_peak = m.get("peak_memory"), base["metrics"].get("peak_memory")
+                if peak and base_peak:
+                    m["peak_memory_over_non_private"] = results.metric(
+                        "peak_memory_over_non_private", peak["p50"] / base_peak["p50"])
+            if opacus is not None and opacus["status"] == "ok":
+                m["speedup_over_opacus"] = results.metric("speedup_over_opacus",
+                                                          opacus["metrics"]["step_time"]["p50"] / t)
+
+
+def _derive_kernels(rows: List[dict]) -> None:
+    """Speedup over Opacus's sampler and time over the plain GEMM, per kernel and shape."""
+    cases: Dict[tuple, Dict[str, dict]] = {}
+    for r in rows:
+        cases.setdefault(tuple(sorted(r["shape"].items())), {})[r["provider"]] = r
+    for case in cases.values():
+        # Per-sample gradients against Opacus's with the norms its optimizer then takes, as
+        # dpgrad's kernel fuses them.
+        opacus, gemm = case.get("opacus-with-norm") or case.get("opacus"), case.get("gemm")
+        for name, r in case.items():
+            if not name.startswith("dpgrad") or r["status"] != "ok":
+                continue
+            t = r["metrics"]["time"]["p50"]
+            if opacus is not None and opacus["status"] == "ok":
+                r["metrics"]["speedup_over_opacus"] = results.metric("speedup_over_opacus",
+                                                                     opacus["metrics"]["time"]["p50"] / t)
+            if gemm is not None and gemm["status"] == "ok":
+                r["metrics"]["time_over_gemm"] = results.metric("time_over_gemm", t / gemm["metrics"]["time"]["p50"])
+
+
+DERIVE = {"dp_step": _derive_dp_step, "kernels": _derive_kernels}
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     session = getattr(config, "_benchmarksession", None)
-    if session is None or session.disabled or not session.benchmarks:
+    if session is None or session.disabled:
         return
-    rows = dp_step_rows(session.benchmarks)
-    if not rows:
-        return
-    terminalreporter.section("DP step: ratios to the non-private step and to Opacus ghost clipping")
-    for r in rows:
-        memory = r.get("peak_memory_over_non_private")
-        terminalreporter.write_line(
-            f"{r['model']:<10} B={r['batch']:>3} T={r['seq_len']:>5} {r['provider']:<14} "
-            f"{r['median_s'] * 1e3:9.1f} ms  throughput/non-private {r.get('throughput_over_non_private', 0):5.2f}  "
-            f"time/opacus {r.get('time_over_opacus_ghost', float('nan')):5.2f}"
-            + (f"  memory/non-private {memory:5.2f}" if memory else "")
-        )
-    record = {
-        "benchmark": "dp_step",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": _device(),
-        "commit": git_commit() or "unknown",
-        "versions": _versions(),
-        "settings": {
-            "timer": "pytest-benchmark, wall clock of a synchronised step, median",
-            "step": "forward, backward, optimizer step; DP: C = 1.0, noise 1.0, Opacus's "
-                    "DPOptimizerFastGradientClipping",
-        },
-        "results": rows,
-    }
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"dp_step_{'cuda' if torch.cuda.is_available() else 'cpu'}.json"
-    path.write_text(json.dumps(record, indent=2) + "\n")
-    terminalreporter.write_line(f"written {path}")
+    by_suite: Dict[str, List[dict]] = {}
+    settings: Dict[str, dict] = {}
+    for row in config.stash[ROWS_KEY]:
+        result = row.to_result()
+        if result is not None:
+            by_suite.setdefault(row.suite, []).append(result)
+    for suite, rows in by_suite.items():
+        DERIVE[suite](rows)
+        settings[suite] = {"quick": QUICK, "timer": "triton.testing.do_bench (GPU kernels), else pytest-benchmark "
+                           "rounds of a synchronised call", "dtype": sorted({str(r["shape"].get("dtype")) for r in rows})}
+        path = results.write(RESULTS, suite, rows, settings[suite])
+        terminalreporter.write_line(f"written {path}")
+        if suite == "dp_step":
+            terminalreporter.section("DP step")
+            terminalreporter.write_line(results.markdown([{"suite": suite, "machine": results.machine_info(),
+                                                             "results": rows}]))

@@ -7,6 +7,11 @@ command.
 ``dpgrad demo``: a short DP-SGD training run of the built-in transformer with ghost clipping
 (one backward pass per step unless --backward double), printing the loss and per-sample
 gradient-norm statistics of every step.
+
+``dpgrad dashboard RESULTS... -o report.html``: one self-contained HTML page of charts and
+tables from benchmark results files (benchmarks/results/*.json); ``--records`` writes them as
+flat records for dashboard tools, ``--markdown`` prints the README's results tables and
+``--update-readme`` puts them into a README.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import List, Optional
 
 import torch
@@ -185,7 +191,49 @@ def autotune_report(argv: List[str]) -> int:
     return 0
 
 
-COMMANDS = {"autotune-report": autotune_report, "demo": demo}
+def dashboard(argv: List[str]) -> int:
+    from dpgrad import dashboard as page
+    from dpgrad import results
+
+    parser = argparse.ArgumentParser(prog="dpgrad dashboard", description=_doc(3))
+    parser.add_argument("results", nargs="+", help="results files written by the benchmarks")
+    parser.add_argument("-o", "--output", help="the HTML page to write")
+    parser.add_argument("--records", help="write the flat records (JSON) to this file ('-': stdout)")
+    parser.add_argument("--markdown", action="store_true", help="print the README's results tables")
+    parser.add_argument("--update-readme", metavar="README", help="put the results tables into this README")
+    args = parser.parse_args(argv)
+    if not (args.output or args.records or args.markdown or args.update_readme):
+        parser.error("say what to write: -o report.html, --records FILE, --markdown or --update-readme README")
+    try:
+        docs = results.load(args.results)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(page.render(docs), encoding="utf-8")
+        print(f"wrote the dashboard to {args.output}", file=sys.stderr)
+    if args.records:
+        text = json.dumps(results.flat_records(docs), indent=1) + "\n"
+        if args.records == "-":
+            sys.stdout.write(text)
+        else:
+            with open(args.records, "w", encoding="utf-8") as f:
+                f.write(text)
+    if args.markdown:
+        sys.stdout.write(results.markdown(docs))
+    if args.update_readme:
+        try:
+            with open(args.update_readme, encoding="utf-8") as f:
+                text = results.readme_with_results(f.read(), docs)
+        except ValueError as exc:
+            parser.error(str(exc))
+        with open(args.update_readme, "w", encoding="utf-8") as f:
+            f.write(text)
+        print(f"updated the results in {args.update_readme}", file=sys.stderr)
+    return 0
+
+
+COMMANDS = {"autotune-report": autotune_report, "demo": demo, "dashboard": dashboard}
 USAGE = f"usage: dpgrad {{{','.join(COMMANDS)}}} [options]   (dpgrad COMMAND --help; no command: autotune-report)"
 
 
@@ -196,7 +244,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return autotune_report([])
     if argv[0] in ("-h", "--help"):
         print(USAGE)
-        print("\n".join("  " + " ".join(_doc(i).split()) for i in (1, 2)))
+        print("\n".join("  " + " ".join(_doc(i).split()) for i in (1, 2, 3)))
         return 0
     if argv[0] not in COMMANDS:
         print(USAGE, file=sys.stderr)

@@ -1,0 +1,253 @@
+"""Benchmark results: the JSON files the suites write, flat records for dashboards, README tables.
+
+A results file (``benchmarks/results/<suite>_<device>.json``) holds one run of one suite::
+
+    {"schema": "dpgrad-bench/1", "suite": "dp_step" | "kernels",
+     "machine": {"device", "gpu", "cpu", "torch", "triton", "cuda", "opacus", "python",
+                 "dpgrad", "commit", "date", ...},
+     "settings": {...},
+     "results": [{"benchmark": "dp_step", "shape": {"model": ..., "batch": ..., ...},
+                  "provider": "dpgrad-single", "status": "ok" | why it did not run,
+                  "metrics": {"step_time": {"unit": "ms", "p20": .., "p50": .., "p80": ..}, ...}}]}
+
+``flat_records`` turns files into one record per (result, metric) with the shape, the metric
+and the machine as objects, so dashboard tools ingest them without parsing strings.
+``markdown`` is the README's results table.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import json
+import platform
+import re
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence
+
+import torch
+
+SCHEMA = "dpgrad-bench/1"
+# Metric name -> unit. Times are medians (and p20, p80) of synchronised runs.
+UNITS = {
+    "step_time": "ms",
+    "time": "ms",
+    "throughput": "tokens/s",
+    "peak_memory": "bytes",
+    "throughput_over_non_private": "ratio",
+    "peak_memory_over_non_private": "ratio",
+    "speedup_over_opacus": "ratio",
+    "time_over_gemm": "ratio",
+}
+
+
+def quick_mode() -> bool:
+    """Whether the benchmark suites run at their small sizes: ``DPGRAD_BENCH_QUICK=1``, or no CUDA."""
+    import os
+
+    return os.environ.get("DPGRAD_BENCH_QUICK", "") == "1" or not torch.cuda.is_available()
+
+
+def git_commit() -> Optional[str]:
+    from dpgrad.report import git_commit as commit
+
+    return commit()
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> Dict[str, object]:
+    """The machine, the versions and the commit that produced a run."""
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    versions = {name: None for name in ("triton", "opacus", "transformers", "peft")}
+    for name in versions:
+        if importlib.util.find_spec(name) is not None:
+            versions[name] = getattr(__import__(name), "__version__", None)
+    from dpgrad import __version__
+
+    return {
+        "device": gpu or f"cpu: {_cpu_name()} x {torch.get_num_threads()} threads",
+        "gpu": gpu,
+        "cpu": _cpu_name(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda if gpu else None,
+        **versions,
+        "python": platform.python_version(),
+        "dpgrad": __version__,
+        "commit": git_commit() or "unknown",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def device_slug(machine: Dict[str, object]) -> str:
+    """"cpu" or the GPU's name in lower case and dashes: the results file's suffix."""
+    if not machine.get("gpu"):
+        return "cpu"
+    return re.sub(r"[^a-z0-9]+", "-", str(machine["gpu"]).lower()).strip("-")
+
+
+def quantiles(values: Sequence[float], scale: float = 1.0) -> Dict[str, float]:
+    """p20, p50 and p80 of ``values`` (times ``scale``), by linear interpolation."""
+    ordered = sorted(v * scale for v in values)
+    if not ordered:
+        raise ValueError("no values")
+
+    def at(q: float) -> float:
+        pos = q * (len(ordered) - 1)
+        lo = int(pos)
+        hi = min(lo + 1, len(ordered) - 1)
+        return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+    return {"p20": at(0.2), "p50": at(0.5), "p80": at(0.8)}
+
+
+def metric(name: str, p50: float, p20: Optional[float] = None, p80: Optional[float] = None) -> Dict[str, object]:
+    """A metric entry; p20 and p80 default to p50 for single figures (a ratio, a peak)."""
+    return {"unit": UNITS[name], "p20": p50 if p20 is None else p20, "p50": p50, "p80": p50 if p80 is None else p80}
+
+
+def write(directory: Path, suite: str, results: List[dict], settings: Dict[str, object]) -> Path:
+    """Write one suite's run to ``directory/<suite>_<device>.json``; returns the path."""
+    machine = machine_info()
+    doc = {"schema": SCHEMA, "suite": suite, "machine": machine, "settings": settings, "results": results}
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{suite}_{device_slug(machine)}.json"
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return path
+
+
+def load(paths: Iterable[Path]) -> List[dict]:
+    """Read results files; raises ValueError naming a file that is not one."""
+    docs = []
+    for path in paths:
+        path = Path(path)
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{path}: not a readable JSON file ({exc})") from exc
+        if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+            raise ValueError(f"{path}: not a dpgrad results file (schema {SCHEMA!r}); write it with the benchmarks")
+        doc["path"] = str(path)
+        docs.append(doc)
+    return docs
+
+
+def flat_records(docs: Iterable[dict]) -> List[dict]:
+    """One record per result and metric: ``{"benchmark", "shape", "provider", "metric":
+    {"name", "unit", "p20", "p50", "p80"}, "machine"}``. Results that did not run have no
+    metrics and give no records."""
+    records = []
+    for doc in docs:
+        for row in doc["results"]:
+            for name, m in row.get("metrics", {}).items():
+                records.append({
+                    "benchmark": row["benchmark"],
+                    "shape": row["shape"],
+                    "provider": row["provider"],
+                    "metric": {"name": name, **m},
+                    "machine": doc["machine"],
+                })
+    return records
+
+
+def _fmt_ms(m: Optional[dict]) -> str:
+    return "-" if m is None else f"{m['p50']:.1f} ms"
+
+
+def markdown(docs: Iterable[dict]) -> str:
+    """The README's results: a table of DP-step times and ratios per machine, and the
+    kernels' speedups over Opacus, from the given results files."""
+    out = []
+    for doc in sorted(docs, key=lambda d: (d["suite"], d["machine"]["device"])):
+        m = doc["machine"]
+        out.append(f"{doc['suite']} on {m['device']}, {m['date'][:10]}, commit {m['commit']}, torch {m['torch']}"
+                   + (f", Opacus {m['opacus']}" if m.get("opacus") else "")
+                   + (f", Triton {m['triton']}" if m.get("triton") and m.get("gpu") else "") + ":")
+        out.append("")
+        if doc["suite"] == "dp_step":
+            out += _dp_step_table(doc["results"])
+        else:
+            out += _kernels_table(doc["results"])
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _p50(row: Optional[dict], name: str) -> Optional[float]:
+    if not row or row.get("status") != "ok" or name not in row.get("metrics", {}):
+        return None
+    return row["metrics"][name]["p50"]
+
+
+def _ratio(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _dp_step_table(results: List[dict]) -> List[str]:
+    providers = list(dict.fromkeys(r["provider"] for r in results))
+    lines = ["| model | B | T | dtype | " + " | ".join(providers)
+             + " | single / Opacus ghost | single throughput / non-private | single peak memory / non-private |",
+             "|---|---|---|---|" + "---|" * (len(providers) + 3)]
+    cases: Dict[tuple, dict] = {}
+    for r in results:
+        s = r["shape"]
+        cases.setdefault((s["model"], s["batch"], s["seq_len"], s["dtype"]), {})[r["provider"]] = r
+    for (model, batch, seq_len, dtype), rows in cases.items():
+        cells = []
+        for p in providers:
+            row = rows.get(p)
+            # A provider that did not run: the reason's first word here ("refused", "error"),
+            # the whole of it in the results file and the dashboard.
+            cells.append(_fmt_ms(row["metrics"]["step_time"]) if _p50(row, "step_time")
+                         else (row or {}).get("status", "-").split(":")[0])
+        single = rows.get("dpgrad-single")
+        single_ms, opacus_ms = _p50(single, "step_time"), _p50(rows.get("opacus-ghost"), "step_time")
+        vs_opacus = single_ms / opacus_ms if single_ms and opacus_ms else None
+        lines.append(f"| {model} | {batch} | {seq_len} | {dtype} | " + " | ".join(cells)
+                     + f" | {_ratio(vs_opacus)} | {_ratio(_p50(single, 'throughput_over_non_private'))}"
+                     + f" | {_ratio(_p50(single, 'peak_memory_over_non_private'))} |")
+    return lines
+
+
+def _kernels_table(results: List[dict]) -> List[str]:
+    lines = ["| kernel | layer | T | B | dpgrad | Opacus | GEMM | speedup over Opacus | dpgrad / GEMM |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    cases: Dict[tuple, dict] = {}
+    for r in results:
+        s = r["shape"]
+        cases.setdefault((s["kernel"], s["layer"], s["T"], s["B"]), {})[r["provider"]] = r
+    for (kernel, layer, T, B), rows in cases.items():
+        timed = [_p50(row, "time") for p, row in rows.items() if p.startswith("dpgrad")]
+        best = min((t for t in timed if t is not None), default=None)
+        # Per-sample gradients against Opacus's with the norms its optimizer then takes.
+        opacus_ms = _p50(rows.get("opacus-with-norm") or rows.get("opacus"), "time")
+        gemm_ms = _p50(rows.get("gemm"), "time")
+
+        def ms(v):
+            return "-" if v is None else f"{v:.3f} ms"
+
+        lines.append(f"| {kernel} | {layer} | {T} | {B} | {ms(best)} | {ms(opacus_ms)} | {ms(gemm_ms)} | "
+                     f"{_ratio(opacus_ms / best if best and opacus_ms else None)} | "
+                     f"{_ratio(best / gemm_ms if best and gemm_ms else None)} |")
+    return lines
+
+
+README_START = "<!-- results: generated by `dpgrad dashboard benchmarks/results/*.json --update-readme README.md` -->"
+README_END = "<!-- results: end -->"
+
+
+def readme_with_results(readme: str, docs: Iterable[dict]) -> str:
+    """``readme`` with the text between the results markers replaced by ``markdown(docs)``."""
+    start, end = readme.find(README_START), readme.find(README_END)
+    if start < 0 or end < start:
+        raise ValueError(f"the README has no results block: put {README_START!r} and {README_END!r} "
+                         "where the tables go")
+    return readme[: start + len(README_START)] + "\n\n" + markdown(docs) + "\n" + readme[end:]

@@ -1,0 +1,235 @@
+"""Benchmark results: files, flat records, README tables, and the HTML dashboard in Chromium.
+
+The dashboard test renders two machines' results (one with every chart's data, one CPU run
+without peak memory) and opens the page in headless Chromium: every chart must have drawn
+its bars (or said why it has none), the screenshot must show them, and the console must hold
+no error. Chromium is a system package (Debian's ``chromium``; ``.ci/run`` installs it, and
+then sets DPGRAD_REQUIRE_CHROMIUM so that the test cannot skip): elsewhere the test is
+skipped, saying so, where Chromium is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from dpgrad import cli, dashboard, results
+
+REPO = Path(__file__).parents[1]
+COMMITTED = sorted((REPO / "benchmarks" / "results").glob("*.json"))
+
+
+def _machine(device, gpu=None):
+    return {"device": device, "gpu": gpu, "cpu": "test cpu", "threads": 2, "torch": "2.13.0", "cuda": "12.8" if gpu else None,
+            "triton": "3.9.0", "opacus": "1.6.0", "transformers": None, "peft": None, "python": "3.11.7",
+            "dpgrad": "0.1.0", "commit": "abc1234", "date": "2026-11-22T00:00:00+00:00"}
+
+
+def _row(benchmark, shape, provider, status="ok", **metrics):
+    return {"benchmark": benchmark, "shape": shape, "provider": provider, "status": status,
+            "metrics": {name: results.metric(name, value) for name, value in metrics.items()}}
+
+
+def sample_docs():
+    """Input for the renderer: a GPU-like machine with kernels and DP steps (peak memory
+    included) and a CPU run without memory figures. Made up for the test, not measurements."""
+    kshape = dict(kernel="linear_norm", layer="gpt2.lm_head", d=768, p=50257, T=1024, B=4, dtype="bfloat16")
+    kernels = [
+        _row("linear_norm", kshape, "dpgrad-direct", time=2.0, speedup_over_opacus=3.0, time_over_gemm=1.2),
+        _row("linear_norm", kshape, "dpgrad-gram", time=4.0, speedup_over_opacus=1.5, time_over_gemm=2.4),
+        _row("linear_norm", kshape, "opacus", time=6.0),
+        _row("linear_norm", kshape, "gemm", time=1.7),
+        _row("embedding_norm", dict(kernel="embedding_norm", layer="gpt2.wte", V=50257, d=768, T=1024, B=4,
+                                    dtype="bfloat16"), "dpgrad", time=0.2, speedup_over_opacus=5.0),
+    ]
+    dshape = dict(model="hf-gpt2", batch=8, seq_len=1024, dtype="bf16")
+    steps = [
+        _row("dp_step", dshape, "non-private", step_time=100.0, throughput=81920.0, throughput_over_non_private=1.0,
+             peak_memory=10 * 2**30),
+        _row("dp_step", dshape, "opacus-ghost", "refused: Parameter tying is not supported with Ghost Clipping"),
+        _row("dp_step", dshape, "dpgrad-single", step_time=120.0, throughput=68266.7, throughput_over_non_private=0.83,
+             peak_memory=10.5 * 2**30, peak_memory_over_non_private=1.05),
+    ]
+    cpu_steps = [
+        _row("dp_step", dict(model="tiny", batch=8, seq_len=64, dtype="fp32"), p, step_time=t,
+             throughput_over_non_private=14.0 / t)
+        for p, t in (("non-private", 14.0), ("opacus-ghost", 34.0), ("dpgrad-single", 26.0))
+    ]
+    gpu, cpu = _machine("NVIDIA H100 80GB HBM3", "NVIDIA H100 80GB HBM3"), _machine("cpu: test cpu x 2 threads")
+    return [
+        {"schema": results.SCHEMA, "suite": "kernels", "machine": gpu, "settings": {}, "results": kernels},
+        {"schema": results.SCHEMA, "suite": "dp_step", "machine": gpu, "settings": {}, "results": steps},
+        {"schema": results.SCHEMA, "suite": "dp_step", "machine": cpu, "settings": {}, "results": cpu_steps},
+    ]
+
+
+def _write(tmp_path, docs):
+    paths = []
+    for i, doc in enumerate(docs):
+        path = tmp_path / f"{doc['suite']}_{i}.json"
+        path.write_text(json.dumps(doc))
+        paths.append(path)
+    return paths
+
+
+# ---------------------------------------------------------------------------- files and records
+def test_flat_records_are_objects_not_strings(tmp_path):
+    docs = results.load(_write(tmp_path, sample_docs()))
+    records = results.flat_records(docs)
+    assert len(records) == sum(len(r["metrics"]) for d in docs for r in d["results"])
+    for rec in records:
+        assert set(rec) == {"benchmark", "shape", "provider", "metric", "machine"}
+        assert isinstance(rec["shape"], dict) and isinstance(rec["machine"], dict)
+        assert set(rec["metric"]) == {"name", "unit", "p20", "p50", "p80"}
+        assert rec["metric"]["unit"] == results.UNITS[rec["metric"]["name"]]
+    speedups = [r for r in records if r["metric"]["name"] == "speedup_over_opacus"]
+    assert {r["shape"]["layer"] for r in speedups} == {"gpt2.lm_head", "gpt2.wte"}
+    # A provider that did not run has no metrics, hence no records.
+    assert not [r for r in records if r["provider"] == "opacus-ghost" and r["shape"].get("model") == "hf-gpt2"]
+
+
+def test_quantiles_and_machine():
+    assert results.quantiles([5, 1, 4, 2, 3]) == {"p20": 1.8, "p50": 3.0, "p80": 4.2}
+    assert results.quantiles([2.0], scale=1e3) == {"p20": 2000.0, "p50": 2000.0, "p80": 2000.0}
+    m = results.machine_info()
+    assert {"device", "gpu", "torch", "triton", "cuda", "opacus", "dpgrad", "commit", "date"} <= set(m)
+    assert results.device_slug({"gpu": "NVIDIA H100 80GB HBM3"}) == "nvidia-h100-80gb-hbm3"
+
+
+def test_load_refuses_other_files(tmp_path):
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"benchmarks": []}))
+    with pytest.raises(ValueError, match="not a dpgrad results file"):
+        results.load([other])
+
+
+def test_cli_writes_page_records_and_tables(tmp_path, capsys):
+    paths = [str(p) for p in _write(tmp_path, sample_docs())]
+    out, rec = tmp_path / "report.html", tmp_path / "records.json"
+    assert cli.main(["dashboard", *paths, "-o", str(out), "--records", str(rec), "--markdown"]) == 0
+    assert out.read_text().startswith("<!DOCTYPE html>")
+    assert json.loads(rec.read_text()) == results.flat_records(results.load(paths))
+    table = capsys.readouterr().out
+    assert "| hf-gpt2 | 8 | 1024 | bf16 | 100.0 ms | refused | 120.0 ms | - | 0.83 | 1.05 |" in table
+    assert "| linear_norm | gpt2.lm_head | 1024 | 4 | 2.000 ms | 6.000 ms | 1.700 ms | 3.00 | 1.18 |" in table
+    with pytest.raises(SystemExit):
+        cli.main(["dashboard", *paths])  # nothing asked for
+
+
+def test_readme_tables_match_the_committed_results():
+    """The README's results block is what the committed results files give, to the digit."""
+    assert COMMITTED, "benchmarks/results holds no results file"
+    readme = (REPO / "README.md").read_text()
+    assert results.readme_with_results(readme, results.load(COMMITTED)) == readme, (
+        "README.md's results differ from benchmarks/results: run "
+        "`dpgrad dashboard benchmarks/results/*.json --update-readme README.md`"
+    )
+
+
+# ---------------------------------------------------------------------------- the page in a browser
+class _Figures(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.figures, self.body = [], {}
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "figure" and "chart" in (attrs.get("class") or ""):
+            self.figures.append(attrs)
+        if tag == "body":
+            self.body = attrs
+
+
+def _chromium():
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def _run_chromium(tmp_path, page: Path, *mode):
+    chromium = _chromium()
+    args = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync",
+            f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0",
+            "--window-size=1400,2600", "--virtual-time-budget=5000", *mode, page.as_uri()]
+    return subprocess.run(args, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.skipif(_chromium() is None and not os.environ.get("DPGRAD_REQUIRE_CHROMIUM"),
+                    reason="needs Chromium (Debian: apt-get install chromium)")
+def test_dashboard_draws_every_chart_in_chromium(tmp_path):
+    docs = results.load(_write(tmp_path, sample_docs()))
+    page = tmp_path / "report.html"
+    page.write_text(dashboard.render(docs))
+
+    dom = _run_chromium(tmp_path, page, "--dump-dom")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    parsed = _Figures()
+    parsed.feed(dom.stdout)
+    assert parsed.body.get("data-charts") == "6"  # three charts for each of the two machines
+    assert len(parsed.figures) == 6
+    empty = [f for f in parsed.figures if "data-empty" in f]
+    assert [f["id"] for f in empty] == ["speedup-1", "memory-1"], empty  # the CPU run has neither
+    drawn = {f["id"]: int(f["data-marks"]) for f in parsed.figures if "data-marks" in f}
+    # Kernels: 2 + 1 bars; DP steps over non-private: dpgrad-single (Opacus refused), and the
+    # CPU run's two; memory: non-private and dpgrad-single.
+    assert drawn == {"speedup-0": 3, "throughput-0": 1, "memory-0": 2, "throughput-1": 2}
+
+    shot = tmp_path / "shot.png"
+    run = _run_chromium(tmp_path, page, f"--screenshot={shot}")
+    assert run.returncode == 0 and shot.exists(), run.stderr[-2000:]
+    console = [line for line in run.stderr.splitlines() if ":CONSOLE" in line]
+    assert any("dashboard: 6 charts drawn" in line for line in console), console
+    errors = [line for line in run.stderr.splitlines()
+              if ":CONSOLE" in line and ("Uncaught" in line or "Error" in line)]
+    assert not errors, errors
+
+    from PIL import Image
+
+    image = Image.open(shot).convert("RGB")
+    for figure in parsed.figures:
+        x, y, w, h = (int(v) for v in figure["data-rect"].split(","))
+        assert w > 0 and h > 0, figure["id"]
+        if y + h > image.height:
+            continue  # below the window
+        region = image.crop((x, y, x + w, y + h))
+        colours = region.getcolors(maxcolors=1 << 16) or []
+        coloured = sum(n for n, (r, g, b) in colours if max(r, g, b) - min(r, g, b) > 60)
+        if "data-marks" in figure:
+            assert coloured > 100, f"{figure['id']}: no bars on the screenshot"
+        else:
+            assert len(colours) > 2, f"{figure['id']}: blank"  # the note's text
+
+
+# ---------------------------------------------------------------------------- the suites' writer
+def test_quick_suite_writes_results_files(tmp_path):
+    """A timed run of part of the quick suite writes a results file with every metric and the
+    ratios to the same run's baselines (pytest-benchmark in a subprocess)."""
+    env = {**os.environ, "DPGRAD_RESULTS_DIR": str(tmp_path), "DPGRAD_BENCH_QUICK": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--benchmark-enable",
+         "--benchmark-min-rounds=1", str(REPO / "benchmarks" / "bench_kernels.py"), "-k", "embedding_norm and T32"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = tmp_path.glob("kernels_*.json")
+    (doc,) = results.load([path])
+    assert doc["machine"]["commit"] and doc["settings"]["quick"] is True
+    providers = {r["provider"]: r for r in doc["results"]}
+    assert set(providers) == {"dpgrad", "opacus"}
+    for r in providers.values():
+        time = r["metrics"]["time"]
+        assert r["status"] == "ok" and time["unit"] == "ms" and 0 < time["p20"] <= time["p50"] <= time["p80"]
+    speedup = providers["dpgrad"]["metrics"]["speedup_over_opacus"]["p50"]
+    assert speedup == pytest.approx(providers["opacus"]["metrics"]["time"]["p50"] / providers["dpgrad"]["metrics"]["time"]["p50"])
+    assert re.fullmatch(r"kernels_(cpu|[a-z0-9-]+)\.json", path.name)
