@@ -26,6 +26,7 @@ from dpgrad import results
 RESULTS = Path(os.environ.get("DPGRAD_RESULTS_DIR") or Path(__file__).parent / "results")
 QUICK = results.quick_mode()
 ROWS_KEY = pytest.StashKey[list]()
+MACHINE_KEY = pytest.StashKey[dict]()
 
 
 @dataclass
@@ -67,6 +68,8 @@ class BenchRow:
 
 def pytest_configure(config):
     config.stash[ROWS_KEY] = []
+    # Before any results file is written: the commit must not read as dirty because of them.
+    config.stash[MACHINE_KEY] = results.machine_info()
 
 
 @pytest.fixture
@@ -141,9 +144,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         DERIVE[suite](rows)
         settings[suite] = {"quick": QUICK, "timer": "triton.testing.do_bench (GPU kernels), else pytest-benchmark "
                            "rounds of a synchronised call", "dtype": sorted({str(r["shape"].get("dtype")) for r in rows})}
-        path = results.write(RESULTS, suite, rows, settings[suite])
+        path = results.write(RESULTS, suite, rows, settings[suite], config.stash[MACHINE_KEY])
         terminalreporter.write_line(f"written {path}")
         if suite == "dp_step":
             terminalreporter.section("DP step")
-            terminalreporter.write_line(results.markdown([{"suite": suite, "machine": results.machine_info(),
+            terminalreporter.write_line(results.markdown([{"suite": suite, "machine": config.stash[MACHINE_KEY],
                                                              "results": rows}]))

@@ -115,9 +115,14 @@ def metric(name: str, p50: float, p20: Optional[float] = None, p80: Optional[flo
     return {"unit": UNITS[name], "p20": p50 if p20 is None else p20, "p50": p50, "p80": p50 if p80 is None else p80}
 
 
-def write(directory: Path, suite: str, results: List[dict], settings: Dict[str, object]) -> Path:
-    """Write one suite's run to ``directory/<suite>_<device>.json``; returns the path."""
-    machine = machine_info()
+def write(directory: Path, suite: str, results: List[dict], settings: Dict[str, object],
+          machine: Optional[Dict[str, object]] = None) -> Path:
+    """Write one suite's run to ``directory/<suite>_<device>.json``; returns the path.
+
+    ``machine``: ``machine_info()`` taken when the run began (default: now). Taken after an
+    earlier suite's file was written, the commit would read as dirty.
+    """
+    machine = machine or machine_info()
     doc = {"schema": SCHEMA, "suite": suite, "machine": machine, "settings": settings, "results": results}
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{suite}_{device_slug(machine)}.json"
