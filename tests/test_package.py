@@ -47,17 +47,6 @@ def test_unknown_command_is_a_usage_error(capsys):
     assert "usage: dpgrad" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("provider", ["non-private", "opacus-ghost", "dpgrad-double", "dpgrad-single"])
-def test_benchmark_step_runs(provider, monkeypatch):
-    """The DP-step benchmark's step works for every provider (timings are not asserted)."""
-    pytest.importorskip("opacus")
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
-    import bench_dp_step
-
-    step = bench_dp_step.make_step(provider, "tiny", batch=2, seq_len=16, dtype="fp32")
-    step()
-
-
 def test_privacy_engine_example_runs(monkeypatch, capsys):
     pytest.importorskip("opacus")
     monkeypatch.setenv("DPGRAD_BACKEND", "eager")
