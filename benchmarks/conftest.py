@@ -78,6 +78,8 @@ def bench(benchmark, request):
     yield row
     if row.suite:
         request.config.stash[ROWS_KEY].append(row)
+        # pytest-benchmark's own JSON (--benchmark-json) carries them too.
+        benchmark.extra_info.update(status=row.status, metrics=row.metrics)
 
 
 def _derive_dp_step(rows: List[dict]) -> None:
