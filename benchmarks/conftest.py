@@ -84,10 +84,7 @@ def bench(benchmark, request):
 
 def _derive_dp_step(rows: List[dict]) -> None:
     """Throughput, and ratios to the non-private step and to Opacus ghost of the same case."""
-    cases: Dict[tuple, Dict[str, dict]] = {}
-    for r in rows:
-        cases.setdefault(tuple(sorted(r["shape"].items())), {})[r["provider"]] = r
-    for case in cases.values():
+    for case in results.by_case(rows).values():
         base, opacus = case.get("non-private"), case.get("opacus-ghost")
         for r in case.values():
             m = r["metrics"]
@@ -111,10 +108,7 @@ def _derive_dp_step(rows: List[dict]) -> None:
 
 def _derive_kernels(rows: List[dict]) -> None:
     """Speedup over Opacus's sampler and time over the plain GEMM, per kernel and shape."""
-    cases: Dict[tuple, Dict[str, dict]] = {}
-    for r in rows:
-        cases.setdefault(tuple(sorted(r["shape"].items())), {})[r["provider"]] = r
-    for case in cases.values():
+    for case in results.by_case(rows).values():
         # Per-sample gradients against Opacus's with the norms its optimizer then takes, as
         # dpgrad's kernel fuses them.
         opacus, gemm = case.get("opacus-with-norm") or case.get("opacus"), case.get("gemm")

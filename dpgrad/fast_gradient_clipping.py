@@ -249,7 +249,7 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
             )
         if loss_per_sample.grad_fn is None:
             raise ValueError("the per-sample losses have no autograd graph (computed under torch.no_grad()?)")
-        reduced = loss_per_sample.mean() if self.loss_reduction == "mean" else loss_per_sample.sum()
+        reduced = reduce_losses(loss_per_sample, self.loss_reduction)
         targets = lowest_marked_edges(reduced.grad_fn, self._output_mark)
         if not targets:
             raise RuntimeError(
@@ -291,16 +291,19 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         layers, grad_samples = self._to_clip
         params = list(dict.fromkeys([p for layer, _, _ in layers for p in self._layer_params(layer)] + list(grad_samples)))
 
-        def clipped_sums() -> Dict[nn.Parameter, torch.Tensor]:
-            sums: Dict[nn.Parameter, torch.Tensor] = {}
+        def contributions():
+            # Popped as they go: each layer's inputs and backprops are freed once summed.
             while layers:
                 layer, activations, backprops = layers.pop()
-                for p, g in self.CLIPPED_SUM_SAMPLERS[type(layer)](layer, activations, backprops, coef).items():
-                    sums[p] = g if p not in sums else sums[p] + g
-            for p in list(grad_samples):
-                gs = grad_samples.pop(p)
+                yield from self.CLIPPED_SUM_SAMPLERS[type(layer)](layer, activations, backprops, coef).items()
+            while grad_samples:
+                p, gs = grad_samples.popitem()
                 acc = accumulation_dtype(gs)
-                g = (coef.to(device=gs.device, dtype=acc) @ gs.flatten(1).to(acc)).view(p.shape).to(p.dtype)
+                yield p, (coef.to(device=gs.device, dtype=acc) @ gs.flatten(1).to(acc)).view(p.shape).to(p.dtype)
+
+        def clipped_sums() -> Dict[nn.Parameter, torch.Tensor]:
+            sums: Dict[nn.Parameter, torch.Tensor] = {}
+            for p, g in contributions():  # a parameter used twice gets both uses' sums
                 sums[p] = g if p not in sums else sums[p] + g
             return sums
 
@@ -351,6 +354,11 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
     @per_sample_gradient_norms.setter
     def per_sample_gradient_norms(self, value: torch.Tensor) -> None:
         self._per_sample_gradient_norms = value
+
+
+def reduce_losses(loss_per_sample: torch.Tensor, loss_reduction: str) -> torch.Tensor:
+    """The batch's loss from per-sample losses (B,): their mean or their sum."""
+    return loss_per_sample.mean(dim=0) if loss_reduction == "mean" else loss_per_sample.sum(dim=0)
 
 
 def weighted_backward(module, coef: torch.Tensor, loss_per_sample: torch.Tensor) -> None:

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping, weighted_backward
+from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping, reduce_losses, weighted_backward
 
 REDUCTIONS = ("mean", "sum")
 
@@ -44,7 +44,7 @@ class DPTensorFastGradientClipping:
         self.loss_reduction = loss_reduction
 
     def _reduced(self) -> torch.Tensor:
-        return self.loss_per_sample.mean(dim=0) if self.loss_reduction == "mean" else self.loss_per_sample.sum(dim=0)
+        return reduce_losses(self.loss_per_sample, self.loss_reduction)
 
     def detach(self) -> torch.Tensor:
         """The reduced loss (mean or sum over samples), detached."""

@@ -164,6 +164,15 @@ def flat_records(docs: Iterable[dict]) -> List[dict]:
     return records
 
 
+def by_case(rows: Iterable[dict], keys: Optional[Sequence[str]] = None) -> Dict[tuple, Dict[str, dict]]:
+    """Rows grouped by shape (the values of ``keys``, default the whole shape), then provider."""
+    cases: Dict[tuple, Dict[str, dict]] = {}
+    for r in rows:
+        key = tuple(r["shape"][k] for k in keys) if keys else tuple(sorted(r["shape"].items()))
+        cases.setdefault(key, {})[r["provider"]] = r
+    return cases
+
+
 def _fmt_ms(m: Optional[dict]) -> str:
     return "-" if m is None else f"{m['p50']:.1f} ms"
 
@@ -201,11 +210,7 @@ def _dp_step_table(results: List[dict]) -> List[str]:
     lines = ["| model | B | T | dtype | " + " | ".join(providers)
              + " | single / Opacus ghost | single throughput / non-private | single peak memory / non-private |",
              "|---|---|---|---|" + "---|" * (len(providers) + 3)]
-    cases: Dict[tuple, dict] = {}
-    for r in results:
-        s = r["shape"]
-        cases.setdefault((s["model"], s["batch"], s["seq_len"], s["dtype"]), {})[r["provider"]] = r
-    for (model, batch, seq_len, dtype), rows in cases.items():
+    for (model, batch, seq_len, dtype), rows in by_case(results, ("model", "batch", "seq_len", "dtype")).items():
         cells = []
         for p in providers:
             row = rows.get(p)
@@ -225,11 +230,7 @@ def _dp_step_table(results: List[dict]) -> List[str]:
 def _kernels_table(results: List[dict]) -> List[str]:
     lines = ["| kernel | layer | T | B | dpgrad | Opacus | GEMM | speedup over Opacus | dpgrad / GEMM |",
              "|---|---|---|---|---|---|---|---|---|"]
-    cases: Dict[tuple, dict] = {}
-    for r in results:
-        s = r["shape"]
-        cases.setdefault((s["kernel"], s["layer"], s["T"], s["B"]), {})[r["provider"]] = r
-    for (kernel, layer, T, B), rows in cases.items():
+    for (kernel, layer, T, B), rows in by_case(results, ("kernel", "layer", "T", "B")).items():
         timed = [_p50(row, "time") for p, row in rows.items() if p.startswith("dpgrad")]
         best = min((t for t in timed if t is not None), default=None)
         # Per-sample gradients against Opacus's with the norms its optimizer then takes.
