@@ -30,7 +30,7 @@ import torch.nn as nn
 from dpgrad import registry
 from dpgrad.autograd_graph import lowest_marked_edges, mark_output
 from dpgrad.backend import ops_for
-from dpgrad.grad_sample_module import GradSampleModule, _refuse_sharded
+from dpgrad.grad_sample_module import GradSampleModule
 from dpgrad.kernels.reference import accumulation_dtype
 
 # What a norm pass does with the layers' inputs and backprops besides taking norms.
@@ -72,13 +72,9 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         check_finite: bool = True,
         single_backward: bool = False,
     ):
-        _refuse_sharded(m)
-        registry.resolve(m)
+        # Plain attributes, read by _check_layers before nn.Module.__init__.
         self.use_ghost_clipping = use_ghost_clipping
         self.single_backward = single_backward
-        # Parameters a ghost-clipped layer shares: their uses' factors are kept for the cross
-        # terms. Found here for tied weights, in the forward pass for a layer called twice.
-        self._shared = self._shared_ghost_parameters(m, force_functorch)
         super().__init__(
             m,
             batch_first=batch_first,
@@ -107,6 +103,11 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
             and kind in self.NORM_SAMPLERS
             and (not self.single_backward or kind in self.CLIPPED_SUM_SAMPLERS)
         )
+
+    def _check_layers(self, m: nn.Module, force_functorch: bool) -> None:
+        # Parameters a ghost-clipped layer shares: their uses' factors are kept for the cross
+        # terms. Found here for tied weights, in the forward pass for a layer called twice.
+        self._shared = self._shared_ghost_parameters(m, force_functorch)
 
     def _shared_ghost_parameters(self, m: nn.Module, force_functorch: bool) -> set:
         """Trainable parameters that several hooked layers use, at least one ghost-clipped.

@@ -99,6 +99,7 @@ class GradSampleModule(nn.Module):
         _refuse_sharded(m)
         registry.resolve(m)
         errors = self.validate(m, strict=strict)
+        self._check_layers(m, force_functorch)
         super().__init__()
         self._module = m
         self.batch_first = batch_first
@@ -187,6 +188,10 @@ class GradSampleModule(nn.Module):
                 stacklevel=3,
             )
         return errors
+
+    def _check_layers(self, m: nn.Module, force_functorch: bool) -> None:
+        """A subclass's checks of the layers it will hook, before the model is touched
+        (before ``nn.Module.__init__``: plain attributes only)."""
 
     @classmethod
     def is_supported(cls, module: nn.Module) -> bool:
