@@ -10,20 +10,88 @@ rest are above those), and keeps what autograd hands back small: the gradients i
 those few edges are the only ones it holds until the pass ends.
 
 Hooked outputs are found by a mark in their node's metadata, so no list of them outlives the
-graph, and only nodes this loss can reach are considered.
+graph, and only nodes this loss can reach are considered. That walk visits every node of the
+graph in Python, milliseconds for a large model; ``ForwardEdges`` spares it in the common case
+(one forward pass, then its backward): it keeps the edges of the latest forward pass's hooked
+outputs and hands all of them to autograd, which walks the graph itself. Asking for every
+hooked output instead of the lowest ones runs the same nodes; their gradients are what the
+hooks record anyway.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List
+from collections import deque
+from typing import Dict, List, Optional
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
 
-def mark_output(out: torch.Tensor, mark: object) -> None:
-    """Mark the node that produced ``out`` (before any later in-place change of ``out``)."""
-    out.grad_fn.metadata.setdefault(mark, set()).add(out.output_nr)
+def mark_output(out: torch.Tensor, mark: object, forward_id: int = 0) -> None:
+    """Mark the node that produced ``out`` (before any later in-place change of ``out``) as
+    a hooked output of forward pass ``forward_id``."""
+    out.grad_fn.metadata.setdefault(mark, (forward_id, set()))[1].add(out.output_nr)
+
+
+def _first_marked_forward(root: Node, mark: object) -> Optional[int]:
+    """The forward pass of the marked node nearest ``root`` (breadth first), or None."""
+    seen = {root}
+    queue = deque([root])
+    while queue:
+        node = queue.popleft()
+        found = node.metadata.get(mark)
+        if found is not None:
+            return found[0]
+        for child, _ in node.next_functions:
+            if child is not None and child not in seen:
+                seen.add(child)
+                queue.append(child)
+    return None
+
+
+class ForwardEdges:
+    """The gradient edges of the hooked outputs of the latest forward pass.
+
+    ``targets(root)`` gives them all when the loss comes from that forward pass and from no
+    other one still waiting for its backward; otherwise (several forward passes before their
+    backward passes) the lowest marked edges found by walking the graph. The list is dropped
+    once a backward pass has used the forward pass, or when the next one begins: it keeps at
+    most one graph's nodes (not their saved tensors, which backward frees) alive.
+    """
+
+    def __init__(self):
+        self.mark = object()  # this wrapper's mark in node metadata
+        self.forward_id = 0
+        self._edges: List[GradientEdge] = []
+        self._consumed = True
+        self._ambiguous = False
+
+    def begin_forward(self) -> None:
+        # A forward pass whose backward has not come: a loss might reach both graphs.
+        self._ambiguous = bool(self._edges) and not self._consumed
+        self.forward_id += 1
+        self._edges = []
+        self._consumed = False
+
+    def add(self, out: torch.Tensor) -> None:
+        mark_output(out, self.mark, self.forward_id)
+        self._edges.append(GradientEdge(out.grad_fn, out.output_nr))
+
+    def consumed(self, forward_id: int) -> None:
+        """A hooked backward pass reached forward pass ``forward_id``."""
+        if forward_id == self.forward_id:
+            self._consumed = True
+
+    def release(self) -> None:
+        if self._consumed:
+            self._edges = []
+
+    def targets(self, root: Node) -> List[GradientEdge]:
+        """The edges a norm pass from ``root`` must ask autograd for (see the module docstring)."""
+        if self._edges and not self._consumed and not self._ambiguous:
+            if _first_marked_forward(root, self.mark) == self.forward_id:
+                return list(self._edges)
+        return lowest_marked_edges(root, self.mark)
 
 
 def _children(node: Node) -> List[Node]:
@@ -53,7 +121,8 @@ def lowest_marked_edges(root: Node, mark: object) -> List[GradientEdge]:
                 stack.extend(pending)
                 continue
         stack.pop()
-        outputs = node.metadata.get(mark)
+        found = node.metadata.get(mark)
+        outputs = found[1] if found is not None else None
         has_below = any(marked_below[c] for c in below)
         if outputs and not has_below:
             lowest.extend(GradientEdge(node, nr) for nr in sorted(outputs))

@@ -16,28 +16,24 @@ Opacus's protocol. Its norm pass asks autograd only for the gradients of the lay
 (``dpgrad.autograd_graph``), so no weight gradient is computed to be thrown away. Then either
 a second backward of ``sum_b c_b loss_b`` gives the clipped gradient (double backward, as in
 Opacus), or, with ``single_backward=True``, each layer's clipped gradient comes from the
-inputs and backprops the norm pass kept ("book-keeping"): the clipped-sum samplers for
-Linear and Embedding, ``sum_b c_b g_b`` of the per-sample gradients for every other layer.
+inputs and backprops the norm pass kept ("book-keeping"): the clipped sums of the groups of
+``dpgrad.backward_pass``, which holds the hooks, the records and the finish step; this module
+is Opacus's interface around it.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict
 
 import torch
 import torch.nn as nn
 
 from dpgrad import registry
-from dpgrad.autograd_graph import lowest_marked_edges, mark_output
-from dpgrad.backend import ops_for
+from dpgrad.backward_pass import KEEP_FOR_CLIPPING, NORMS_ONLY, ClippingPath
 from dpgrad.grad_sample_module import GradSampleModule
-from dpgrad.kernels.reference import accumulation_dtype
-
-# What a norm pass does with the layers' inputs and backprops besides taking norms.
-NORMS_ONLY, KEEP_FOR_CLIPPING = "norms", "keep"
 
 
-class GradSampleModuleFastGradientClipping(GradSampleModule):
+class GradSampleModuleFastGradientClipping(ClippingPath, GradSampleModule):
     """Wraps a module so that each trainable parameter gets ``p._norm_sample`` (B,) after backward.
 
     Same constructor, methods and per-parameter fields as Opacus 1.6's
@@ -57,7 +53,6 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
 
     NORM_SAMPLERS = registry.NORM_SAMPLERS
     CLIPPED_SUM_SAMPLERS = registry.CLIPPED_SUM_SAMPLERS
-    FACTOR_SAMPLERS = registry.FACTOR_SAMPLERS
 
     def __init__(
         self,
@@ -86,14 +81,7 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         self.max_grad_norm = max_grad_norm
         self.trainable_parameters = [p for _, p in self._trainable_parameters()]
         self._per_sample_gradient_norms = None
-        # Squared norms of the ghost-clipped parameters, and the factors of shared ones' uses.
-        self._pass_sq: Dict[nn.Parameter, torch.Tensor] = {}
-        self._pass_factors: Dict[nn.Parameter, list] = {}
-        # Marks this wrapper's layer outputs in the autograd graph (dpgrad.autograd_graph).
-        self._output_mark = object()
-        self._norm_pass: Optional[str] = None  # NORMS_ONLY or KEEP_FOR_CLIPPING during clipped_backward
-        self._pass_kept: List[Tuple[nn.Module, list, torch.Tensor]] = []  # (layer, activations, backprops)
-        self._to_clip: Optional[Tuple[list, Dict[nn.Parameter, torch.Tensor]]] = None
+        self._init_clipping()
 
     def _uses_norm_sampler(self, layer: nn.Module) -> bool:
         # Single backward clips a layer from its norm alone only if it can also sum it clipped.
@@ -151,82 +139,6 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
                 "use_ghost_clipping=False."
             )
 
-    def forward(self, *args, **kwargs):
-        if self.hooks_enabled and self.training and torch.is_grad_enabled():
-            for p in self.trainable_parameters:
-                p._norm_sample = None
-        return super().forward(*args, **kwargs)
-
-    def _on_forward(self, layer: nn.Module, name: str, params: List[nn.Parameter], out: torch.Tensor) -> None:
-        if self._uses_norm_sampler(layer) and layer in self._forward_seen and not self._shared.issuperset(params):
-            # Called twice: from now on its parameters' uses are combined by their factors.
-            self._check_factors({name: layer})
-            self._shared.update(params)
-        super()._on_forward(layer, name, params, out)
-        mark_output(out, self._output_mark)
-
-    def _process_layer(self, layer: nn.Module, activations: list, backprops: torch.Tensor) -> None:
-        if self.single_backward and self._norm_pass is None:
-            raise RuntimeError(
-                f"layer '{self._layer_names[layer]}': this wrapper has single_backward=True, so its "
-                "backward pass must come from dpgrad.DPLossFastGradientClipping (loss.backward() "
-                "on what it returns) or wrapper.clipped_backward(per_sample_losses). A plain "
-                "backward would leave unclipped gradients in p.grad; Opacus's "
-                "DPLossFastGradientClipping needs single_backward=False."
-            )
-        if not self._uses_norm_sampler(layer):
-            return super()._process_layer(layer, activations, backprops)
-        norms = self.NORM_SAMPLERS[type(layer)](layer, activations, backprops)
-        factors = None
-        for p, norm in norms.items():
-            if not p.requires_grad:
-                continue
-            sq = norm.to(accumulation_dtype(norm)).square()
-            if p in self._shared:
-                if factors is None:
-                    factors = self.FACTOR_SAMPLERS[type(layer)](layer, activations, backprops)
-                mine = factors[p]
-                ops = ops_for(*(t for t in mine if t.is_floating_point()))
-                for earlier in self._pass_factors.get(p, ()):
-                    sq = sq + 2 * ops.outer_sum_inner(*earlier, *mine)
-                self._pass_factors.setdefault(p, []).append(mine)
-            elif p in self._pass_sq:
-                raise NotImplementedError(
-                    f"parameter '{self._param_names.get(p)}' of layer '{self._layer_names[layer]}' "
-                    "received two gradient contributions in one backward pass (several forward "
-                    "passes before one backward); ghost clipping combines the uses of one forward "
-                    "pass only. Run backward after every forward pass."
-                )
-            self._pass_sq[p] = sq if p not in self._pass_sq else self._pass_sq[p] + sq
-        if self._norm_pass == KEEP_FOR_CLIPPING:
-            self._pass_kept.append((layer, activations, backprops))
-
-    def _begin_pass(self) -> None:
-        # Norms belong to one backward pass: a parameter this pass does not reach has a zero
-        # gradient in it, whatever an earlier pass (of another forward) left.
-        for p in self.trainable_parameters:
-            p._norm_sample = None
-
-    def _abort_pass(self) -> None:
-        super()._abort_pass()
-        self._pass_sq = {}
-        self._pass_factors = {}
-        self._pass_kept = []
-
-    def _finish_pass(self, params: List[nn.Parameter]) -> None:
-        # Rounding can take the square of an exact zero (opposite uses) slightly below it.
-        norms = {p: sq.clamp_min(0).sqrt() for p, sq in self._pass_sq.items()}
-        grad_samples = {p: p._current_grad_sample for p in params}
-        for p, gs in grad_samples.items():
-            norms[p] = torch.linalg.vector_norm(gs.flatten(1), dim=1, dtype=accumulation_dtype(gs))
-        self._check_finite(norms, "gradient norms")
-        for p, norm in norms.items():
-            p._norm_sample = norm
-            p.grad_sample = None
-        if self._norm_pass == KEEP_FOR_CLIPPING:
-            self._to_clip = (self._pass_kept, grad_samples)
-            self._pass_kept = []
-
     # ------------------------------------------------------------------ dpgrad's backward
     def clipped_backward(self, loss_per_sample: torch.Tensor) -> None:
         """Add the clipped gradient ``sum_b c_b * grad(loss_b)`` of the last forward pass to ``p.grad``.
@@ -251,7 +163,7 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         if loss_per_sample.grad_fn is None:
             raise ValueError("the per-sample losses have no autograd graph (computed under torch.no_grad()?)")
         reduced = reduce_losses(loss_per_sample, self.loss_reduction)
-        targets = lowest_marked_edges(reduced.grad_fn, self._output_mark)
+        targets = self._edges.targets(reduced.grad_fn)
         if not targets:
             raise RuntimeError(
                 "the loss depends on no layer this wrapper hooked: run the forward pass through "
@@ -260,9 +172,8 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         self._norm_pass = KEEP_FOR_CLIPPING if self.single_backward else NORMS_ONLY
         try:
             torch.autograd.grad(reduced, targets, retain_graph=not self.single_backward, allow_unused=True)
-        finally:
-            self._norm_pass = None
-        try:
+            del targets
+            self._edges.release()
             coef = self.get_clipping_coef()
             if coef.shape != loss_per_sample.shape:
                 raise ValueError(
@@ -272,47 +183,39 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
             if self.single_backward:
                 self._add_clipped_gradients(coef)
             else:
+                self._wait_finite()
                 weighted_backward(self, coef, loss_per_sample)
         finally:
-            self._to_clip = None
+            self._norm_pass = None
+            self._kept = self._finite = None
 
     def _add_clipped_gradients(self, coef: torch.Tensor) -> None:
-        """``p.grad += sum_b c_b g_b`` for every parameter of the kept pass, freeing as it goes.
+        """``p.grad += sum_b c_b g_b`` for every parameter the norm pass reached.
 
-        The sums reach ``p.grad`` through autograd's own accumulation, in one backward call
-        (``_ClippedGradients``): ``p.grad`` is set or added to as by any backward pass, with
-        no copy, and the hooks others put on parameters run (DistributedDataParallel reduces
-        the gradients there).
+        The sums are queued first; the host then waits for the norms' finite check (the sums
+        go on on the device meanwhile) and only then hands them to ``p.grad``, through
+        autograd's own accumulation, in one backward call (``_ClippedGradients``): ``p.grad``
+        is set or added to as by any backward pass, with no copy, and the hooks others put on
+        parameters run (DistributedDataParallel reduces the gradients there).
         """
-        if self._to_clip is None:
+        if self._kept is None:
             raise RuntimeError(
                 "the norm pass reached no hooked layer (hooks disabled after the forward pass?): "
                 "nothing to clip"
             )
-        layers, grad_samples = self._to_clip
-        params = list(dict.fromkeys([p for layer, _, _ in layers for p in self._layer_params(layer)] + list(grad_samples)))
-
-        def contributions():
-            # Popped as they go: each layer's inputs and backprops are freed once summed.
-            while layers:
-                layer, activations, backprops = layers.pop()
-                yield from self.CLIPPED_SUM_SAMPLERS[type(layer)](layer, activations, backprops, coef).items()
-            while grad_samples:
-                p, gs = grad_samples.popitem()
-                acc = accumulation_dtype(gs)
-                yield p, (coef.to(device=gs.device, dtype=acc) @ gs.flatten(1).to(acc)).view(p.shape).to(p.dtype)
-
-        def clipped_sums() -> Dict[nn.Parameter, torch.Tensor]:
-            sums: Dict[nn.Parameter, torch.Tensor] = {}
-            for p, g in contributions():  # a parameter used twice gets both uses' sums
-                sums[p] = g if p not in sums else sums[p] + g
-            return sums
-
+        with torch.no_grad():
+            held = [self._clipped_sums(coef)]
+        self._wait_finite()
+        params = list(held[0])
         if params:
-            _ClippedGradients.apply(clipped_sums, params, *params).backward()
+            # Only autograd holds the sums when they reach AccumulateGrad: no copy is made.
+            _ClippedGradients.apply(held.pop, params, *params).backward()
 
     def get_norm_sample(self) -> torch.Tensor:
         """Per-sample gradient norms over all trainable parameters, (B,)."""
+        if self._pass_norm is not None and not self._skipped_trainable():
+            self.per_sample_gradient_norms = self._pass_norm
+            return self._pass_norm
         missing = [p for p in self.trainable_parameters if getattr(p, "_norm_sample", None) is None]
         present = [p._norm_sample for p in self.trainable_parameters if getattr(p, "_norm_sample", None) is not None]
         if missing and not present:
@@ -336,6 +239,9 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         norm_sample = stacked.norm(2, dim=0)
         self.per_sample_gradient_norms = norm_sample
         return norm_sample
+
+    def _skipped_trainable(self) -> bool:
+        return any(p.requires_grad for p in self._unhooked)
 
     def get_clipping_coef(self) -> torch.Tensor:
         """Per-sample clipping factors ``min(1, C / (norm + 1e-6))``, (B,) (Opacus's formula)."""
@@ -375,8 +281,9 @@ def weighted_backward(module, coef: torch.Tensor, loss_per_sample: torch.Tensor)
 class _ClippedGradients(torch.autograd.Function):
     """A node whose backward hands the parameters their clipped gradients.
 
-    Computed inside backward, the sums are held by autograd alone when they reach the
-    parameters, so a missing ``p.grad`` takes the tensor itself rather than a copy.
+    ``compute()`` gives the sums (popped from where they were held), so autograd alone holds
+    them when they reach the parameters, and a missing ``p.grad`` takes the tensor itself
+    rather than a copy.
     """
 
     @staticmethod
@@ -387,4 +294,5 @@ class _ClippedGradients(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _):
         sums = ctx.compute()
-        return (None, None, *(sums.get(p) for p in ctx.params))
+        ctx.compute = None
+        return (None, None, *(sums.pop(p, None) for p in ctx.params))

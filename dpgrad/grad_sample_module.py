@@ -1,25 +1,23 @@
 """``GradSampleModule``: per-sample gradients through hooks, a drop-in for Opacus's.
 
-A forward hook on every layer with trainable parameters keeps the layer's inputs and puts a
-gradient hook on its output; that hook receives the backprops and hands both to the layer's
-sampler. Results of one backward pass are promoted onto the parameters (``p.grad_sample``)
-by a callback queued for the end of that pass, so weight tying, module reuse and forward
-passes that never see a backward cannot leave stale per-sample state behind.
+The hooks and the end of each backward pass are ``dpgrad.backward_pass``'s: a layer's gradient
+hook computes its per-sample gradients, and a callback queued for the end of the pass promotes
+them onto the parameters (``p.grad_sample``), so weight tying, module reuse and forward passes
+that never see a backward cannot leave stale per-sample state behind. This module is Opacus's
+interface around it.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-from functools import partial
-from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 import torch
 import torch.nn as nn
 
 from dpgrad import registry
-from dpgrad.samplers import ft_compute_per_sample_gradient, prepare_layer
-from dpgrad.samplers.functorch import _first_tensor
+from dpgrad.backward_pass import BackwardPath
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +63,7 @@ def _refuse_sharded(m: nn.Module) -> None:
             )
 
 
-class GradSampleModule(nn.Module):
+class GradSampleModule(BackwardPath, nn.Module):
     """Wraps a module so that each trainable parameter gets ``p.grad_sample`` after backward.
 
     Same constructor, methods and per-parameter fields as Opacus 1.6's ``GradSampleModule``.
@@ -80,8 +78,6 @@ class GradSampleModule(nn.Module):
         check_finite: raise, naming the layer, when a per-sample gradient (or norm) is not
             finite. dpgrad's own keyword; pass False to turn the check off.
     """
-
-    GRAD_SAMPLERS = registry.GRAD_SAMPLERS
 
     def __init__(
         self,
@@ -111,10 +107,7 @@ class GradSampleModule(nn.Module):
         self.grad_accumulation_hook = None
         self._param_names: Dict[torch.Tensor, str] = {p: n for n, p in m.named_parameters()}
         self._skipped = {e.args[1] for e in errors}
-        self._forward_batch: Optional[int] = None
-        self._forward_seen: set = set()
-        self._pass_open = False
-        self._pass_params: Dict[torch.Tensor, None] = {}
+        self._init_path()
         for _, p in self._trainable_parameters():
             p.grad_sample = None
             p._forward_counter = 0
@@ -122,12 +115,7 @@ class GradSampleModule(nn.Module):
 
     # ------------------------------------------------------------------ module plumbing
     def forward(self, *args, **kwargs):
-        if self._pass_open:
-            # A backward pass that raised (in any hook, not only ours) never reached its
-            # end-of-pass callback; its partial per-sample state must not leak into this step.
-            self._abort_pass()
-        self._forward_batch = None
-        self._forward_seen = set()
+        self._begin_forward()
         return self._module(*args, **kwargs)
 
     def __getattr__(self, item):
@@ -202,43 +190,12 @@ class GradSampleModule(nn.Module):
         return type(module) in registry.GRAD_SAMPLERS or not list(module.buffers())
 
     # ------------------------------------------------------------------ hooks
-    def _layers_to_hook(
-        self, module: nn.Module, prefix: str = "", seen: Optional[set] = None
-    ) -> Iterator[Tuple[str, nn.Module]]:
-        """Layers with own trainable parameters; a layer without a registered sampler is
-        handled whole by torch.func, so its children are not visited. A layer registered
-        under several names (one module in two containers) is yielded once: two hooks
-        would count each of its uses twice."""
-        seen = set() if seen is None else seen
-        if module in seen:
-            return
-        seen.add(module)
-        if _own_trainable(module):
-            yield prefix, module
-            if type(module) not in self.GRAD_SAMPLERS:
-                return
-        for name, child in module.named_children():
-            yield from self._layers_to_hook(child, f"{prefix}.{name}" if prefix else name, seen)
-
     def add_hooks(self, *, loss_reduction: str = "mean", batch_first: bool = True, force_functorch: bool = False) -> None:
         """Hook every layer with trainable parameters (Opacus's signature)."""
         if hasattr(self._module, "autograd_grad_sample_hooks"):
             raise ValueError("Trying to add hooks twice to the same model")
         self.loss_reduction, self.batch_first, self.force_functorch = loss_reduction, batch_first, force_functorch
-        self._layer_names: Dict[nn.Module, str] = {}
-        self._functorch_layers: set = set()
-        handles = []
-        for name, layer in self._layers_to_hook(self._module):
-            if name in self._skipped:
-                continue
-            if force_functorch or type(layer) not in self.GRAD_SAMPLERS:
-                prepare_layer(layer, batch_first=batch_first)
-                self._functorch_layers.add(layer)
-            self._layer_names[layer] = name
-            handles.append(layer.register_forward_hook(self._capture_activations))
-        covered = {p for layer in self._layer_names for p in layer.parameters(recurse=layer in self._functorch_layers)}
-        # Parameters no hook sees (skipped layers and their children): no per-sample values.
-        self._unhooked = {p for p in self._module.parameters() if p not in covered}
+        handles = self._attach(force_functorch)
         self._module.autograd_grad_sample_hooks = handles
         self.autograd_grad_sample_hooks = handles
         self.enable_hooks()
@@ -262,174 +219,6 @@ class GradSampleModule(nn.Module):
     def enable_hooks(self) -> None:
         """Turn the hooks back on."""
         self.hooks_enabled = True
-
-    def _layer_params(self, layer: nn.Module) -> List[nn.Parameter]:
-        recurse = layer in self._functorch_layers
-        return [p for p in layer.parameters(recurse=recurse) if p.requires_grad]
-
-    def _batch_size(self, layer: nn.Module, name: str, activations: list) -> int:
-        x = next((a for a in activations if isinstance(a, torch.Tensor)), None)
-        batch_dim = 0 if self.batch_first else 1
-        # A Linear given one sample's (d,) would otherwise take its features for the batch.
-        if x is None or x.dim() <= batch_dim + _feature_dims(layer):
-            shape = None if x is None else tuple(x.shape)
-            raise ValueError(
-                f"layer '{name}' got an input of shape {shape} with no batch dimension "
-                f"{batch_dim} (batch_first={self.batch_first}, so inputs are "
-                f"{'[B, ...]' if self.batch_first else '[K, B, ...]'}): feed a batch of samples, "
-                f"e.g. x.unsqueeze({batch_dim}) for a single one"
-            )
-        n = x.shape[batch_dim]
-        if self._forward_batch is None:
-            self._forward_batch = n
-        elif n == 1 and self._forward_batch > 1:
-            raise ValueError(
-                f"layer '{name}' got an input of shape {tuple(x.shape)}, with 1 along the batch "
-                f"dimension {batch_dim} where earlier layers of this forward pass got "
-                f"{self._forward_batch} samples: the model broadcasts it over the batch, so its "
-                "gradient is the whole batch's, not per sample. Give the input one row per sample; "
-                "for Hugging Face models, whose position ids default to a single row, pass "
-                "position_ids=torch.arange(T).expand(B, T) (with B samples of T tokens)."
-            )
-        elif n != self._forward_batch:
-            raise ValueError(
-                f"layer '{name}' got {n} samples along dimension {batch_dim} (input shape "
-                f"{tuple(x.shape)}) but an earlier layer of this forward pass got "
-                f"{self._forward_batch}. Per-sample gradients need the batch on one dimension "
-                f"throughout: check batch_first (now {self.batch_first}) and that the model does "
-                "not fold the batch into another dimension, e.g. a (B*T, d) input to a Linear."
-            )
-        return n
-
-    def _capture_activations(self, layer: nn.Module, inputs, output) -> None:
-        if not (self.hooks_enabled and layer.training and torch.is_grad_enabled()):
-            return
-        params = self._layer_params(layer)
-        out = _first_tensor(output)
-        if not params or out is None or not out.requires_grad:
-            return
-        name = self._layer_names[layer]
-        activations = [a.detach() if isinstance(a, torch.Tensor) else a for a in inputs]
-        batch_size = self._batch_size(layer, name, activations)
-        self._on_forward(layer, name, params, out)
-        out.register_hook(partial(self._capture_backprops, layer, params, activations, batch_size))
-
-    def _on_forward(self, layer: nn.Module, name: str, params: List[nn.Parameter], out: torch.Tensor) -> None:
-        self._forward_seen.add(layer)
-        for p in params:
-            p._forward_counter += 1
-
-    def _capture_backprops(
-        self, layer: nn.Module, params: List[nn.Parameter], activations: list, batch_size: int, grad: torch.Tensor
-    ):
-        if not self.hooks_enabled:
-            return None
-        if not self._pass_open:
-            torch.autograd.Variable._execution_engine.queue_callback(self._close_pass)
-            self._pass_open = True
-            self._begin_pass()
-        try:
-            if not activations:
-                raise RuntimeError(
-                    f"layer '{self._layer_names[layer]}' is in a second hooked backward pass through "
-                    "the same graph; its inputs went to the first. Per-sample gradients take one "
-                    "forward pass per hooked backward pass (disable_hooks() for any other pass)."
-                )
-            # The hook lives as long as the graph, which the caller's loss can keep alive after
-            # backward: it must not keep the layer's inputs alive with it.
-            activations, taken = list(activations), activations
-            taken.clear()
-            backprops = grad.detach()
-            if self.loss_reduction == "mean":
-                backprops = backprops * batch_size
-            if not self.batch_first:
-                activations = [_batch_to_front(a) for a in activations]
-                backprops = _batch_to_front(backprops)
-            self._process_layer(layer, activations, backprops)
-            for p in params:
-                p._forward_counter = max(0, p._forward_counter - 1)
-        except BaseException:
-            self._abort_pass()
-            raise
-        return None
-
-    def _grad_sampler(self, layer: nn.Module):
-        if layer in self._functorch_layers:
-            return ft_compute_per_sample_gradient
-        return self.GRAD_SAMPLERS[type(layer)]
-
-    def _process_layer(self, layer: nn.Module, activations: list, backprops: torch.Tensor) -> None:
-        """Add this layer's per-sample gradients to the pass (summed for tied parameters)."""
-        grads = self._grad_sampler(layer)(layer, activations, backprops)
-        for p, gs in grads.items():
-            if not p.requires_grad:
-                continue
-            if p in self._pass_params:
-                if p._current_grad_sample.shape != gs.shape:
-                    raise ValueError(
-                        f"parameter '{self._param_names.get(p)}' of layer "
-                        f"'{self._layer_names[layer]}' got per-sample gradients of shape "
-                        f"{tuple(gs.shape)} and {tuple(p._current_grad_sample.shape)} in one "
-                        "backward pass: its uses saw different batch sizes"
-                    )
-                p._current_grad_sample = p._current_grad_sample + gs
-            else:
-                p._current_grad_sample = gs
-                self._pass_params[p] = None
-
-    # ------------------------------------------------------------------ end of a backward pass
-    def _begin_pass(self) -> None:
-        """Called at the first hook of a backward pass; per-sample gradients accumulate across
-        passes, so there is nothing to reset here."""
-
-    def _close_pass(self) -> None:
-        try:
-            self._finish_pass(list(self._pass_params))
-        finally:
-            self._abort_pass()
-
-    def _abort_pass(self) -> None:
-        for p in self._pass_params:
-            p.__dict__.pop("_current_grad_sample", None)
-            p._forward_counter = 0
-        self._pass_params = {}
-        self._pass_open = False
-        self._forward_batch = None
-
-    def _finish_pass(self, params: List[nn.Parameter]) -> None:
-        if not self.grad_accumulation_allowed:
-            for p in params:
-                if p.grad_sample is not None:
-                    raise ValueError(
-                        "Poisson sampling is not compatible with grad accumulation: parameter "
-                        f"'{self._param_names.get(p)}' already holds per-sample gradients from an "
-                        "earlier backward pass. Call optimizer.step() (or zero_grad()) after every "
-                        "forward/backward pass, or use BatchMemoryManager."
-                    )
-        self._check_finite({p: p._current_grad_sample for p in params}, "gradients")
-        for p in params:
-            gs = p._current_grad_sample
-            if p.grad_sample is None:
-                p.grad_sample = gs
-            elif isinstance(p.grad_sample, list):
-                p.grad_sample.append(gs)
-            else:
-                p.grad_sample = [p.grad_sample, gs]
-
-    def _check_finite(self, values: Dict[torch.Tensor, torch.Tensor], what: str) -> None:
-        """Raise FloatingPointError naming the parameters whose per-sample values are not finite."""
-        if not self.check_finite or not values:
-            return
-        device = next(iter(values.values())).device
-        flags = torch.stack([torch.isfinite(v).all().to(device) for v in values.values()])
-        if bool(flags.all()):
-            return
-        bad = [self._param_names.get(p, "?") for p, ok in zip(values, flags.tolist()) if not ok]
-        raise FloatingPointError(
-            f"non-finite per-sample {what} for parameters {bad}: the loss, the inputs or the "
-            "weights hold inf or NaN (in reduced precision, an overflow). Fix the cause (loss "
-            "scaling, learning rate, inputs), or pass check_finite=False to skip this check."
-        )
 
     # ------------------------------------------------------------------ Opacus's methods
     def forbid_grad_accumulation(self) -> None:
@@ -472,19 +261,3 @@ class GradSampleModule(nn.Module):
         self.cleanup()
         return self._module
 
-
-def _feature_dims(layer: nn.Module) -> int:
-    """Trailing input dimensions a layer consumes at each position (the rest are batch and
-    tokens): 1 for Linear, the normalised shape's for LayerNorm and RMSNorm, else 0."""
-    if isinstance(layer, nn.Linear):
-        return 1
-    if isinstance(layer, (nn.LayerNorm, nn.RMSNorm)):
-        return len(layer.normalized_shape)
-    return 0
-
-
-def _batch_to_front(x):
-    """Move dimension 1 (the batch under batch_first=False) to the front."""
-    if not isinstance(x, torch.Tensor) or x.dim() < 2:
-        return x
-    return x.movedim(1, 0)

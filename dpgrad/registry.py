@@ -14,6 +14,12 @@ sample's loss w.r.t. the layer output, batch first. Two more kinds serve ghost c
   parameter used more than once (tied weights, a layer called twice) is exact, cross terms
   included (``dpgrad.kernels.reference.outer_sum_inner``).
 
+The finish step of a backward pass (``dpgrad.backward_pass``) works on groups of layers of one
+type with equal shapes (``dpgrad.samplers.groups.Group``). A layer type may register a group
+class that batches its layers (``register_norm_group`` for layers clipped from their norms,
+``register_grad_sample_group`` for layers clipped from their per-sample gradients); without
+one, its layers are taken one at a time through the samplers above.
+
 A layer class from another package (``transformers.pytorch_utils.Conv1D``) is registered by
 its dotted path, so that dpgrad never imports that package: ``resolve(model)`` enters such
 classes in the tables once a model holding them is wrapped.
@@ -30,6 +36,8 @@ GRAD_SAMPLERS: Dict[Type[nn.Module], Sampler] = {}
 NORM_SAMPLERS: Dict[Type[nn.Module], Sampler] = {}
 CLIPPED_SUM_SAMPLERS: Dict[Type[nn.Module], Sampler] = {}
 FACTOR_SAMPLERS: Dict[Type[nn.Module], Sampler] = {}
+NORM_GROUPS: Dict[Type[nn.Module], type] = {}
+GRAD_SAMPLE_GROUPS: Dict[Type[nn.Module], type] = {}
 
 # "package.module.Class" -> [(table, sampler)], for classes dpgrad does not import.
 _BY_PATH: Dict[str, List[Tuple[Dict[Type[nn.Module], Sampler], Sampler]]] = {}
@@ -104,3 +112,17 @@ def register_factor_sampler(target_class_or_classes: Target):
     Ghost clipping needs one to combine the uses of a parameter used more than once.
     """
     return _register(FACTOR_SAMPLERS, target_class_or_classes)
+
+
+def register_norm_group(target_class_or_classes: Target):
+    """Decorator: register a ``dpgrad.samplers.groups.Group`` subclass that takes the norms
+    and clipped sums of several layers of a type at once, for layers clipped from their norms
+    (those with a norm sampler, under ghost clipping)."""
+    return _register(NORM_GROUPS, target_class_or_classes)
+
+
+def register_grad_sample_group(target_class_or_classes: Target):
+    """Decorator: register a ``dpgrad.samplers.groups.Group`` subclass that computes the
+    per-sample gradients of several layers of a type at once, for layers clipped from their
+    per-sample gradients."""
+    return _register(GRAD_SAMPLE_GROUPS, target_class_or_classes)

@@ -9,7 +9,10 @@ for the clipped sum) and then either
 - stores the row at its key (per-sample gradient row, or clipped-sum row).
 Every (segment, tile) is written by exactly one program, so there are no atomics and the
 results do not vary run to run. O(B*T*d) work; no T x T mask, no one-hot. Positions holding
-``padding_idx`` are dropped before sorting (PyTorch gives that row no gradient).
+``padding_idx`` get a key past every real one (PyTorch gives that row no gradient): their
+segment comes last and lands in a spare row or sample that is dropped. No size depends on the
+data: the grid has a program for every possible segment (one per position; the unused ones
+find an empty range), so nothing waits for the device to say how many segments there are.
 
 G is read through its strides (copied once only when ids of rank > 2 come with token axes
 that no view can merge); offsets are int64. Token ids must lie in [0, V), which
@@ -69,8 +72,9 @@ def _segment_sum_kernel(
             b_rows = b_rows * tl.load(COEF + b, mask=m_r, other=0.0)[:, None]
         b_sum += tl.sum(b_rows, axis=0)
     if STORE_ROWS:
+        # A segment index past the last segment has an empty range and no row to write.
         dest = tl.load(DEST + i_seg)
-        tl.store(OUT + dest * d + o_d, b_sum.to(OUT.dtype.element_ty), mask=m_d)
+        tl.store(OUT + dest * d + o_d, b_sum.to(OUT.dtype.element_ty), mask=m_d & (o_d * 0 + start < end))
     else:
         tl.store(OUT + i_seg * n_tiles_max + i_d, tl.sum(b_sum * b_sum))
 
@@ -91,35 +95,40 @@ def _per_sample_total_kernel(SEG_SQ, SAMPLE_OFFSETS, OUT, BS: tl.constexpr):
 class _Segments(NamedTuple):
     T: int
     pos: torch.Tensor  # (n,) flat positions b*T + t, sorted by key
-    offsets: torch.Tensor  # (n_seg + 1,) segment bounds in pos
-    keys: torch.Tensor  # (n_seg,) the key of each segment, ascending
+    offsets: torch.Tensor  # (n + 1,) segment bounds in pos; past the last segment all equal n
+    keys: torch.Tensor  # (n,) the key of each segment, ascending; past the last one the spare key
+    spare: int  # the key of padding positions and of unused segments: one past every real key
 
 
 def _segments(ids: torch.Tensor, num_embeddings: int, padding_idx: Optional[int], per_sample: bool) -> _Segments:
     B = ids.shape[0]
     T = math.prod(ids.shape[1:])
-    tok = ids.reshape(B * T).to(torch.int64)
-    pos = torch.arange(B * T, dtype=torch.int64, device=ids.device)
+    n = B * T
+    tok = ids.reshape(n).to(torch.int64)
+    pos = torch.arange(n, dtype=torch.int64, device=ids.device)
+    key = (pos // max(T, 1)) * num_embeddings + tok if per_sample else tok
+    spare = B * num_embeddings if per_sample else num_embeddings
     if padding_idx is not None:
-        keep = tok != padding_idx
-        tok, pos = tok[keep], pos[keep]
-    key = (pos // T) * num_embeddings + tok if per_sample else tok
+        key = key.masked_fill(tok == padding_idx, spare)
     # Stable, so the order of rows within a segment (the fp32 summation order) is fixed.
     key, order = torch.sort(key, stable=True)
-    keys, counts = torch.unique_consecutive(key, return_counts=True)
-    offsets = torch.zeros(keys.numel() + 1, dtype=torch.int64, device=ids.device)
-    torch.cumsum(counts, dim=0, out=offsets[1:])
-    return _Segments(T, pos[order], offsets, keys)
+    starts = torch.ones(n, dtype=torch.int64, device=ids.device)
+    starts[1:] = key[1:] != key[:-1]
+    segment = torch.cumsum(starts, 0) - 1
+    offsets = torch.full((n + 1,), n, dtype=torch.int64, device=ids.device)
+    offsets.scatter_reduce_(0, segment, pos, reduce="amin")
+    keys = torch.full((n,), spare, dtype=torch.int64, device=ids.device).scatter_(0, segment, key)
+    return _Segments(T, order, offsets, keys, spare)
 
 
 def _launch(G: torch.Tensor, seg: _Segments, out: torch.Tensor, dest=None, coef=None, n_tiles_max: int = 0):
     d = G.shape[-1]
     G3 = G.reshape(G.shape[0], seg.T, d)
-    n_seg = seg.keys.numel()
-    if n_seg == 0 or d == 0:
+    n = seg.pos.numel()
+    if n == 0 or d == 0:
         return
-    _segment_sum_kernel[lambda meta: (n_seg, cdiv(d, meta["BD"]))](
-        G3, seg.pos, seg.offsets, dest, coef, out,
+    _segment_sum_kernel[lambda meta: (n, cdiv(d, meta["BD"]))](
+        G3, seg.pos, seg.offsets, seg.keys if dest is None else dest, seg.offsets if coef is None else coef, out,
         seg.T, d, *G3.stride(), n_tiles_max,
         SCALED=coef is not None, STORE_ROWS=dest is not None,
     )
@@ -135,14 +144,16 @@ def embedding_sq_norm(
     check_dtypes("embedding_sq_norm", G)
     B, d = ids.shape[0], G.shape[-1]
     seg = _segments(ids, num_embeddings, padding_idx, per_sample=True)
-    n_seg = seg.keys.numel()
+    n = seg.pos.numel()
     n_tiles_max = cdiv(d, _MIN_BD)
-    # Tiles beyond the autotuned block count stay zero.
-    part = torch.zeros(n_seg, n_tiles_max, dtype=torch.float32, device=G.device)
+    # Tiles beyond the autotuned block count, and unused segments, stay zero.
+    part = torch.zeros(n, n_tiles_max, dtype=torch.float32, device=G.device)
     _launch(G, seg, part, n_tiles_max=n_tiles_max)
     seg_sq = part.sum(dim=1)
-    sample_offsets = torch.zeros(B + 1, dtype=torch.int64, device=G.device)
-    torch.cumsum(torch.bincount(seg.keys // num_embeddings, minlength=B), dim=0, out=sample_offsets[1:])
+    # Segments are sorted by sample (the spare key, past them all, belongs to sample B): the
+    # segments of sample b are a contiguous range, summed in a fixed order.
+    owner = seg.keys // num_embeddings
+    sample_offsets = torch.searchsorted(owner, torch.arange(B + 1, device=G.device))
     out = empty((B,), torch.float32, G.device)
     if B > 0:
         _per_sample_total_kernel[(B,)](seg_sq, sample_offsets, out, BS=256)
@@ -161,10 +172,11 @@ def embedding_grad_sample(
     B, d = ids.shape[0], G.shape[-1]
     if B * num_embeddings * d > EMBEDDING_GRAD_SAMPLE_WARN_ELEMENTS:
         warnings.warn(embedding_grad_sample_warning(B, num_embeddings, d, G.element_size()), ResourceWarning, stacklevel=3)
-    out = torch.zeros(B, num_embeddings, d, dtype=G.dtype, device=G.device)
+    # One spare row past the B*V real ones takes the padding positions.
+    out = torch.zeros(B * num_embeddings + 1, d, dtype=G.dtype, device=G.device)
     seg = _segments(ids, num_embeddings, padding_idx, per_sample=True)
     _launch(G, seg, out, dest=seg.keys)
-    return out
+    return out[:B * num_embeddings].view(B, num_embeddings, d)
 
 
 def embedding_clipped_sum(
@@ -181,8 +193,9 @@ def embedding_clipped_sum(
     """
     check_dtypes("embedding_clipped_sum", G)
     d = G.shape[-1]
-    out = torch.zeros(num_embeddings, d, dtype=out_dtype or G.dtype, device=G.device)
+    # One spare row past the V real ones takes the padding positions.
+    out = torch.zeros(num_embeddings + 1, d, dtype=out_dtype or G.dtype, device=G.device)
     seg = _segments(ids, num_embeddings, padding_idx, per_sample=False)
     coef = coef.to(device=G.device, dtype=torch.float32).contiguous()
     _launch(G, seg, out, dest=seg.keys, coef=coef)
-    return out
+    return out[:num_embeddings]

@@ -197,6 +197,22 @@ def linear_weight_sq_norm(A: torch.Tensor, G: torch.Tensor, algorithm: str = "au
     return run_linear_norm(sys.modules[__name__], A, G, algorithm)
 
 
+def linear_weight_norm(A: torch.Tensor, G: torch.Tensor, algorithm: str) -> torch.Tensor:
+    """Per-sample weight-gradient norms (not squared) by ``algorithm``: (B, T, d), (B, T, p) -> (B,).
+
+    When the batch fits one slice, the direct and outer forms are a single product and one
+    norm (few operations for the many small layers of a batched finish step).
+    """
+    acc = accumulation_dtype(A, G)
+    B, T, d = A.shape
+    p = G.shape[-1]
+    if algorithm == "direct" and B * p * d <= CHUNK_ELEMENTS:
+        return torch.linalg.vector_norm(torch.bmm(G.mT.to(acc), A.to(acc)), dim=(1, 2))
+    if algorithm == "outer" and T == 1:
+        return torch.linalg.vector_norm(A, dim=(1, 2), dtype=acc) * torch.linalg.vector_norm(G, dim=(1, 2), dtype=acc)
+    return run_linear_norm(sys.modules[__name__], A, G, algorithm).sqrt()
+
+
 def _left_gram(L1: torch.Tensor, L2: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     """``(L1[t] · L2[s])`` for every token pair, (B, T1, T2); integer L are ids of one-hot rows."""
     ids1, ids2 = not L1.is_floating_point(), not L2.is_floating_point()
@@ -231,17 +247,19 @@ def outer_sum_inner(L1: torch.Tensor, R1: torch.Tensor, L2: torch.Tensor, R2: to
     return out
 
 
-def _embedding_rows(ids: torch.Tensor, G: torch.Tensor, padding_idx: Optional[int]):
-    """Flatten (B, T) ids and (B, T, d) backprops to kept rows, dropping padding positions."""
+def _embedding_positions(ids: torch.Tensor, G: torch.Tensor, num_embeddings: int, padding_idx: Optional[int]):
+    """Flat (B*T,) token ids with padding positions moved to row ``num_embeddings`` (one past
+    the table: an output row that is then dropped), the sample of each position, and the
+    backprop rows (B*T, d). No position is removed, so no output size depends on the data
+    (no host synchronisation on a GPU)."""
     B = ids.shape[0]
     # Not reshape(B, -1): that is ambiguous for an empty batch.
-    flat_ids = ids.reshape(B, math.prod(ids.shape[1:]))
-    rows = G.reshape(B, flat_ids.shape[1], G.shape[-1])
-    sample = torch.arange(B, device=ids.device).unsqueeze(1).expand_as(flat_ids)
+    T = math.prod(ids.shape[1:])
+    tok = ids.reshape(B * T).to(torch.int64)
     if padding_idx is not None:
-        keep = flat_ids != padding_idx
-        return flat_ids[keep], sample[keep], rows[keep]
-    return flat_ids.reshape(-1), sample.reshape(-1), rows.reshape(-1, rows.shape[-1])
+        tok = tok.masked_fill(tok == padding_idx, num_embeddings)
+    sample = torch.arange(B * T, device=ids.device) // max(T, 1)
+    return tok, sample, G.reshape(B * T, G.shape[-1])
 
 
 def embedding_sq_norm(
@@ -249,22 +267,44 @@ def embedding_sq_norm(
 ) -> torch.Tensor:
     """Squared per-sample embedding-gradient norms ``sum_v ||sum_{t: x_bt = v} g_bt||^2``.
 
-    ids: (B, T) int, G: (B, T, d) -> (B,). Equal (sample, token) pairs are grouped and their
-    rows summed before squaring; positions holding ``padding_idx`` contribute nothing, as
-    PyTorch gives that row no gradient. O(B*T*d).
+    ids: (B, T) int, G: (B, T, d) -> (B,). The positions are sorted by (sample, token); equal
+    pairs form segments whose rows are summed before squaring; positions holding
+    ``padding_idx`` contribute nothing, as PyTorch gives that row no gradient. O(B*T*d), and
+    every size is known before the data is read.
     """
     acc = accumulation_dtype(G)
     B = ids.shape[0]
-    out = torch.zeros(B, dtype=acc, device=G.device)
-    tok, sample, rows = _embedding_rows(ids, G, padding_idx)
-    if tok.numel() == 0:
-        return out
-    key = sample.to(torch.int64) * num_embeddings + tok.to(torch.int64)
-    uniq, group = torch.unique(key, return_inverse=True)
-    summed = torch.zeros(uniq.numel(), rows.shape[-1], dtype=acc, device=G.device)
-    summed.index_add_(0, group, rows.to(acc))
-    out.index_add_(0, uniq // num_embeddings, summed.square().sum(dim=1))
-    return out
+    tok, sample, rows = _embedding_positions(ids, G, num_embeddings, padding_idx)
+    n = tok.numel()
+    if n == 0:
+        return torch.zeros(B, dtype=acc, device=G.device)
+    # Padding sorts into segments of its own, beyond every sample's: index B of the output.
+    key = torch.where(tok == num_embeddings, B * (num_embeddings + 1), sample * (num_embeddings + 1) + tok)
+    sorted_key, order = torch.sort(key)
+    starts = torch.ones(n, dtype=torch.int64, device=G.device)
+    starts[1:] = sorted_key[1:] != sorted_key[:-1]
+    segment = torch.empty_like(order).scatter_(0, order, torch.cumsum(starts, 0) - 1)
+    summed = torch.zeros(n, rows.shape[-1], dtype=acc, device=G.device).index_add_(0, segment, rows.to(acc))
+    owner = torch.zeros(n, dtype=torch.int64, device=G.device).scatter_(0, segment, key // (num_embeddings + 1))
+    out = torch.zeros(B + 1, dtype=acc, device=G.device).index_add_(0, owner, summed.square().sum(1))
+    return out[:B]
+
+
+def embedding_sq_norm_gram(
+    ids: torch.Tensor, G: torch.Tensor, num_embeddings: int, padding_idx: Optional[int] = None
+) -> torch.Tensor:
+    """``embedding_sq_norm`` as ``sum_{t,s} [x_bt = x_bs] <g_bt, g_bs>``: (B,).
+
+    O(B*T^2*d) flops and a (B, T, T) intermediate per batch slice: few operations for short
+    sequences. Padding positions count as no token.
+    """
+    B = ids.shape[0]
+    T = math.prod(ids.shape[1:])
+    flat = ids.reshape(B, T)
+    if padding_idx is not None:
+        flat = flat.masked_fill(flat == padding_idx, -1)
+    rows = G.reshape(B, T, G.shape[-1])
+    return outer_sum_inner(flat, rows, flat, rows)
 
 
 def embedding_grad_sample_warning(B: int, num_embeddings: int, d: int, element_size: int) -> str:
@@ -287,11 +327,11 @@ def embedding_grad_sample(
     B, d = ids.shape[0], G.shape[-1]
     if B * num_embeddings * d > EMBEDDING_GRAD_SAMPLE_WARN_ELEMENTS:
         warnings.warn(embedding_grad_sample_warning(B, num_embeddings, d, G.element_size()), ResourceWarning, stacklevel=3)
-    out = torch.zeros(B, num_embeddings, d, dtype=G.dtype, device=G.device)
-    tok, sample, rows = _embedding_rows(ids, G, padding_idx)
-    flat = out.view(B * num_embeddings, d)
-    flat.index_add_(0, sample.to(torch.int64) * num_embeddings + tok.to(torch.int64), rows)
-    return out
+    tok, sample, rows = _embedding_positions(ids, G, num_embeddings, padding_idx)
+    # One spare row per sample takes the padding positions.
+    out = torch.zeros(B, num_embeddings + 1, d, dtype=G.dtype, device=G.device)
+    out.view(B * (num_embeddings + 1), d).index_add_(0, sample * (num_embeddings + 1) + tok, rows)
+    return out[:, :num_embeddings]
 
 
 def embedding_clipped_sum(
@@ -308,8 +348,9 @@ def embedding_clipped_sum(
     returned in ``out_dtype`` (default G's dtype). ``padding_idx`` rows get nothing.
     """
     acc = accumulation_dtype(G)
-    out = torch.zeros(num_embeddings, G.shape[-1], dtype=acc, device=G.device)
-    tok, sample, rows = _embedding_rows(ids, G, padding_idx)
+    tok, sample, rows = _embedding_positions(ids, G, num_embeddings, padding_idx)
+    # A spare row takes the padding positions.
+    out = torch.zeros(num_embeddings + 1, G.shape[-1], dtype=acc, device=G.device)
     scale = coef.to(device=G.device, dtype=acc)[sample]
-    out.index_add_(0, tok.to(torch.int64), rows.to(acc) * scale[:, None])
-    return out.to(out_dtype or G.dtype)
+    out.index_add_(0, tok, rows.to(acc) * scale[:, None])
+    return out[:num_embeddings].to(out_dtype or G.dtype)

@@ -44,6 +44,21 @@ def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return out
 
 
+_PLACEHOLDERS: Dict[torch.device, torch.Tensor] = {}
+
+
+def placeholder(device: torch.device) -> torch.Tensor:
+    """A one-element fp32 tensor to pass for a buffer argument a launch does not use.
+
+    Some Triton versions' autotuners zero every ``reset_to_zero`` argument before each trial,
+    ``None`` included (triton 3.6 fails on it); a real, never-read tensor works on all.
+    """
+    found = _PLACEHOLDERS.get(device)
+    if found is None:
+        found = _PLACEHOLDERS[device] = torch.zeros(1, dtype=torch.float32, device=device)
+    return found
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -46,20 +46,22 @@ class Case:
     per_sample_loss: Callable  # plain torch: (model, rows, loss_reduction) -> (len(rows),)
 
 
-def _batch(seed=0):
+def _batch(seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, V, (B, T), generator=g)
     mask = torch.ones(B, T, dtype=torch.long)
     mask[0, 5:] = 0  # right padding
     mask[2, 3:] = 0
     ids[mask == 0] = 0
-    return ids, mask
+    return ids.to(device), mask.to(device)
 
 
-def causal_lm(model: nn.Module, position_ids: bool) -> Case:
-    ids, mask = _batch()
+def causal_lm(model: nn.Module, position_ids: bool, device="cpu") -> Case:
+    """A causal LM and its batch, both on ``device``."""
+    model.to(device)
+    ids, mask = _batch(device=device)
     labels = ids.masked_fill(mask == 0, -100)
-    positions = torch.arange(T).expand(B, T)
+    positions = torch.arange(T, device=device).expand(B, T)
 
     def logits_of(m, rows):
         extra = dict(position_ids=positions[rows]) if position_ids else {}
@@ -78,13 +80,13 @@ def causal_lm(model: nn.Module, position_ids: bool) -> Case:
     return Case(model, forward, per_sample_loss)
 
 
-def gpt2() -> Case:
+def gpt2(device="cpu") -> Case:
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=V, n_positions=T, resid_pdrop=0.0,
                                   embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=1)
     model = transformers.GPT2LMHeadModel(cfg)
     assert model.lm_head.weight is model.transformer.wte.weight
-    return causal_lm(model, position_ids=True)
+    return causal_lm(model, position_ids=True, device=device)
 
 
 def llama_config(**kwargs):
@@ -103,9 +105,10 @@ def lora(model: nn.Module) -> nn.Module:
     return model
 
 
-def llama_lora() -> Case:
+def llama_lora(device="cpu") -> Case:
     torch.manual_seed(1)
-    return causal_lm(lora(transformers.LlamaForCausalLM(llama_config(tie_word_embeddings=True))), position_ids=False)
+    return causal_lm(lora(transformers.LlamaForCausalLM(llama_config(tie_word_embeddings=True))), position_ids=False,
+                     device=device)
 
 
 def bert() -> Case:
@@ -242,9 +245,7 @@ def test_lora_whether_moved_before_or_after_peft(order):
     torch.manual_seed(1)
     base = transformers.LlamaForCausalLM(llama_config())
     model = lora(base.to(device)) if order == "moved_first" else lora(base).to(device)
-    case = causal_lm(model.float().cpu(), position_ids=False) if device == "cpu" else None
-    if case is not None:
-        check(case, single=True)
+    check(causal_lm(model.float(), position_ids=False, device=device), single=True)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "bert"])

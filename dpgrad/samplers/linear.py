@@ -19,13 +19,17 @@ import torch
 import torch.nn as nn
 
 from dpgrad.backend import ops_for
+from dpgrad.kernels import reference
 from dpgrad.kernels.reference import accumulation_dtype
 from dpgrad.registry import (
     register_clipped_sum_sampler,
     register_factor_sampler,
+    register_grad_sample_group,
     register_grad_sampler,
+    register_norm_group,
     register_norm_sampler,
 )
+from dpgrad.samplers.groups import Group, cat, stackable, weighted_sums
 from dpgrad.tuning import get_tuner
 
 CONV1D = "transformers.pytorch_utils.Conv1D"
@@ -34,6 +38,8 @@ LAYERS = [nn.Linear, CONV1D]
 
 def flatten_tokens(activations: torch.Tensor, backprops: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(B, *, d) inputs and (B, *, p) backprops -> (B, T, d) and (B, T, p)."""
+    if activations.dim() == 3 and backprops.dim() == 3:
+        return activations, backprops
     B = backprops.shape[0]
     T = math.prod(backprops.shape[1:-1])
     A = activations.reshape(B, T, activations.shape[-1])
@@ -142,3 +148,146 @@ def linear_factors(
     if bias:
         out[layer.bias] = (G, G.new_ones(1, 1, 1).expand(G.shape[0], G.shape[1], 1))
     return out
+
+
+@register_norm_group(LAYERS)
+class LinearGroup(Group):
+    """Linear (or Conv1D) layers whose inputs and backprops have the same shapes and dtypes.
+
+    On the eager backend, small ones are concatenated along the batch: one product for all
+    their weight norms, one batched product for all their clipped sums. On Triton, each layer
+    is one launch of the kernel the autotuner chose for the shape (chosen once per group). The
+    bias norms and clipped sums come from the token sums ``sum_t G_b[t]``, never a GEMM.
+    """
+
+    @classmethod
+    def key(cls, layer, activations, backprops):
+        x = activations[0]
+        return (_transposed(layer), *_trainable(layer), x.shape, x.dtype, backprops.shape, backprops.dtype,
+                layer.weight.dtype, x.device)
+
+    def norms(self):
+        layers = [layer for layer, _, _ in self.records]
+        flat = [flatten_tokens(activations[0], backprops) for _, activations, backprops in self.records]
+        self.records = []
+        weight, bias = _trainable(layers[0])
+        A0, G0 = flat[0]
+        ops = ops_for(A0, G0)
+        cand = get_tuner().select_group("linear_norm", flat, layers) if weight else None
+        self._layers, self._ops = layers, ops
+        self._stacked = ops is reference and (cand is None or cand.backend == "eager") and stackable(
+            [g for _, g in flat]) and stackable([a for a, _ in flat])
+        params = ([layer.weight for layer in layers] if weight else []) + ([layer.bias for layer in layers] if bias else [])
+        if self._stacked:
+            A, G = cat([a for a, _ in flat]), cat([g for _, g in flat])
+            self._inputs = (A, G)
+            rows = []
+            if weight:
+                rows.append(reference.linear_weight_norm(A, G, cand.algorithm))
+            if bias:
+                self._bias_sums = G.sum(dim=1, dtype=accumulation_dtype(G))
+                rows.append(torch.linalg.vector_norm(self._bias_sums, dim=1))
+            return params, cat(rows).view(len(params), G0.shape[0])
+        self._inputs = flat
+        w_rows, b_rows = [], []
+        for A, G in flat:
+            if weight and bias and cand.algorithm == "direct":
+                res = cand.ops().linear_per_sample(A, G, grad=False, bias=True, norm=True)
+                w_rows.append(res.weight_sq_norm)
+                b_rows.append(res.bias_sq_norm)
+                continue
+            if weight:
+                w_rows.append(cand.run(A, G))
+            if bias:
+                b_rows.append(ops.linear_bias_sq_norm(G))
+        return params, torch.stack(w_rows + b_rows).sqrt()
+
+    def clipped_sums(self, coef):
+        layers, inputs = self._layers, self._inputs
+        self._inputs = None
+        weight, bias = _trainable(layers[0])
+        transposed = _transposed(layers[0])
+        out = []
+        if self._stacked:
+            A, G = inputs
+            L, T, d, p = len(layers), A.shape[1], A.shape[2], G.shape[2]
+            B = A.shape[0] // L
+            if weight:
+                acc = accumulation_dtype(A, G)
+                A3 = A.view(L, B * T, d).to(acc)
+                scaled = G.view(L, B * T, p).to(acc) * coef.per_token(T)
+                sums = torch.bmm(A3.mT, scaled) if transposed else torch.bmm(scaled.mT, A3)
+                out.extend((layer.weight, s.to(layer.weight.dtype)) for layer, s in zip(layers, sums.unbind(0)))
+            if bias:
+                sums = weighted_sums(coef, self._bias_sums.view(L, B, p))
+                out.extend((layer.bias, s.to(layer.bias.dtype)) for layer, s in zip(layers, sums.unbind(0)))
+            self._bias_sums = None
+            return out
+        ops = self._ops
+        for layer, (A, G) in zip(layers, inputs):
+            if weight and transposed:
+                out.append((layer.weight, ops.linear_clipped_sum(G, A, coef.sample, out_dtype=layer.weight.dtype)[0]))
+            elif weight:
+                w, b = ops.linear_clipped_sum(A, G, coef.sample, bias=bias, out_dtype=layer.weight.dtype)
+                out.append((layer.weight, w))
+                if bias:
+                    out.append((layer.bias, b.to(layer.bias.dtype)))
+                    continue
+            if bias:
+                out.append((layer.bias, _bias_clipped_sum(ops, G, coef.sample, layer.bias.dtype)))
+        return out
+
+
+@register_grad_sample_group(LAYERS)
+class LinearGradSampleGroup(LinearGroup):
+    """Linear (or Conv1D) layers clipped from their per-sample gradients, kept in fp32: those
+    whose per-sample gradients are small (LoRA adapters, for which they are far smaller than
+    the inputs and backprops book-keeping would keep), or all of them without ghost clipping.
+    The norms come with the gradients (one pass); the clipped sums are ``coef @ g``, a small
+    product. Eager: small groups in one batched product; Triton: one launch per layer."""
+
+    def norms(self):
+        layers = [layer for layer, _, _ in self.records]
+        flat = [flatten_tokens(activations[0], backprops) for _, activations, backprops in self.records]
+        self.records = []
+        weight, bias = _trainable(layers[0])
+        A0, G0 = flat[0]
+        L, B = len(flat), G0.shape[0]
+        acc = accumulation_dtype(A0, G0)
+        ops = ops_for(A0, G0)
+        cand = get_tuner().select_group("linear_grad_sample", flat, layers) if weight else None
+        transposed = _transposed(layers[0])
+        if ops is reference and (cand is None or cand.backend == "eager") and stackable(
+                [g for _, g in flat]) and stackable([a for a, _ in flat]):
+            flat = [(cat([a for a, _ in flat]), cat([g for _, g in flat]))]
+        w_grads, w_rows, b_grads = [], [], []
+        for A, G in flat:
+            if weight:
+                # Conv1D's (d, p) weight: the same product with the roles of A and G swapped.
+                res = cand.ops().linear_per_sample(*((G, A) if transposed else (A, G)), bias=bias and not transposed,
+                                                   norm=True, out_dtype=acc)
+                w_grads.append(res.weight)
+                w_rows.append(res.weight_sq_norm)
+                if res.bias is not None:
+                    b_grads.append(res.bias)
+                    continue
+            if bias:
+                b_grads.append(ops.linear_bias_grad_sample(G, out_dtype=acc))
+        self._layers = layers
+        self._grads = (cat(w_grads) if weight else None, cat(b_grads) if bias else None)
+        params = ([layer.weight for layer in layers] if weight else []) + ([layer.bias for layer in layers] if bias else [])
+        rows = ([cat(w_rows).sqrt()] if weight else []) + ([torch.linalg.vector_norm(self._grads[1], dim=1)] if bias else [])
+        return params, cat(rows).view(len(params), B)
+
+    def clipped_sums(self, coef):
+        layers, (w, b) = self._layers, self._grads
+        self._grads = None
+        L = len(layers)
+        out = []
+        if w is not None:
+            sums = weighted_sums(coef, w.view(L, -1, w.shape[1] * w.shape[2])).view(L, w.shape[1], w.shape[2])
+            out.extend((layer.weight, s.to(layer.weight.dtype)) for layer, s in zip(layers, sums.unbind(0)))
+        if b is not None:
+            sums = weighted_sums(coef, b.view(L, -1, b.shape[1]))
+            out.extend((layer.bias, s.to(layer.bias.dtype)) for layer, s in zip(layers, sums.unbind(0)))
+        return out

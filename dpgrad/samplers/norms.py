@@ -1,59 +1,110 @@
 """Grad samplers for normalisation layers: ``nn.LayerNorm`` and ``nn.RMSNorm``.
 
 Their per-sample gradients are as small as their parameters, so ghost clipping takes norms
-of these directly.
+of these directly; ``NormLayerGroup`` computes those of many such layers at once.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List
+import math
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from dpgrad.kernels.reference import accumulation_dtype
-from dpgrad.registry import register_grad_sampler
+from dpgrad.registry import register_grad_sample_group, register_grad_sampler
+from dpgrad.samplers.groups import Group, cat, row_norms, stackable, weighted_sums
 
 
-def _sum_to_param(x: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """Sum (B, *, *param.shape) over every dimension but the batch and the parameter's own,
-    in ``x``'s dtype (fp32 or fp64 here), and return it in the parameter's."""
-    dims = list(range(1, x.dim() - param.dim()))
-    return (x.sum(dim=dims) if dims else x).to(param.dtype)
+def _sum_tokens(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Sum (N, *, *shape) over every dimension but the first and the trailing ``shape``."""
+    dims = list(range(1, x.dim() - len(shape)))
+    return x.sum(dim=dims) if dims else x
 
 
-def _weight_grad_sample(normed: torch.Tensor, backprops: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``sum_t normed[t] * g[t]`` per sample. Activations and backprops may differ in dtype
-    (autocast): they meet in fp32 (fp64 for fp64)."""
-    acc = accumulation_dtype(normed, backprops)
-    return _sum_to_param(normed.to(acc) * backprops.to(acc), weight)
+def _eps(layer: nn.Module, x: torch.Tensor) -> float:
+    # RMSNorm's eps=None means the input dtype's epsilon, as in the forward pass, not the upcast's.
+    if isinstance(layer, nn.RMSNorm) and layer.eps is None:
+        return torch.finfo(x.dtype).eps
+    return layer.eps
 
 
-@register_grad_sampler(nn.LayerNorm)
-def layer_norm_grad_sample(
-    layer: nn.LayerNorm, activations: List[torch.Tensor], backprops: torch.Tensor
+def _trainable(layer: nn.Module) -> Tuple[bool, bool]:
+    weight = getattr(layer, "weight", None) is not None and layer.weight.requires_grad
+    bias = getattr(layer, "bias", None) is not None and layer.bias.requires_grad
+    return weight, bias
+
+
+def per_sample_grads(layer: nn.Module, x: torch.Tensor, backprops: torch.Tensor) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Per-sample gradients of the weight and the bias (None where frozen or absent), (N,
+    *normalized_shape) each, in fp32 (fp64 for fp64). Activations and backprops may differ in
+    dtype (autocast): they meet in the accumulation dtype."""
+    weight, bias = _trainable(layer)
+    acc = accumulation_dtype(x, backprops)
+    shape = layer.normalized_shape
+    gw = gb = None
+    if weight:
+        norm = F.rms_norm if isinstance(layer, nn.RMSNorm) else F.layer_norm
+        normed = norm(x.to(acc), shape, eps=_eps(layer, x))
+        gw = _sum_tokens(normed * backprops.to(acc), shape)
+    if bias:
+        gb = _sum_tokens(backprops.to(acc), shape)
+    return gw, gb
+
+
+@register_grad_sampler([nn.LayerNorm, nn.RMSNorm])
+def norm_layer_grad_sample(
+    layer: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor
 ) -> Dict[nn.Parameter, torch.Tensor]:
-    """Per-sample gradients of LayerNorm's weight and bias, (B, *normalized_shape) each."""
-    x = activations[0]
+    """Per-sample gradients of a LayerNorm's or RMSNorm's weight and bias, (B,
+    *normalized_shape) each, in the parameters' dtypes."""
+    gw, gb = per_sample_grads(layer, activations[0], backprops)
     out = {}
-    if layer.weight is not None and layer.weight.requires_grad:
-        normed = F.layer_norm(x.to(accumulation_dtype(x, backprops)), layer.normalized_shape, eps=layer.eps)
-        out[layer.weight] = _weight_grad_sample(normed, backprops, layer.weight)
-    if layer.bias is not None and layer.bias.requires_grad:
-        out[layer.bias] = _sum_to_param(backprops.to(accumulation_dtype(backprops)), layer.bias)
+    if gw is not None:
+        out[layer.weight] = gw.to(layer.weight.dtype)
+    if gb is not None:
+        out[layer.bias] = gb.to(layer.bias.dtype)
     return out
 
 
-@register_grad_sampler(nn.RMSNorm)
-def rms_norm_grad_sample(
-    layer: nn.RMSNorm, activations: List[torch.Tensor], backprops: torch.Tensor
-) -> Dict[nn.Parameter, torch.Tensor]:
-    """Per-sample gradients of RMSNorm's weight, (B, *normalized_shape)."""
-    x = activations[0]
-    if layer.weight is None or not layer.weight.requires_grad:
-        return {}
-    # eps=None means the input dtype's epsilon, as in the forward pass, not the upcast's.
-    eps = layer.eps if layer.eps is not None else torch.finfo(x.dtype).eps
-    normed = F.rms_norm(x.to(accumulation_dtype(x, backprops)), layer.normalized_shape, eps=eps)
-    return {layer.weight: _weight_grad_sample(normed, backprops, layer.weight)}
+@register_grad_sample_group([nn.LayerNorm, nn.RMSNorm])
+class NormLayerGroup(Group):
+    """LayerNorm or RMSNorm layers with the same settings and input shapes: the per-sample
+    gradients of all of them from their concatenated inputs (when small), kept in fp32 for
+    their norms and clipped sums."""
+
+    @classmethod
+    def key(cls, layer, activations, backprops):
+        x = activations[0]
+        return (type(layer), tuple(layer.normalized_shape), _eps(layer, x), *_trainable(layer), x.shape, x.dtype,
+                backprops.shape, backprops.dtype, x.device)
+
+    def norms(self):
+        layers = [layer for layer, _, _ in self.records]
+        xs = [activations[0] for _, activations, _ in self.records]
+        gs = [backprops for _, _, backprops in self.records]
+        self.records = []
+        if stackable(xs) and stackable(gs):
+            gw, gb = per_sample_grads(layers[0], cat(xs), cat(gs))
+        else:
+            parts = [per_sample_grads(layer, x, g) for layer, x, g in zip(layers, xs, gs)]
+            gw, gb = (None if parts[0][i] is None else cat([part[i] for part in parts]) for i in (0, 1))
+        weight, bias = _trainable(layers[0])
+        self._layers, self._grads = layers, (gw, gb)
+        params = ([layer.weight for layer in layers] if weight else []) + ([layer.bias for layer in layers] if bias else [])
+        rows = [row_norms(g) for g in (gw, gb) if g is not None]
+        return params, cat(rows).view(len(params), -1)
+
+    def clipped_sums(self, coef):
+        layers, grads = self._layers, self._grads
+        self._grads = None
+        out = []
+        for g, attr in zip(grads, ("weight", "bias")):
+            if g is None:
+                continue
+            sums = weighted_sums(coef, g.reshape(len(layers), -1, math.prod(g.shape[1:])))
+            out.extend((getattr(layer, attr), s.view(getattr(layer, attr).shape).to(getattr(layer, attr).dtype))
+                       for layer, s in zip(layers, sums.unbind(0)))
+        return out

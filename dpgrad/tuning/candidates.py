@@ -71,7 +71,8 @@ class Candidate:
         if self.kind == "linear_grad_sample":
             return cost_model.linear_grad_sample_cost(self.backend, shape.B, shape.T, shape.dim("d"), shape.dim("p"), e)
         what = "norm" if self.kind == "embedding_norm" else "grad_sample"
-        return cost_model.embedding_cost(what, self.backend, shape.B, shape.T, shape.dim("V"), shape.dim("d"), e)
+        return cost_model.embedding_cost(what, self.backend, shape.B, shape.T, shape.dim("V"), shape.dim("d"), e,
+                                         self.algorithm)
 
     def triton_config(self) -> Optional[Dict[str, Any]]:
         """The block sizes and warps Triton's autotuner last chose for this candidate's kernel."""
@@ -107,7 +108,8 @@ CANDIDATES: Dict[str, List[Candidate]] = {
     "embedding_norm": [
         Candidate("embedding_norm", "triton-segments", "triton", "segments", "embedding_sq_norm",
                   _K + "embedding_segment_sum:_segment_sum_kernel"),
-        Candidate("embedding_norm", "eager-unique", "eager", "unique", "embedding_sq_norm"),
+        Candidate("embedding_norm", "eager-sort", "eager", "sort", "embedding_sq_norm"),
+        Candidate("embedding_norm", "eager-gram", "eager", "gram", "embedding_sq_norm_gram"),
     ],
     "embedding_grad_sample": [
         Candidate("embedding_grad_sample", "triton-segments", "triton", "segments", "embedding_grad_sample",

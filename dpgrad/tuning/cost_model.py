@@ -111,10 +111,14 @@ def linear_grad_sample_cost(backend: str, B: int, T: int, d: int, p: int, e: int
     return Cost(flops, B * T * (d + p) * e + out + 2 * extra, extra)
 
 
-def embedding_cost(kind: str, backend: str, B: int, T: int, V: int, d: int, e: int) -> Cost:
+def embedding_cost(kind: str, backend: str, B: int, T: int, V: int, d: int, e: int, algorithm: str = "") -> Cost:
     """Embedding norms ("norm") or per-sample gradients ("grad_sample")."""
     rows = B * T * d
     out = B * V * d * e if kind == "grad_sample" else 4 * B
+    if algorithm == "gram":
+        # G G^T per sample and the token-equality mask, (B, T, T) in fp32, a batch slice at a time.
+        held = _chunked(3 * T * T, B)
+        return Cost(2 * B * T * T * d, rows * e + 3 * B * T * T * 4, held * 4)
     if backend == "triton":
         # Sorting the (B*T) keys, one gathered read of every row, the output.
         return Cost(2 * rows, rows * e + 16 * B * T + out, 16 * B * T + (4 * B * T * math.ceil(d / 64)))

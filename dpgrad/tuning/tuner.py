@@ -24,6 +24,7 @@ from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 
+from dpgrad import backend
 from dpgrad.kernels import reference
 
 from . import cost_model, store
@@ -103,11 +104,19 @@ class Tuner:
     def __init__(self, timer: Callable[..., float] = measure_ms):
         self.timer = timer
         self._decisions: Dict[str, Decision] = {}
+        # (kind, exact shapes, dtypes, devices, backend asked for) -> the chosen candidate: what
+        # a training step looks up, once per layer group, without building the shape key.
+        self._chosen: Dict[tuple, Candidate] = {}
         self._stores: Dict[str, store.TuneStore] = {}
         self._recordings: List[Recording] = []
 
     def select(self, kind: str, inputs: tuple, layer: Optional[torch.nn.Module] = None) -> Candidate:
         """The candidate to run ``kind`` on ``inputs`` (tuning the shape key if it is new)."""
+        fast = (kind, backend.requested(), *(
+            (t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else t for t in inputs))
+        chosen = self._chosen.get(fast)
+        if chosen is not None and not self._recordings:
+            return chosen
         shape = shape_of(kind, inputs)
         tensors = tuple(t for t in inputs if isinstance(t, torch.Tensor))
         candidates = applicable(kind, shape, tensors)
@@ -119,7 +128,17 @@ class Tuner:
             self._decisions[key] = decision
         for rec in self._recordings:
             self._record(rec, layer, decision, inputs)
+        self._chosen[fast] = by_name[decision.choice]
         return by_name[decision.choice]
+
+    def select_group(self, kind: str, inputs: List[tuple], layers: List[torch.nn.Module]) -> Candidate:
+        """The candidate for a group of layers whose inputs have the same shapes: chosen once,
+        for the first; a recording (the autotune report) still sees every layer."""
+        chosen = self.select(kind, inputs[0], layers[0])
+        if self._recordings:
+            for layer_inputs, layer in zip(inputs[1:], layers[1:]):
+                self.select(kind, layer_inputs, layer)
+        return chosen
 
     @staticmethod
     def key(shape: Shape, candidates: List[Candidate]) -> str:
@@ -144,6 +163,7 @@ class Tuner:
     def forget(self) -> None:
         """Drop this process's decisions (the store keeps its own)."""
         self._decisions.clear()
+        self._chosen.clear()
 
     # ------------------------------------------------------------------ deciding
     def _decide(self, shape: Shape, key: str, candidates: List[Candidate], inputs: tuple) -> Decision:

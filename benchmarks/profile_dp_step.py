@@ -1,0 +1,87 @@
+"""Where a DP step's time goes, host or device: a torch.profiler trace of a few steps.
+
+    python benchmarks/profile_dp_step.py --model hf-gpt2 --batch 8 --seq-len 1024 \
+        --provider non-private dpgrad-single [--dtype bf16] [--steps 3] [--top 15]
+
+For each provider (the steps of ``bench_dp_step.py``, same weights and batch): host time per
+step (CPU time of the step's own thread), device time per step (the sum of kernel times on
+CUDA), kernel launches per step, and the operations that cost the host most. A step whose host
+time exceeds its device time keeps the GPU waiting. Prints one table; with ``--json PATH`` also
+writes the figures. Not a test and not a benchmark suite: a tool for finding what to fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).parent))
+import bench_dp_step  # noqa: E402
+
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+
+
+def profile_provider(provider: str, model: str, batch: int, seq_len: int, dtype: str, steps: int, top: int) -> dict:
+    step = bench_dp_step.make_step(provider, model, batch, seq_len, dtype)
+    for _ in range(2):  # warm-up: compilation and the autotuner's first look at each shape
+        step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    launches = sum(e.count for e in events if e.key in LAUNCHES)
+    device_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) \
+        if torch.cuda.is_available() else 0.0
+    # Host time: the profiled thread's top-level events (each op's own CPU time, summed).
+    host_us = sum(e.self_cpu_time_total for e in events)
+    costly = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return {
+        "provider": provider,
+        "host_ms_per_step": host_us / 1e3 / steps,
+        "device_ms_per_step": device_us / 1e3 / steps,
+        "launches_per_step": launches / steps,
+        "top_host": [(e.key, e.count // steps, round(e.self_cpu_time_total / 1e3 / steps, 3)) for e in costly],
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="hf-gpt2-tiny", help="a model of bench_dp_step.py (default: hf-gpt2-tiny)")
+    parser.add_argument("--batch", type=int, default=8, help="samples per step (default: 8)")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sample (default: 64)")
+    parser.add_argument("--dtype", default="bf16" if torch.cuda.is_available() else "fp32", choices=["fp32", "bf16"],
+                        help="model dtype (default: bf16 on a GPU, fp32 on a CPU)")
+    parser.add_argument("--provider", nargs="+", default=["non-private", "dpgrad-single"],
+                        choices=bench_dp_step.PROVIDERS, help="the steps to profile")
+    parser.add_argument("--steps", type=int, default=3, help="profiled steps per provider (default: 3)")
+    parser.add_argument("--top", type=int, default=12, help="costliest host operations listed (default: 12)")
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    args = parser.parse_args(argv)
+    rows = [profile_provider(p, args.model, args.batch, args.seq_len, args.dtype, args.steps, args.top)
+            for p in args.provider]
+    print(f"{args.model} B={args.batch} T={args.seq_len} {args.dtype}")
+    print(f"{'provider':16s} {'host ms/step':>12s} {'device ms/step':>14s} {'launches/step':>13s}")
+    for r in rows:
+        print(f"{r['provider']:16s} {r['host_ms_per_step']:12.1f} {r['device_ms_per_step']:14.1f} "
+              f"{r['launches_per_step']:13.0f}")
+    for r in rows:
+        print(f"\n{r['provider']}: costliest host operations (name, calls/step, ms/step)")
+        for name, calls, ms in r["top_host"]:
+            print(f"  {ms:8.3f}  {calls:6d}  {name}")
+    if args.json:
+        args.json.write_text(json.dumps({"settings": vars(args) | {"json": str(args.json)}, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,562 @@
+"""The backward path of dpgrad's wrappers, in one place: hook -> record -> finish.
+
+Every hooked layer (a layer with trainable parameters of its own) goes through three steps:
+
+1. Forward (``_on_layer_forward``, a forward hook): keep the layer's inputs and put a gradient
+   hook on its output.
+2. Record (``_record``, that gradient hook, during backward): append ``Record(layer, inputs,
+   backprops)`` to the pass. For ``GradSampleModule`` the record is the layer's per-sample
+   gradients, computed there (Opacus's hooks do the same: they are what that mode keeps). For
+   ``GradSampleModuleFastGradientClipping`` it is the inputs and backprops and nothing else:
+   no arithmetic, no copy, no launch.
+3. Finish (``_finish_pass``, once per backward pass, queued behind its last hook):
+   - per-sample gradients: summed over the uses of each parameter, onto ``p.grad_sample``;
+   - norms (``ClippingPath``): the records grouped by layer type and shapes
+     (``dpgrad.samplers.groups``), each group's per-sample gradient norms in a few batched
+     operations, rows of one (P, B) matrix; ``p._norm_sample`` and the total norm (B,) from
+     it. A clipped backward then takes the coefficients ``min(1, C / (norm + 1e-6))`` once
+     and, in single-backward mode, each group's clipped sums, which reach ``p.grad`` through
+     autograd's own accumulation; each group lets go of its inputs as it is summed.
+
+Under ``loss_reduction="mean"`` the backprops are those of the mean loss, 1/B of each sample's
+own (Opacus multiplies them by B). Here the factor B is applied to (B,)-sized vectors (the
+norms, the coefficients), never in a pass over a backprop.
+
+No device-to-host synchronisation on the way: whether the per-sample values are finite (a
+non-finite per-sample gradient makes its sample's norm non-finite) is one number computed on
+the device, which the host reads once per step (``FiniteCheck``): at the end of a plain
+backward pass, or, in a clipped backward, once the work that follows has been queued and
+before anything reaches ``p.grad``.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from dpgrad import registry
+from dpgrad.autograd_graph import ForwardEdges
+from dpgrad.kernels.reference import accumulation_dtype
+from dpgrad.samplers import ft_compute_per_sample_gradient
+from dpgrad.samplers.functorch import _first_tensor
+from dpgrad.samplers.groups import Coefficients, Group, GradSampleGroup, SamplerGroup, group_records
+
+# What a clipped backward's norm pass does with the records besides taking norms.
+NORMS_ONLY, KEEP_FOR_CLIPPING = "norms", "keep"
+# A layer is clipped from its per-sample gradients when they (fp32) take at most this fraction
+# of the memory of the inputs and backprops that book-keeping would keep for it.
+GRAD_SAMPLE_MEMORY_FRACTION = 0.25
+
+Record = Tuple[nn.Module, list, torch.Tensor]  # (layer, activations, backprops)
+
+
+class FiniteCheck:
+    """Whether per-sample values (rows of (P, B) norms, or per-sample gradients) are all
+    finite: one float64 sum computed on the device, read on the host by ``wait``.
+
+    On a GPU the sum is copied to pinned host memory behind the work that made it and an event
+    marks the copy, so ``wait`` blocks only until that work is done, not the work queued after.
+    """
+
+    def __init__(self, values: List[torch.Tensor], names: Callable[[], List[Tuple[str, torch.Tensor]]], what: str):
+        total = torch.stack([v.sum(dtype=torch.float64) for v in values]).sum() if len(values) > 1 else \
+            values[0].sum(dtype=torch.float64)
+        self._names, self._what = names, what
+        self._event = None
+        if total.is_cuda:
+            self._total = torch.empty((), dtype=torch.float64, pin_memory=True)
+            self._total.copy_(total, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._total = total
+
+    def wait(self) -> None:
+        """Raise FloatingPointError, naming the parameters, if a value was not finite."""
+        if self._event is not None:
+            self._event.synchronize()
+        if math.isfinite(self._total.item()):
+            return
+        bad = [name for name, value in self._names() if not bool(torch.isfinite(value).all())]
+        raise FloatingPointError(
+            f"non-finite per-sample {self._what} for parameters {bad}: the loss, the inputs or the "
+            "weights hold inf or NaN (in reduced precision, an overflow). Fix the cause (loss "
+            "scaling, learning rate, inputs), or pass check_finite=False to skip this check."
+        )
+
+
+class BackwardPath:
+    """Hooks, records and the finish step; mixed into the wrappers (``nn.Module``s).
+
+    The wrapper sets ``_module``, ``batch_first``, ``loss_reduction``, ``check_finite``,
+    ``hooks_enabled``, ``_param_names`` and ``_skipped`` before ``add_hooks``.
+    """
+
+    GRAD_SAMPLERS = registry.GRAD_SAMPLERS
+
+    def _init_path(self) -> None:
+        self._forward_batch: Optional[int] = None
+        self._forward_seen: set = set()
+        self._pass_open = False
+        self._records: List = []
+        self._edges = ForwardEdges()
+
+    # ------------------------------------------------------------------ the layers hooked
+    def _layers_to_hook(self, module: nn.Module, prefix: str = "", seen: Optional[set] = None):
+        """Layers with own trainable parameters; a layer without a registered sampler is
+        handled whole by torch.func, so its children are not visited. A layer registered
+        under several names (one module in two containers) is yielded once: two hooks
+        would count each of its uses twice."""
+        seen = set() if seen is None else seen
+        if module in seen:
+            return
+        seen.add(module)
+        if any(p.requires_grad for p in module.parameters(recurse=False)):
+            yield prefix, module
+            if type(module) not in self.GRAD_SAMPLERS:
+                return
+        for name, child in module.named_children():
+            yield from self._layers_to_hook(child, f"{prefix}.{name}" if prefix else name, seen)
+
+    def _attach(self, force_functorch: bool) -> list:
+        from dpgrad.samplers import prepare_layer
+
+        self._layer_names: Dict[nn.Module, str] = {}
+        self._functorch_layers: set = set()
+        self._own_params: Dict[nn.Module, Tuple[nn.Parameter, ...]] = {}
+        handles = []
+        for name, layer in self._layers_to_hook(self._module):
+            if name in self._skipped:
+                continue
+            whole = force_functorch or type(layer) not in self.GRAD_SAMPLERS
+            if whole:
+                prepare_layer(layer, batch_first=self.batch_first)
+                self._functorch_layers.add(layer)
+            self._layer_names[layer] = name
+            self._own_params[layer] = tuple(layer.parameters(recurse=whole))
+            handles.append(layer.register_forward_hook(self._on_layer_forward))
+        covered = {p for params in self._own_params.values() for p in params}
+        # Parameters no hook sees (skipped layers and their children): no per-sample values.
+        self._unhooked = {p for p in self._module.parameters() if p not in covered}
+        return handles
+
+    def _layer_params(self, layer: nn.Module) -> List[nn.Parameter]:
+        return [p for p in self._own_params[layer] if p.requires_grad]
+
+    # ------------------------------------------------------------------ 1. forward
+    def _begin_forward(self) -> None:
+        if self._pass_open:
+            # A backward pass that raised (in any hook, not only ours) never reached its
+            # end-of-pass callback; its partial per-sample state must not leak into this step.
+            self._abort_pass()
+        self._forward_batch = None
+        self._forward_seen = set()
+        self._edges.begin_forward()
+        self._on_begin_forward()
+
+    def _on_begin_forward(self) -> None:
+        """What a wrapper resets at each forward pass."""
+
+    def _on_layer_forward(self, layer: nn.Module, inputs, output) -> None:
+        if not (self.hooks_enabled and layer.training and torch.is_grad_enabled()):
+            return
+        out = output if isinstance(output, torch.Tensor) else _first_tensor(output)
+        if out is None or not out.requires_grad:
+            return
+        params = self._layer_params(layer)
+        if not params:
+            return
+        name = self._layer_names[layer]
+        self._check_batch(layer, name, inputs)
+        self._on_forward(layer, name, params, out)
+        # Not detached: they are only read under no_grad, and the list is emptied when read.
+        out.register_hook(partial(self._record, layer, params, list(inputs), self._edges.forward_id))
+
+    def _on_forward(self, layer: nn.Module, name: str, params: List[nn.Parameter], out: torch.Tensor) -> None:
+        self._forward_seen.add(layer)
+        for p in params:
+            p._forward_counter += 1
+
+    def _check_batch(self, layer: nn.Module, name: str, inputs) -> None:
+        batch_dim = 0 if self.batch_first else 1
+        x = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else next(
+            (a for a in inputs if isinstance(a, torch.Tensor)), None)
+        # A Linear given one sample's (d,) would otherwise take its features for the batch.
+        if x is None or x.dim() <= batch_dim + _feature_dims(layer):
+            shape = None if x is None else tuple(x.shape)
+            raise ValueError(
+                f"layer '{name}' got an input of shape {shape} with no batch dimension "
+                f"{batch_dim} (batch_first={self.batch_first}, so inputs are "
+                f"{'[B, ...]' if self.batch_first else '[K, B, ...]'}): feed a batch of samples, "
+                f"e.g. x.unsqueeze({batch_dim}) for a single one"
+            )
+        n = x.shape[batch_dim]
+        if self._forward_batch is None:
+            self._forward_batch = n
+        elif n == 1 and self._forward_batch > 1:
+            raise ValueError(
+                f"layer '{name}' got an input of shape {tuple(x.shape)}, with 1 along the batch "
+                f"dimension {batch_dim} where earlier layers of this forward pass got "
+                f"{self._forward_batch} samples: the model broadcasts it over the batch, so its "
+                "gradient is the whole batch's, not per sample. Give the input one row per sample; "
+                "for Hugging Face models, whose position ids default to a single row, pass "
+                "position_ids=torch.arange(T).expand(B, T) (with B samples of T tokens)."
+            )
+        elif n != self._forward_batch:
+            raise ValueError(
+                f"layer '{name}' got {n} samples along dimension {batch_dim} (input shape "
+                f"{tuple(x.shape)}) but an earlier layer of this forward pass got "
+                f"{self._forward_batch}. Per-sample gradients need the batch on one dimension "
+                f"throughout: check batch_first (now {self.batch_first}) and that the model does "
+                "not fold the batch into another dimension, e.g. a (B*T, d) input to a Linear."
+            )
+
+    # ------------------------------------------------------------------ 2. record
+    def _record(self, layer: nn.Module, params: List[nn.Parameter], activations: list, forward_id: int, grad):
+        if not self.hooks_enabled:
+            return None
+        if not self._pass_open:
+            torch.autograd.Variable._execution_engine.queue_callback(self._close_pass)
+            self._pass_open = True
+            self._begin_pass()
+        try:
+            if not activations:
+                raise RuntimeError(
+                    f"layer '{self._layer_names[layer]}' is in a second hooked backward pass through "
+                    "the same graph; its inputs went to the first. Per-sample gradients take one "
+                    "forward pass per hooked backward pass (disable_hooks() for any other pass)."
+                )
+            # The hook lives as long as the graph, which the caller's loss can keep alive after
+            # backward: it must not keep the layer's inputs alive with it.
+            inputs = activations.copy()
+            activations.clear()
+            self._edges.consumed(forward_id)
+            self._keep(layer, inputs, grad)
+            for p in params:
+                p._forward_counter = max(0, p._forward_counter - 1)
+        except BaseException:
+            self._abort_pass()
+            raise
+        return None
+
+    def _keep(self, layer: nn.Module, activations: list, backprops: torch.Tensor) -> None:
+        """GradSampleModule: the layer's per-sample gradients, summed over its uses."""
+        with torch.no_grad():
+            activations, backprops = self._batch_front(activations, backprops)
+            if self.loss_reduction == "mean":
+                backprops = backprops * backprops.shape[0]
+            grads = self._grad_sampler(layer)(layer, activations, backprops)
+        for p, gs in grads.items():
+            if not p.requires_grad:
+                continue
+            if p in self._pass_grads:
+                if self._pass_grads[p].shape != gs.shape:
+                    raise ValueError(
+                        f"parameter '{self._param_names.get(p)}' of layer '{self._layer_names[layer]}' "
+                        f"got per-sample gradients of shape {tuple(gs.shape)} and "
+                        f"{tuple(self._pass_grads[p].shape)} in one backward pass: its uses saw "
+                        "different batch sizes"
+                    )
+                self._pass_grads[p] = self._pass_grads[p] + gs
+            else:
+                self._pass_grads[p] = gs
+
+    def _batch_front(self, activations: list, backprops: torch.Tensor):
+        if self.batch_first:
+            return activations, backprops
+        return [_batch_to_front(a) for a in activations], _batch_to_front(backprops)
+
+    def _grad_sampler(self, layer: nn.Module) -> Callable:
+        if layer in self._functorch_layers:
+            return ft_compute_per_sample_gradient
+        return self.GRAD_SAMPLERS[type(layer)]
+
+    # ------------------------------------------------------------------ 3. finish
+    def _begin_pass(self) -> None:
+        self._pass_grads: Dict[nn.Parameter, torch.Tensor] = {}
+
+    def _close_pass(self) -> None:
+        try:
+            with torch.no_grad():
+                self._finish_pass()
+        finally:
+            self._end_pass()
+
+    def _end_pass(self) -> None:
+        """What a pass leaves behind once finished (or failed): nothing of its own."""
+        self._records = []
+        self.__dict__.pop("_pass_grads", None)
+        self._pass_open = False
+        self._forward_batch = None
+        self._edges.release()
+
+    def _abort_pass(self) -> None:
+        for p in self._module.parameters():
+            if hasattr(p, "_forward_counter"):
+                p._forward_counter = 0
+        self._end_pass()
+
+    def _finish_pass(self) -> None:
+        """GradSampleModule: promote the pass's per-sample gradients to ``p.grad_sample``."""
+        grads = self._pass_grads
+        if not self.grad_accumulation_allowed:
+            for p in grads:
+                if p.grad_sample is not None:
+                    raise ValueError(
+                        "Poisson sampling is not compatible with grad accumulation: parameter "
+                        f"'{self._param_names.get(p)}' already holds per-sample gradients from an "
+                        "earlier backward pass. Call optimizer.step() (or zero_grad()) after every "
+                        "forward/backward pass, or use BatchMemoryManager."
+                    )
+        if self.check_finite and grads:
+            FiniteCheck(list(grads.values()), lambda: [(self._param_names.get(p, "?"), g) for p, g in grads.items()],
+                        "gradients").wait()
+        for p, gs in grads.items():
+            if p.grad_sample is None:
+                p.grad_sample = gs
+            elif isinstance(p.grad_sample, list):
+                p.grad_sample.append(gs)
+            else:
+                p.grad_sample = [p.grad_sample, gs]
+
+
+class ClippingPath(BackwardPath):
+    """The ghost-clipping wrapper's finish: norms from records, then clipped sums.
+
+    The wrapper sets ``_shared`` (parameters whose uses are combined by their factors),
+    ``max_grad_norm``, ``single_backward`` and the norm-sampler predicate
+    ``_uses_norm_sampler``.
+    """
+
+    FACTOR_SAMPLERS = registry.FACTOR_SAMPLERS
+
+    def _init_clipping(self) -> None:
+        self._norm_pass: Optional[str] = None  # NORMS_ONLY or KEEP_FOR_CLIPPING in clipped_backward
+        self._kept: Optional[List[Group]] = None  # the groups a single backward sums next
+        self._finite: Optional[FiniteCheck] = None
+        self._pass_norm: Optional[torch.Tensor] = None  # (B,) total norm of the last pass
+
+    def _on_begin_forward(self) -> None:
+        if self.hooks_enabled and self.training and torch.is_grad_enabled():
+            for p in self.trainable_parameters:
+                p._norm_sample = None
+            self._pass_norm = None
+
+    def _on_forward(self, layer, name, params, out) -> None:
+        if self._uses_norm_sampler(layer) and layer in self._forward_seen and not self._shared.issuperset(params):
+            # Called twice: from now on its parameters' uses are combined by their factors.
+            self._check_factors({name: layer})
+            self._shared.update(params)
+        super()._on_forward(layer, name, params, out)
+        self._edges.add(out)
+
+    def _keep(self, layer, activations, backprops) -> None:
+        if self.single_backward and self._norm_pass is None:
+            raise RuntimeError(
+                f"layer '{self._layer_names[layer]}': this wrapper has single_backward=True, so its "
+                "backward pass must come from dpgrad.DPLossFastGradientClipping (loss.backward() "
+                "on what it returns) or wrapper.clipped_backward(per_sample_losses). A plain "
+                "backward would leave unclipped gradients in p.grad; Opacus's "
+                "DPLossFastGradientClipping needs single_backward=False."
+            )
+        self._records.append((layer, activations, backprops))
+
+    def _begin_pass(self) -> None:
+        # Norms belong to one backward pass: a parameter this pass does not reach has a zero
+        # gradient in it, whatever an earlier pass (of another forward) left.
+        for p in self.trainable_parameters:
+            p._norm_sample = None
+        self._pass_norm = None
+
+    def _finish_pass(self) -> None:
+        records = [(layer, *self._batch_front(acts, g)) for layer, acts, g in self._records]
+        self._records = []
+        params, rows = self._norm_rows(records)
+        if rows is None:
+            return
+        B = rows.shape[1]
+        if self.loss_reduction == "mean":
+            rows = rows * B
+        self._pass_norm = torch.linalg.vector_norm(rows, dim=0)
+        for p, norm in zip(params, rows.unbind(0)):
+            p._norm_sample = norm
+            p.grad_sample = None
+        if self.check_finite:
+            self._finite = FiniteCheck([self._pass_norm], lambda: [(self._param_names.get(p, "?"), n) for p, n in
+                                                                     zip(params, rows.unbind(0))], "gradient norms")
+            if self._norm_pass is None:
+                self._wait_finite()
+
+    def _wait_finite(self) -> None:
+        check, self._finite = self._finite, None
+        if check is not None:
+            check.wait()
+
+    def _norm_rows(self, records: List[Record]) -> Tuple[List[nn.Parameter], Optional[torch.Tensor]]:
+        """The pass's parameters (each once) and their per-sample gradient norms (P, B).
+
+        A record is clipped from its per-sample gradients when its layer has no norm sampler
+        or when they are small (``_small_grad_sample``), else from its norm ("ghost"). A
+        parameter used by several records gets the norm of its summed gradient: from the sum of
+        its per-sample gradients, or, for ghost uses, from the uses' norms and cross terms.
+        """
+        if not records:
+            return [], None
+        uses: Dict[nn.Parameter, list] = {}
+        for rec in records:
+            for p in self._layer_params(rec[0]):
+                uses.setdefault(p, []).append(rec)
+        ghost = {}
+        for rec in records:
+            layer = rec[0]
+            if not self._uses_norm_sampler(layer):
+                continue
+            unshared = [p for p in self._layer_params(layer) if len(uses[p]) > 1 and p not in self._shared]
+            if unshared:
+                raise NotImplementedError(
+                    f"parameter '{self._param_names.get(unshared[0])}' of layer '{self._layer_names[layer]}' "
+                    "received two gradient contributions in one backward pass (several forward "
+                    "passes before one backward); ghost clipping combines the uses of one forward "
+                    "pass only. Run backward after every forward pass."
+                )
+            ghost[id(rec)] = not self._small_grad_sample(rec)
+        # A parameter's uses are all summed as per-sample gradients or all ghost.
+        for p, recs in uses.items():
+            if len(recs) > 1 and any(ghost.get(id(r), False) for r in recs):
+                for r in recs:
+                    ghost[id(r)] = True
+        by_norm, alone, summed = [], [], []
+        for rec in records:
+            if ghost.get(id(rec), False):
+                by_norm.append(rec)
+            elif any(len(uses[p]) > 1 for p in self._layer_params(rec[0])):
+                summed.append(rec)
+            else:
+                alone.append(rec)
+        groups = group_records(by_norm, lambda layer: registry.NORM_GROUPS.get(type(layer)), SamplerGroup)
+        groups += group_records(alone, self._grad_sample_group, lambda recs: GradSampleGroup(recs, self._grad_sampler))
+        if summed:
+            groups.append(GradSampleGroup(summed, self._grad_sampler))
+        params, pieces = [], []
+        for group in groups:
+            ps, rows = group.norms()
+            if rows is not None:
+                params += ps
+                pieces.append(rows)
+        self._kept = groups if self._norm_pass == KEEP_FOR_CLIPPING else None
+        if not pieces:
+            return [], None
+        rows = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        if len(params) != len(set(params)):
+            params, rows = self._combine_uses(params, rows, by_norm)
+        return params, rows
+
+    def _small_grad_sample(self, rec: Record) -> bool:
+        """Whether a layer's per-sample gradients (fp32) take a small fraction of the memory of
+        the inputs and backprops book-keeping would keep for it: then its norms and clipped sums
+        come from them, fewer flops and less memory (a LoRA adapter's are far smaller than its
+        inputs)."""
+        layer, activations, backprops = rec
+        if layer in self._functorch_layers or type(layer) not in self.GRAD_SAMPLERS:
+            return False
+        elements = backprops.shape[0] * sum(p.numel() for p in self._layer_params(layer))
+        kept = sum(t.numel() * t.element_size() for t in (backprops, *activations) if isinstance(t, torch.Tensor))
+        return 4 * elements <= GRAD_SAMPLE_MEMORY_FRACTION * kept
+
+    def _grad_sample_group(self, layer: nn.Module) -> Optional[type]:
+        return None if layer in self._functorch_layers else registry.GRAD_SAMPLE_GROUPS.get(type(layer))
+
+    def _combine_uses(self, params, rows, shared_records):
+        """One row per parameter: a parameter with several uses gets the norm of its summed
+        gradient, ``sqrt(sum_i |g_i|^2 + 2 sum_{i<j} <g_i, g_j>)``, the cross terms from the
+        uses' factors (never a per-sample gradient)."""
+        from dpgrad.backend import ops_for
+
+        index: Dict[nn.Parameter, List[int]] = {}
+        for i, p in enumerate(params):
+            index.setdefault(p, []).append(i)
+        factors: Dict[nn.Parameter, list] = {}
+        for layer, activations, backprops in shared_records:
+            mine = [p for p in self._layer_params(layer) if p in self._shared and len(index.get(p, ())) > 1]
+            if mine:
+                found = self.FACTOR_SAMPLERS[type(layer)](layer, activations, backprops)
+                for p in mine:
+                    factors.setdefault(p, []).append(found[p])
+        once = [i for p, rows_of in index.items() if len(rows_of) == 1 for i in rows_of]
+        out_params = [params[i] for i in once]
+        combined = []
+        for p, rows_of in index.items():
+            if len(rows_of) == 1:
+                continue
+            sq = rows[rows_of].square().sum(0)
+            uses = factors[p]
+            for i in range(len(uses)):
+                for j in range(i + 1, len(uses)):
+                    ops = ops_for(*(t for t in (*uses[i], *uses[j]) if t.is_floating_point()))
+                    sq = sq + 2 * ops.outer_sum_inner(*uses[i], *uses[j]).to(sq.dtype)
+            # Rounding can take the square of an exact zero (opposite uses) slightly below it.
+            combined.append(sq.clamp_min(0).sqrt())
+            out_params.append(p)
+        kept = rows[once] if once else rows.new_zeros(0, rows.shape[1])
+        return out_params, torch.cat([kept, torch.stack(combined)])
+
+    # ------------------------------------------------------------------ clipped sums
+    def _clipped_sums(self, coef: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
+        """``sum_b c_b g_b`` of every parameter of the kept groups, freeing each group as it
+        is summed. ``coef`` (B,): the clipping coefficients of the samples' own losses."""
+        groups, self._kept = self._kept or [], None
+        if self.loss_reduction == "mean":
+            coef = coef * coef.shape[0]  # the records' backprops are those of the mean
+        coefs: Dict[Tuple[torch.device, torch.dtype], Coefficients] = {}
+        sums: Dict[nn.Parameter, torch.Tensor] = {}
+        while groups:
+            group = groups.pop()
+            device, dtype = _group_place(group)
+            if (device, dtype) not in coefs:
+                coefs[(device, dtype)] = Coefficients(coef.to(device=device, dtype=dtype))
+            for p, s in group.clipped_sums(coefs[(device, dtype)]):
+                sums[p] = s if p not in sums else sums[p] + s
+        return sums
+
+
+def _group_place(group: Group) -> Tuple[torch.device, torch.dtype]:
+    """Where a group's clipped sums are computed, and in which accumulation dtype."""
+    for attr in ("_inputs", "_grads"):
+        found = getattr(group, attr, None)
+        tensors = [t for t in _tensors(found) if t.is_floating_point()]
+        if tensors:
+            return tensors[0].device, accumulation_dtype(*tensors)
+    tensors = [t for rec in group.records for t in (rec[2], *rec[1]) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return tensors[0].device, accumulation_dtype(*tensors)
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _tensors(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _tensors(v)
+
+
+def _feature_dims(layer: nn.Module) -> int:
+    """Trailing input dimensions a layer consumes at each position (the rest are batch and
+    tokens): 1 for Linear, the normalised shape's for LayerNorm and RMSNorm, else 0."""
+    if isinstance(layer, nn.Linear):
+        return 1
+    if isinstance(layer, (nn.LayerNorm, nn.RMSNorm)):
+        return len(layer.normalized_shape)
+    return 0
+
+
+def _batch_to_front(x):
+    """Move dimension 1 (the batch under batch_first=False) to the front."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        return x
+    return x.movedim(1, 0)

@@ -1,0 +1,160 @@
+"""Groups: what the finish step of a backward pass (``dpgrad.backward_pass``) works on.
+
+The records of one pass, ``(layer, activations, backprops)`` with the batch first, are grouped
+by layer type and ``Group.key``: records with equal keys (same shapes, dtypes, trainable
+parameters) are served by one group, which takes the per-sample squared gradient norms of all
+their parameters in a few batched operations, and later their clipped sums. A layer type
+without a group class of its own is served one record at a time by its samplers
+(``SamplerGroup`` from its norm and clipped-sum samplers, ``GradSampleGroup`` from its grad
+sampler). The backprops are those of the loss as reduced: a scale (the batch size under
+``loss_reduction="mean"``) is the caller's, applied to the (B,) results and to ``coef``.
+
+Nothing here knows about hooks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Hashable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+from dpgrad import registry
+from dpgrad.kernels.reference import accumulation_dtype
+
+Record = Tuple[nn.Module, list, torch.Tensor]  # (layer, activations, backprops), batch first
+ParamTensors = List[Tuple[nn.Parameter, torch.Tensor]]
+
+# A group's inputs are concatenated into one batched operation up to this many elements: below
+# it launches and dispatch dominate; above it the copy would cost more than the launches saved.
+STACK_ELEMENTS = 1 << 22
+
+
+def stackable(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether several records' tensors should be concatenated into one batched operation."""
+    return len(tensors) > 1 and sum(t.numel() for t in tensors) <= STACK_ELEMENTS
+
+
+def cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The tensors concatenated along the batch (a single one as it is)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(list(tensors))
+
+
+def row_norms(x: torch.Tensor) -> torch.Tensor:
+    """L2 norm of each x[i] of (N, ...), accumulated in fp32 (fp64 for fp64): (N,)."""
+    return torch.linalg.vector_norm(x, dim=tuple(range(1, x.dim())), dtype=accumulation_dtype(x))
+
+
+class Coefficients:
+    """The clipping coefficients of a pass, (B,), and the views of them that groups use,
+    each made once per pass: repeated over T tokens (for a (B*T, n) operand), or expanded
+    to L rows (for a batched product)."""
+
+    def __init__(self, coef: torch.Tensor):
+        self.sample = coef
+        self._tokens: dict = {}
+        self._rows: dict = {}
+
+    def per_token(self, T: int) -> torch.Tensor:
+        """(B*T, 1): each sample's coefficient on each of its T positions."""
+        if T not in self._tokens:
+            self._tokens[T] = self.sample.repeat_interleave(T).view(-1, 1)
+        return self._tokens[T]
+
+    def rows(self, L: int) -> torch.Tensor:
+        """(L, 1, B): the coefficients as the left operand of L batched products."""
+        if L not in self._rows:
+            self._rows[L] = self.sample.view(1, 1, -1).expand(L, 1, self.sample.shape[0])
+        return self._rows[L]
+
+
+def weighted_sums(coef: Coefficients, x: torch.Tensor) -> torch.Tensor:
+    """``sum_b coef_b x[l, b]`` for x (L, B, n): (L, n), accumulated in fp32 (fp64)."""
+    return torch.bmm(coef.rows(x.shape[0]), x.to(accumulation_dtype(x))).squeeze(1)
+
+
+class Group:
+    """Records of layers of one type whose inputs have the same shapes (equal ``key``)."""
+
+    def __init__(self, records: List[Record]):
+        self.records = records
+
+    @classmethod
+    def key(cls, layer: nn.Module, activations: list, backprops: torch.Tensor) -> Optional[Hashable]:
+        """What records must share to be batched together; None: the record is a group alone."""
+        return None
+
+    def norms(self) -> Tuple[List[nn.Parameter], Optional[torch.Tensor]]:
+        """The trainable parameters, one per row, and their per-sample gradient norms (n, B).
+
+        One row per (parameter, record), fp32 (fp64 for fp64 inputs); None when n is 0.
+        """
+        raise NotImplementedError
+
+    def clipped_sums(self, coef: Coefficients) -> ParamTensors:
+        """``sum_b coef_b * g_b`` for every (parameter, record) of ``norms``, in the
+        parameter's dtype. Called once, after ``norms``; the group then lets go of its inputs.
+        ``coef.sample``: (B,), fp32 (fp64 for fp64 inputs), on the inputs' device."""
+        raise NotImplementedError
+
+
+class SamplerGroup(Group):
+    """One record, through its layer type's norm and clipped-sum samplers."""
+
+    def norms(self):
+        (layer, activations, backprops), = self.records
+        norms = registry.NORM_SAMPLERS[type(layer)](layer, activations, backprops)
+        params = [p for p in norms if p.requires_grad]
+        if not params:
+            return [], None
+        return params, torch.stack([norms[p].to(accumulation_dtype(norms[p])) for p in params])
+
+    def clipped_sums(self, coef):
+        (layer, activations, backprops), = self.records
+        self.records = []
+        sums = registry.CLIPPED_SUM_SAMPLERS[type(layer)](layer, activations, backprops, coef.sample)
+        return [(p, s) for p, s in sums.items() if p.requires_grad]
+
+
+class GradSampleGroup(Group):
+    """Records whose per-sample gradients are summed per parameter before their norms are
+    taken (a parameter used more than once without a factor sampler has no other exact
+    norm): each record's grad sampler (``sampler_for(layer)``), the norms of the sums, and
+    ``coef @ g`` as the clipped sums."""
+
+    def __init__(self, records: List[Record], sampler_for: Callable[[nn.Module], Callable]):
+        super().__init__(records)
+        self._sampler_for = sampler_for
+        self._grads: dict = {}
+
+    def norms(self):
+        grads: dict = {}
+        for layer, activations, backprops in self.records:
+            for p, g in self._sampler_for(layer)(layer, activations, backprops).items():
+                if p.requires_grad:
+                    grads[p] = g if p not in grads else grads[p] + g
+        self.records, self._grads = [], grads
+        if not grads:
+            return [], None
+        return list(grads), torch.stack([row_norms(g) for g in grads.values()])
+
+    def clipped_sums(self, coef):
+        grads, self._grads = self._grads, {}
+        return [(p, weighted_sums(coef, g.flatten(1).unsqueeze(0)).view(p.shape).to(p.dtype)) for p, g in grads.items()]
+
+
+def group_records(records: List[Record], group_class: Callable[[nn.Module], Optional[type]],
+                  default: Callable[[List[Record]], Group]) -> List[Group]:
+    """``records`` grouped: by ``group_class(layer)`` and its key where there is one, else one
+    ``default`` group per record."""
+    keyed: dict = {}
+    singles: List[Group] = []
+    for rec in records:
+        cls = group_class(rec[0])
+        key = cls.key(*rec) if cls is not None else None
+        if key is None:
+            singles.append(cls([rec]) if cls is not None else default([rec]))
+        else:
+            keyed.setdefault((cls, key), []).append(rec)
+    return [cls(recs) for (cls, _), recs in keyed.items()] + singles
