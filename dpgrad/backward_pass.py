@@ -37,10 +37,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
+from torch.autograd.profiler import record_function
 
 from dpgrad import registry
 from dpgrad.autograd_graph import ForwardEdges
-from dpgrad.kernels.reference import accumulation_dtype
 from dpgrad.samplers import ft_compute_per_sample_gradient
 from dpgrad.samplers.functorch import _first_tensor
 from dpgrad.samplers.groups import Coefficients, Group, GradSampleGroup, SamplerGroup, group_records
@@ -48,8 +48,10 @@ from dpgrad.samplers.groups import Coefficients, Group, GradSampleGroup, Sampler
 # What a clipped backward's norm pass does with the records besides taking norms.
 NORMS_ONLY, KEEP_FOR_CLIPPING = "norms", "keep"
 # A layer is clipped from its per-sample gradients when they (fp32) take at most this fraction
-# of the memory of the inputs and backprops that book-keeping would keep for it.
+# of the memory of the inputs and backprops that book-keeping would keep for it, or when they
+# have at most this many elements over the batch (too small to matter, and fewer operations).
 GRAD_SAMPLE_MEMORY_FRACTION = 0.25
+TINY_GRAD_SAMPLE_ELEMENTS = 1 << 18
 
 Record = Tuple[nn.Module, list, torch.Tensor]  # (layer, activations, backprops)
 
@@ -281,7 +283,7 @@ class BackwardPath:
 
     def _close_pass(self) -> None:
         try:
-            with torch.no_grad():
+            with torch.no_grad(), record_function("dpgrad.finish"):
                 self._finish_pass()
         finally:
             self._end_pass()
@@ -394,7 +396,8 @@ class ClippingPath(BackwardPath):
     def _wait_finite(self) -> None:
         check, self._finite = self._finite, None
         if check is not None:
-            check.wait()
+            with record_function("dpgrad.wait_finite"):
+                check.wait()
 
     def _norm_rows(self, records: List[Record]) -> Tuple[List[nn.Parameter], Optional[torch.Tensor]]:
         """The pass's parameters (each once) and their per-sample gradient norms (P, B).
@@ -444,28 +447,27 @@ class ClippingPath(BackwardPath):
         params, pieces = [], []
         for group in groups:
             ps, rows = group.norms()
-            if rows is not None:
-                params += ps
-                pieces.append(rows)
+            params += ps
+            pieces += rows
         self._kept = groups if self._norm_pass == KEEP_FOR_CLIPPING else None
-        if not pieces:
+        if not params:
             return [], None
-        rows = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        rows = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).view(len(params), -1)
         if len(params) != len(set(params)):
             params, rows = self._combine_uses(params, rows, by_norm)
         return params, rows
 
     def _small_grad_sample(self, rec: Record) -> bool:
         """Whether a layer's per-sample gradients (fp32) take a small fraction of the memory of
-        the inputs and backprops book-keeping would keep for it: then its norms and clipped sums
-        come from them, fewer flops and less memory (a LoRA adapter's are far smaller than its
-        inputs)."""
+        the inputs and backprops book-keeping would keep for it, or are tiny: then its norms and
+        clipped sums come from them, with fewer flops and less memory (a LoRA adapter's are far
+        smaller than its inputs)."""
         layer, activations, backprops = rec
         if layer in self._functorch_layers or type(layer) not in self.GRAD_SAMPLERS:
             return False
         elements = backprops.shape[0] * sum(p.numel() for p in self._layer_params(layer))
         kept = sum(t.numel() * t.element_size() for t in (backprops, *activations) if isinstance(t, torch.Tensor))
-        return 4 * elements <= GRAD_SAMPLE_MEMORY_FRACTION * kept
+        return elements <= TINY_GRAD_SAMPLE_ELEMENTS or 4 * elements <= GRAD_SAMPLE_MEMORY_FRACTION * kept
 
     def _grad_sample_group(self, layer: nn.Module) -> Optional[type]:
         return None if layer in self._functorch_layers else registry.GRAD_SAMPLE_GROUPS.get(type(layer))
@@ -511,38 +513,13 @@ class ClippingPath(BackwardPath):
         groups, self._kept = self._kept or [], None
         if self.loss_reduction == "mean":
             coef = coef * coef.shape[0]  # the records' backprops are those of the mean
-        coefs: Dict[Tuple[torch.device, torch.dtype], Coefficients] = {}
+        coefs = Coefficients(coef)
         sums: Dict[nn.Parameter, torch.Tensor] = {}
-        while groups:
-            group = groups.pop()
-            device, dtype = _group_place(group)
-            if (device, dtype) not in coefs:
-                coefs[(device, dtype)] = Coefficients(coef.to(device=device, dtype=dtype))
-            for p, s in group.clipped_sums(coefs[(device, dtype)]):
-                sums[p] = s if p not in sums else sums[p] + s
+        with record_function("dpgrad.clipped_sums"):
+            while groups:
+                for p, s in groups.pop().clipped_sums(coefs):
+                    sums[p] = s if p not in sums else sums[p] + s
         return sums
-
-
-def _group_place(group: Group) -> Tuple[torch.device, torch.dtype]:
-    """Where a group's clipped sums are computed, and in which accumulation dtype."""
-    for attr in ("_inputs", "_grads"):
-        found = getattr(group, attr, None)
-        tensors = [t for t in _tensors(found) if t.is_floating_point()]
-        if tensors:
-            return tensors[0].device, accumulation_dtype(*tensors)
-    tensors = [t for rec in group.records for t in (rec[2], *rec[1]) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    return tensors[0].device, accumulation_dtype(*tensors)
-
-
-def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, dict):
-        for v in x.values():
-            yield from _tensors(v)
-    elif isinstance(x, (list, tuple)):
-        for v in x:
-            yield from _tensors(v)
 
 
 def _feature_dims(layer: nn.Module) -> int:

@@ -81,6 +81,7 @@ class GradSampleModuleFastGradientClipping(ClippingPath, GradSampleModule):
         self.max_grad_norm = max_grad_norm
         self.trainable_parameters = [p for _, p in self._trainable_parameters()]
         self._per_sample_gradient_norms = None
+        self._constants: Dict[tuple, torch.Tensor] = {}
         self._init_clipping()
 
     def _uses_norm_sampler(self, layer: nn.Module) -> bool:
@@ -209,7 +210,8 @@ class GradSampleModuleFastGradientClipping(ClippingPath, GradSampleModule):
         params = list(held[0])
         if params:
             # Only autograd holds the sums when they reach AccumulateGrad: no copy is made.
-            _ClippedGradients.apply(held.pop, params, *params).backward()
+            out = _ClippedGradients.apply(held.pop, params, *params)
+            out.backward(self._constant(1.0, out))
 
     def get_norm_sample(self) -> torch.Tensor:
         """Per-sample gradient norms over all trainable parameters, (B,)."""
@@ -247,6 +249,14 @@ class GradSampleModuleFastGradientClipping(ClippingPath, GradSampleModule):
         """Per-sample clipping factors ``min(1, C / (norm + 1e-6))``, (B,) (Opacus's formula)."""
         norm_sample = self.get_norm_sample()
         return (self.max_grad_norm / (norm_sample + 1e-6)).clamp(max=1.0)
+
+    def _constant(self, value: float, like: torch.Tensor) -> torch.Tensor:
+        """``value`` as a 0-d tensor like ``like``, made once (not an operation every step)."""
+        key = (value, like.dtype, like.device)
+        found = self._constants.get(key)
+        if found is None:
+            found = self._constants[key] = torch.tensor(value, dtype=like.dtype, device=like.device)
+        return found
 
     @property
     def per_sample_gradient_norms(self) -> torch.Tensor:

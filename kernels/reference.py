@@ -42,6 +42,29 @@ def batch_slices(batch: int, elements_per_sample: int) -> Iterator[slice]:
         yield slice(start, min(batch, start + step))
 
 
+_OUT_DTYPE_MATMUL: dict = {}
+
+
+def bmm_acc(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.bmm(a, b)`` accumulated and returned in fp32 (fp64 for fp64 inputs).
+
+    Half-precision CUDA operands go to the matrix units as they are, with an fp32 result
+    (``out_dtype``, where this torch has it): no fp32 copies of the operands. Elsewhere the
+    operands are widened first (a no-op for fp32 inputs).
+    """
+    acc = accumulation_dtype(a, b)
+    if a.is_cuda and a.dtype == b.dtype and a.dtype in (torch.float16, torch.bfloat16):
+        supported = _OUT_DTYPE_MATMUL.get(a.device)
+        if supported is not False:
+            try:
+                out = torch.bmm(a, b, out_dtype=acc)
+                _OUT_DTYPE_MATMUL[a.device] = True
+                return out
+            except (TypeError, RuntimeError):  # a torch without bmm's out_dtype
+                _OUT_DTYPE_MATMUL[a.device] = False
+    return torch.bmm(a.to(acc), b.to(acc))
+
+
 def linear_grad_sample(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
     """Per-sample weight gradients ``W_b = G_b^T A_b``.
 
@@ -81,7 +104,7 @@ def linear_per_sample(
         return LinearPerSample(None, None, linear_weight_sq_norm_direct(A, G) if norm else None,
                                linear_bias_sq_norm(G) if norm and bias else None)
     # The gradients are materialised anyway: their norms come from them, not a second product.
-    weight = torch.bmm(G.transpose(1, 2).to(acc), A.to(acc))
+    weight = bmm_acc(G.transpose(1, 2), A)
     bias_sum = G.sum(dim=1, dtype=acc) if bias else None
     return LinearPerSample(
         weight=weight.to(out_dtype),
@@ -112,6 +135,38 @@ def linear_clipped_sum(
     return weight.to(out_dtype), scaled.sum(dim=(0, 1)).to(out_dtype) if bias else None
 
 
+def linear_clipped_sum_gemm(
+    A: torch.Tensor,
+    G: torch.Tensor,
+    coef: torch.Tensor,
+    *,
+    bias: bool = False,
+    out_dtype: Optional[torch.dtype] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``linear_clipped_sum`` as one GEMM of the library's (cuBLAS on a GPU) on a scaled operand.
+
+    The smaller of A and G (per position) is multiplied by each sample's coefficient in its own
+    dtype, then one product over all B*T positions, accumulated in fp32 by the GEMM and rounded
+    once to ``out_dtype``. The scaled operand costs one pass over it and its memory, briefly;
+    in half precision it rounds ``c_b * x`` to the input precision (the gradient is rounded to
+    it anyway). A: (B, T, d), G: (B, T, p), coef: (B,).
+    """
+    out_dtype = out_dtype or G.dtype
+    B, T, d = A.shape
+    p = G.shape[-1]
+    c = coef.to(device=G.device, dtype=G.dtype).view(B, 1, 1)
+    if d < p:
+        A = A * c.to(A.dtype)
+    else:
+        G = G * c
+    weight = torch.mm(G.reshape(B * T, p).t(), A.reshape(B * T, d).to(G.dtype))
+    if not bias:
+        return weight.to(out_dtype), None
+    acc = accumulation_dtype(G)
+    sums = G.sum((0, 1), dtype=acc) if d >= p else torch.mv(G.sum(1, dtype=acc).t(), coef.to(G.device, acc))
+    return weight.to(out_dtype), sums.to(out_dtype)
+
+
 def linear_bias_grad_sample(G: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Per-sample bias gradients ``sum_t G_b[t]``: G (B, T, p) -> (B, p) in ``out_dtype``
     (default G's dtype)."""
@@ -137,8 +192,7 @@ def linear_weight_sq_norm_direct(A: torch.Tensor, G: torch.Tensor) -> torch.Tens
     p = G.shape[-1]
     out = torch.empty(B, dtype=acc, device=A.device)
     for s in batch_slices(B, p * d):
-        W = torch.bmm(G[s].transpose(1, 2).to(acc), A[s].to(acc))
-        out[s] = W.square().sum(dim=(1, 2))
+        out[s] = bmm_acc(G[s].transpose(1, 2), A[s]).square().sum(dim=(1, 2))
     return out
 
 
@@ -207,7 +261,7 @@ def linear_weight_norm(A: torch.Tensor, G: torch.Tensor, algorithm: str) -> torc
     B, T, d = A.shape
     p = G.shape[-1]
     if algorithm == "direct" and B * p * d <= CHUNK_ELEMENTS:
-        return torch.linalg.vector_norm(torch.bmm(G.mT.to(acc), A.to(acc)), dim=(1, 2))
+        return torch.linalg.vector_norm(bmm_acc(G.mT, A), dim=(1, 2))
     if algorithm == "outer" and T == 1:
         return torch.linalg.vector_norm(A, dim=(1, 2), dtype=acc) * torch.linalg.vector_norm(G, dim=(1, 2), dtype=acc)
     return run_linear_norm(sys.modules[__name__], A, G, algorithm).sqrt()
@@ -327,10 +381,13 @@ def embedding_grad_sample(
     B, d = ids.shape[0], G.shape[-1]
     if B * num_embeddings * d > EMBEDDING_GRAD_SAMPLE_WARN_ELEMENTS:
         warnings.warn(embedding_grad_sample_warning(B, num_embeddings, d, G.element_size()), ResourceWarning, stacklevel=3)
-    tok, sample, rows = _embedding_positions(ids, G, num_embeddings, padding_idx)
-    # One spare row per sample takes the padding positions.
+    T = math.prod(ids.shape[1:])
+    tok = ids if ids.dim() == 2 else ids.reshape(B, T)
+    if padding_idx is not None:
+        tok = tok.masked_fill(tok == padding_idx, num_embeddings)  # one spare row per sample
+    rows = G if G.dim() == 3 else G.reshape(B, T, d)
     out = torch.zeros(B, num_embeddings + 1, d, dtype=G.dtype, device=G.device)
-    out.view(B * (num_embeddings + 1), d).index_add_(0, sample * (num_embeddings + 1) + tok, rows)
+    out.scatter_add_(1, tok.to(torch.int64).unsqueeze(-1).expand(B, T, d), rows)
     return out[:, :num_embeddings]
 
 

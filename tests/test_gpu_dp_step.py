@@ -10,7 +10,8 @@ CUDA's own sync debug mode. Skipped without CUDA.
 from __future__ import annotations
 
 import copy
-import warnings
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +24,9 @@ transformers = pytest.importorskip("transformers")
 
 import dpgrad  # noqa: E402
 from test_hf_models import BF16_RTOL, MODES, check, gpt2, llama_lora  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from dispatch_counts import cuda_syncs  # noqa: E402
 
 CASES = {"gpt2": gpt2, "llama_lora": llama_lora}
 
@@ -37,19 +41,6 @@ def test_dp_step_matches_float64_on_gpu(name, mode, dtype):
         check(case, MODES[mode], rtol=BF16_RTOL)
     else:
         check(case, MODES[mode])
-
-
-def _sync_warnings(fn) -> int:
-    """Host synchronisations CUDA's sync debug mode reports while ``fn`` runs."""
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -81,7 +72,7 @@ def test_at_most_one_host_sync_more_than_non_private(name, mode):
     for step in (plain, private):
         step()
         step()  # warm: the autotuner's first look at each shape syncs
-    assert _sync_warnings(private) <= _sync_warnings(plain) + 1
+    assert cuda_syncs(private) <= cuda_syncs(plain) + 1
 
 
 class BiasOnly4D(nn.Module):

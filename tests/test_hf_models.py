@@ -16,6 +16,7 @@ at a time in the model's precision: measured, never assumed. Norm tolerances are
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from typing import Callable, Dict
@@ -29,6 +30,7 @@ transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
 import dpgrad  # noqa: E402
+from mixed_net import clipped_from_norms  # noqa: E402
 from per_sample_reference import RTOL, assert_norms_close, assert_tensor_close, total_norm  # noqa: E402
 
 MODES = {"single": True, "double": False}
@@ -186,10 +188,15 @@ def check(case: Case, single: bool, loss_reduction: str = "mean", rtol: float = 
     return model
 
 
+@pytest.mark.parametrize("from_norms", [False, True], ids=["auto", "norms"])
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("name", list(CASES))
-def test_fp32_matches_float64_reference(name, mode):
-    check(CASES[name](), MODES[mode])
+def test_fp32_matches_float64_reference(name, mode, from_norms):
+    """These models are small enough for dpgrad to take every layer's per-sample gradients;
+    "norms" clips every layer with a norm sampler from its norms (ghost), cross terms of the
+    tied embedding included."""
+    with clipped_from_norms() if from_norms else contextlib.nullcontext():
+        check(CASES[name](), MODES[mode])
 
 
 @pytest.mark.parametrize("mode", list(MODES))

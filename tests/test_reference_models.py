@@ -25,6 +25,7 @@ from mixed_net import (
     FREEZES,
     NetConfig,
     build,
+    clipped_from_norms,
     fp32_budget_used_by_autograd,
     make_batch,
     model_cases,
@@ -40,11 +41,13 @@ from per_sample_reference import (
     total_norm,
 )
 
-WRAPPERS = ["gsm", "gsm_functorch", "fgc_ghost", "fgc", "fgc_ghost_functorch"]
+# "fgc_ghost_norms": ghost clipping with every layer clipped from its norms, however small.
+WRAPPERS = ["gsm", "gsm_functorch", "fgc_ghost", "fgc_ghost_norms", "fgc", "fgc_ghost_functorch"]
 
 
 def wrap(model, wrapper, *, batch_first, loss_reduction, max_grad_norm=1.0):
     functorch = wrapper.endswith("_functorch")
+    wrapper = wrapper.removesuffix("_norms")
     if wrapper.startswith("gsm"):
         return dpgrad.GradSampleModule(
             model, batch_first=batch_first, loss_reduction=loss_reduction, force_functorch=functorch
@@ -66,6 +69,13 @@ def check_against_reference(
 
     ``rtol``: RTOL (DESIGN.md's fp32 tolerance) for fp32 models; far tighter for float64 ones.
     """
+    if wrapper.endswith("_norms"):
+        with clipped_from_norms():
+            return _check_against_reference(model, x, y, wrapper, loss_reduction, batch_first, rtol)
+    return _check_against_reference(model, x, y, wrapper, loss_reduction, batch_first, rtol)
+
+
+def _check_against_reference(model, x, y, wrapper, loss_reduction, batch_first, rtol):
     dtype = next(model.parameters()).dtype
     ref = per_sample_grads(model, x, y, per_sample_loss, batch_first=batch_first)
     assert ref, "the model needs a trainable parameter"
@@ -229,7 +239,7 @@ def test_every_linear_norm_algorithm_is_exercised():
     cfg = NetConfig()
     x, y = make_batch(cfg, B=5, T=4, seed=1)
     with get_tuner().recording() as rec:
-        check_against_reference(build(cfg, seed=0), x, y, "fgc_ghost", "mean", True)
+        check_against_reference(build(cfg, seed=0), x, y, "fgc_ghost_norms", "mean", True)
     chosen = {d.choice.split("-")[1] for _, d, _ in rec.layers if d.kind == "linear_norm"}
     assert chosen == {"gram", "direct", "outer"}, [d.choice for _, d, _ in rec.layers]
 

@@ -22,10 +22,13 @@ from hypothesis import HealthCheck, event, given, settings
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dpgrad
-from mixed_net import FREEZES, NetConfig, build, fp32_budget_used_by_autograd, make_batch, model_cases, per_sample_loss
+from mixed_net import (FREEZES, NetConfig, build, clipped_from_norms, fp32_budget_used_by_autograd, make_batch,
+                       model_cases, per_sample_loss)
 from per_sample_reference import RTOL, assert_norms_close, assert_tensor_close, per_sample_grads, total_norm
 
 MODES = ["single", "double"]
+# The same, with every layer clipped from its norms however small its per-sample gradients.
+NORMS_MODES = ["single-norms", "double-norms"]
 
 
 def wrap(model, mode, *, loss_reduction="mean", batch_first=True, max_grad_norm=1.0, ghost=True):
@@ -59,7 +62,16 @@ def clipping_bound(model, batches, batch_first):
 
 def check_clipped_sums(model, batches, mode, loss_reduction, batch_first, rtol=RTOL, ghost=True):
     """Accumulate the micro-batches through DPLossFastGradientClipping; check every p.grad
-    against the float64 reference clipped sum. Returns {name: p.grad}."""
+    against the float64 reference clipped sum. Returns {name: p.grad}. A mode "...-norms"
+    clips every layer that has a norm sampler from its norms."""
+    if mode.endswith("-norms"):
+        with clipped_from_norms():
+            return _check_clipped_sums(model, batches, mode.removesuffix("-norms"), loss_reduction, batch_first,
+                                       rtol, ghost)
+    return _check_clipped_sums(model, batches, mode, loss_reduction, batch_first, rtol, ghost)
+
+
+def _check_clipped_sums(model, batches, mode, loss_reduction, batch_first, rtol, ghost):
     refs = [per_sample_grads(model, x.detach(), y, per_sample_loss, batch_first) for x, y in batches]
     C = clipping_bound(model, batches, batch_first)
     params = dict(model.named_parameters())
@@ -92,16 +104,17 @@ def check_clipped_sums(model, batches, mode, loss_reduction, batch_first, rtol=R
 
 
 # ---------------------------------------------------------------------------- fixed shapes
+@pytest.mark.parametrize("policy", ["", "-norms"])
 @pytest.mark.parametrize("freeze", ["none", "weight", "bias", "layer", "embedding"])
 @pytest.mark.parametrize("micro_batches", [1, 3])
 @pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
-def test_single_equals_double_and_reference(loss_reduction, micro_batches, freeze):
+def test_single_equals_double_and_reference(loss_reduction, micro_batches, freeze, policy):
     cfg = NetConfig()
     model = build(cfg, seed=0, freeze=FREEZES[freeze])
     # Micro-batches of different sizes, as Poisson sampling gives.
     batches = [make_batch(cfg, B=4 + k, T=3, seed=10 + k) for k in range(micro_batches)]
-    single = check_clipped_sums(copy.deepcopy(model), batches, "single", loss_reduction, True)
-    double = check_clipped_sums(copy.deepcopy(model), batches, "double", loss_reduction, True)
+    single = check_clipped_sums(copy.deepcopy(model), batches, "single" + policy, loss_reduction, True)
+    double = check_clipped_sums(copy.deepcopy(model), batches, "double" + policy, loss_reduction, True)
     for n in single:
         assert_tensor_close(single[n], double[n].double(), f"single vs double {n}")
 
@@ -116,7 +129,7 @@ def test_batch_second_and_without_ghost_clipping(mode):
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-@given(case=model_cases(MODES))
+@given(case=model_cases(MODES + NORMS_MODES))
 def test_random_models_match_float64_reference(case):
     """Random mixed models, with one or two micro-batches; ill-conditioned draws (see
     test_reference_models) run in float64 against rtol 1e-10."""
@@ -181,7 +194,7 @@ class Reused(nn.Module):
 
 
 @pytest.mark.parametrize("ghost", [True, False])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES + NORMS_MODES)
 def test_reused_layer(mode, ghost):
     torch.manual_seed(4)
     batches = [(torch.randn(5, 3, 4), torch.randint(0, 3, (5,))), (torch.randn(2, 3, 4), torch.randint(0, 3, (2,)))]
@@ -203,10 +216,11 @@ class TiedClassifier(nn.Module):
 
 
 @pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES + NORMS_MODES)
 def test_tied_embedding_and_output_layer(mode, loss_reduction):
-    """The tied weight's norm includes the cross term of its two uses; its clipped gradient
-    is the sum of both uses' clipped sums."""
+    """The tied weight's norm includes the cross term of its two uses (clipped from norms), or
+    comes from the sum of its uses' per-sample gradients (small ones); its clipped gradient is
+    the sum of both uses' clipped sums."""
     torch.manual_seed(5)
     g = torch.Generator().manual_seed(6)
     batches = []

@@ -169,13 +169,16 @@ def test_forced_triton_tunes_between_the_kernels(tune_on, monkeypatch):
 
 
 def test_wrapper_records_a_decision_per_layer(tune_on):
-    """Through the wrapper: every hooked Linear/Embedding gets a decision, with Opacus timed."""
+    """Through the wrapper: every hooked Linear/Embedding gets a decision, with Opacus timed
+    (each clipped from its norms: layers this small would otherwise be from their per-sample
+    gradients)."""
     from dpgrad.tuning import get_tuner
+    from mixed_net import clipped_from_norms
 
     model = nn.Sequential(nn.Embedding(20, 16), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     wrapped = GradSampleModuleFastGradientClipping(model, max_grad_norm=1.0, loss_reduction="sum")
     get_tuner().forget()
-    with get_tuner().recording(opacus=True) as rec:
+    with get_tuner().recording(opacus=True) as rec, clipped_from_norms():
         wrapped(torch.randint(0, 20, (3, 5))).sum().backward()
     kinds = sorted((type(layer).__name__, d.kind) for layer, d, _ in rec.layers)
     assert kinds == [("Embedding", "embedding_norm"), ("Linear", "linear_norm"), ("Linear", "linear_norm")]

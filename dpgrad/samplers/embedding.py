@@ -32,7 +32,9 @@ def _ids_and_backprops(layer: nn.Embedding, activations: List[torch.Tensor], bac
     if not layer.weight.requires_grad:
         return None
     ids = activations[0]
-    return ids, backprops.reshape(*ids.shape, layer.embedding_dim)
+    if backprops.dim() != ids.dim() + 1:
+        backprops = backprops.reshape(*ids.shape, layer.embedding_dim)
+    return ids, backprops
 
 
 @register_grad_sampler(nn.Embedding)

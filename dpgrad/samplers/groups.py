@@ -14,7 +14,6 @@ Nothing here knows about hooks.
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Hashable, List, Optional, Sequence, Tuple
 
 import torch
@@ -47,31 +46,40 @@ def row_norms(x: torch.Tensor) -> torch.Tensor:
 
 
 class Coefficients:
-    """The clipping coefficients of a pass, (B,), and the views of them that groups use,
-    each made once per pass: repeated over T tokens (for a (B*T, n) operand), or expanded
-    to L rows (for a batched product)."""
+    """The clipping coefficients of a pass, (B,), and the forms of them groups use, each made
+    once per pass: in a tensor's accumulation dtype and device, repeated over T positions (for
+    a (B*T, n) operand), or expanded to L rows (for a batched product)."""
 
     def __init__(self, coef: torch.Tensor):
-        self.sample = coef
-        self._tokens: dict = {}
-        self._rows: dict = {}
+        self._coef = coef
+        self._made: dict = {}
 
-    def per_token(self, T: int) -> torch.Tensor:
+    def _form(self, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if key not in self._made:
+            self._made[key] = make()
+        return self._made[key]
+
+    def like(self, x: torch.Tensor) -> torch.Tensor:
+        """(B,) in x's accumulation dtype, on x's device."""
+        acc = accumulation_dtype(x)
+        return self._form(("like", acc, x.device), lambda: self._coef.to(device=x.device, dtype=acc))
+
+    def per_token(self, T: int, x: torch.Tensor) -> torch.Tensor:
         """(B*T, 1): each sample's coefficient on each of its T positions."""
-        if T not in self._tokens:
-            self._tokens[T] = self.sample.repeat_interleave(T).view(-1, 1)
-        return self._tokens[T]
+        return self._form(("token", T, accumulation_dtype(x), x.device),
+                          lambda: self.like(x).repeat_interleave(T).view(-1, 1))
 
-    def rows(self, L: int) -> torch.Tensor:
+    def rows(self, L: int, x: torch.Tensor) -> torch.Tensor:
         """(L, 1, B): the coefficients as the left operand of L batched products."""
-        if L not in self._rows:
-            self._rows[L] = self.sample.view(1, 1, -1).expand(L, 1, self.sample.shape[0])
-        return self._rows[L]
+        return self._form(("rows", L, accumulation_dtype(x), x.device),
+                          lambda: self.like(x).view(1, 1, -1).expand(L, 1, self._coef.shape[0]))
 
 
-def weighted_sums(coef: Coefficients, x: torch.Tensor) -> torch.Tensor:
-    """``sum_b coef_b x[l, b]`` for x (L, B, n): (L, n), accumulated in fp32 (fp64)."""
-    return torch.bmm(coef.rows(x.shape[0]), x.to(accumulation_dtype(x))).squeeze(1)
+def weighted_sums(coef: Coefficients, x: torch.Tensor, shape: Optional[Tuple[int, ...]] = None) -> torch.Tensor:
+    """``sum_b coef_b x[l, b]`` for x (L, B, n): (L, n), or ``shape`` (L, ...), accumulated in
+    fp32 (fp64)."""
+    sums = torch.bmm(coef.rows(x.shape[0], x), x.to(accumulation_dtype(x)))
+    return sums.view(shape if shape is not None else (x.shape[0], x.shape[2]))
 
 
 class Group:
@@ -85,17 +93,17 @@ class Group:
         """What records must share to be batched together; None: the record is a group alone."""
         return None
 
-    def norms(self) -> Tuple[List[nn.Parameter], Optional[torch.Tensor]]:
-        """The trainable parameters, one per row, and their per-sample gradient norms (n, B).
-
-        One row per (parameter, record), fp32 (fp64 for fp64 inputs); None when n is 0.
+    def norms(self) -> Tuple[List[nn.Parameter], List[torch.Tensor]]:
+        """The trainable parameters, one per (parameter, record), and their per-sample gradient
+        norms: 1-D pieces that, concatenated, hold B norms per parameter in that order, fp32
+        (fp64 for fp64 inputs). (The caller concatenates every group's pieces at once.)
         """
         raise NotImplementedError
 
     def clipped_sums(self, coef: Coefficients) -> ParamTensors:
         """``sum_b coef_b * g_b`` for every (parameter, record) of ``norms``, in the
         parameter's dtype. Called once, after ``norms``; the group then lets go of its inputs.
-        ``coef.sample``: (B,), fp32 (fp64 for fp64 inputs), on the inputs' device."""
+        ``coef``: the coefficients, in the forms the group needs."""
         raise NotImplementedError
 
 
@@ -106,14 +114,12 @@ class SamplerGroup(Group):
         (layer, activations, backprops), = self.records
         norms = registry.NORM_SAMPLERS[type(layer)](layer, activations, backprops)
         params = [p for p in norms if p.requires_grad]
-        if not params:
-            return [], None
-        return params, torch.stack([norms[p].to(accumulation_dtype(norms[p])) for p in params])
+        return params, [norms[p].to(accumulation_dtype(norms[p])) for p in params]
 
     def clipped_sums(self, coef):
         (layer, activations, backprops), = self.records
         self.records = []
-        sums = registry.CLIPPED_SUM_SAMPLERS[type(layer)](layer, activations, backprops, coef.sample)
+        sums = registry.CLIPPED_SUM_SAMPLERS[type(layer)](layer, activations, backprops, coef.like(backprops))
         return [(p, s) for p, s in sums.items() if p.requires_grad]
 
 
@@ -135,13 +141,16 @@ class GradSampleGroup(Group):
                 if p.requires_grad:
                     grads[p] = g if p not in grads else grads[p] + g
         self.records, self._grads = [], grads
-        if not grads:
-            return [], None
-        return list(grads), torch.stack([row_norms(g) for g in grads.values()])
+        return list(grads), [row_norms(g) for g in grads.values()]
 
     def clipped_sums(self, coef):
         grads, self._grads = self._grads, {}
-        return [(p, weighted_sums(coef, g.flatten(1).unsqueeze(0)).view(p.shape).to(p.dtype)) for p, g in grads.items()]
+        out = []
+        for p, g in grads.items():
+            acc = accumulation_dtype(g)
+            s = torch.mv(g.flatten(1).to(acc).t(), coef.like(g))
+            out.append((p, (s if s.shape == p.shape else s.view(p.shape)).to(p.dtype)))
+        return out
 
 
 def group_records(records: List[Record], group_class: Callable[[nn.Module], Optional[type]],

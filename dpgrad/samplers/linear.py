@@ -13,7 +13,7 @@ imports transformers).
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -29,7 +29,7 @@ from dpgrad.registry import (
     register_norm_group,
     register_norm_sampler,
 )
-from dpgrad.samplers.groups import Group, cat, stackable, weighted_sums
+from dpgrad.samplers.groups import Coefficients, Group, cat, row_norms, stackable, weighted_sums
 from dpgrad.tuning import get_tuner
 
 CONV1D = "transformers.pytorch_utils.Conv1D"
@@ -54,13 +54,6 @@ def _trainable(layer: nn.Module) -> Tuple[bool, bool]:
 def _transposed(layer: nn.Module) -> bool:
     """Whether the weight is stored (d, p), as Conv1D's is, rather than a Linear's (p, d)."""
     return not isinstance(layer, nn.Linear)
-
-
-def _bias_clipped_sum(ops, G: torch.Tensor, coef: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``sum_b c_b sum_t G_b[t]`` (p,) from the token sums: no GEMM."""
-    acc = accumulation_dtype(G)
-    sums = ops.linear_bias_grad_sample(G, out_dtype=acc)
-    return (coef.to(device=G.device, dtype=acc) @ sums).to(dtype)
 
 
 @register_grad_sampler(LAYERS)
@@ -116,22 +109,7 @@ def linear_clipped_sum(
 ) -> Dict[nn.Parameter, torch.Tensor]:
     """Clipped gradients, ``(c ⊙ G)^T A`` (transposed for Conv1D) and ``sum_b c_b sum_t
     G_b[t]`` (p,), in the parameters' dtypes, accumulated in fp32; coef: (B,)."""
-    A, G = flatten_tokens(activations[0], backprops)
-    weight, bias = _trainable(layer)
-    ops = ops_for(A, G)
-    out = {}
-    if weight and _transposed(layer):
-        out[layer.weight] = ops.linear_clipped_sum(G, A, coef, out_dtype=layer.weight.dtype)[0]
-    elif weight:
-        w, b = ops.linear_clipped_sum(A, G, coef, bias=bias, out_dtype=layer.weight.dtype)
-        out[layer.weight] = w
-        if bias:
-            out[layer.bias] = b.to(layer.bias.dtype)
-            return out
-    if bias:
-        # A frozen weight (bias-only fine-tuning), or a Conv1D: no GEMM, only the token sums.
-        out[layer.bias] = _bias_clipped_sum(ops, G, coef, layer.bias.dtype)
-    return out
+    return dict(LinearGroup([(layer, activations, backprops)]).clipped_sums(Coefficients(coef)))
 
 
 @register_factor_sampler(LAYERS)
@@ -154,10 +132,11 @@ def linear_factors(
 class LinearGroup(Group):
     """Linear (or Conv1D) layers whose inputs and backprops have the same shapes and dtypes.
 
-    On the eager backend, small ones are concatenated along the batch: one product for all
-    their weight norms, one batched product for all their clipped sums. On Triton, each layer
-    is one launch of the kernel the autotuner chose for the shape (chosen once per group). The
-    bias norms and clipped sums come from the token sums ``sum_t G_b[t]``, never a GEMM.
+    On the eager backend small ones are concatenated along the batch: one product for all
+    their weight norms, one batched product for all their clipped sums. Otherwise each layer is
+    one call of what the autotuner chose for the shape (chosen once per group): a Triton kernel
+    or a GEMM of the library. The bias gradients are the token sums ``sum_t G_b[t]``, taken
+    once in fp32 for both their norms and their clipped sums, never a GEMM.
     """
 
     @classmethod
@@ -166,76 +145,77 @@ class LinearGroup(Group):
         return (_transposed(layer), *_trainable(layer), x.shape, x.dtype, backprops.shape, backprops.dtype,
                 layer.weight.dtype, x.device)
 
-    def norms(self):
-        layers = [layer for layer, _, _ in self.records]
-        flat = [flatten_tokens(activations[0], backprops) for _, activations, backprops in self.records]
+    def __init__(self, records):
+        super().__init__(records)
+        self._layers = [layer for layer, _, _ in records]
+        self._inputs = [flatten_tokens(activations[0], backprops) for _, activations, backprops in records]
         self.records = []
-        weight, bias = _trainable(layers[0])
-        A0, G0 = flat[0]
-        ops = ops_for(A0, G0)
-        cand = get_tuner().select_group("linear_norm", flat, layers) if weight else None
-        self._layers, self._ops = layers, ops
-        self._stacked = ops is reference and (cand is None or cand.backend == "eager") and stackable(
-            [g for _, g in flat]) and stackable([a for a, _ in flat])
-        params = ([layer.weight for layer in layers] if weight else []) + ([layer.bias for layer in layers] if bias else [])
-        if self._stacked:
-            A, G = cat([a for a, _ in flat]), cat([g for _, g in flat])
-            self._inputs = (A, G)
-            rows = []
-            if weight:
-                rows.append(reference.linear_weight_norm(A, G, cand.algorithm))
-            if bias:
-                self._bias_sums = G.sum(dim=1, dtype=accumulation_dtype(G))
-                rows.append(torch.linalg.vector_norm(self._bias_sums, dim=1))
-            return params, cat(rows).view(len(params), G0.shape[0])
-        self._inputs = flat
-        w_rows, b_rows = [], []
-        for A, G in flat:
-            if weight and bias and cand.algorithm == "direct":
-                res = cand.ops().linear_per_sample(A, G, grad=False, bias=True, norm=True)
-                w_rows.append(res.weight_sq_norm)
-                b_rows.append(res.bias_sq_norm)
-                continue
-            if weight:
-                w_rows.append(cand.run(A, G))
-            if bias:
-                b_rows.append(ops.linear_bias_sq_norm(G))
-        return params, torch.stack(w_rows + b_rows).sqrt()
+        A0, G0 = self._inputs[0]
+        self._ops = ops_for(A0, G0)
+        self._bias_sums: Optional[torch.Tensor] = None  # (L*B, p) fp32
+
+    def _stack(self, eager: bool) -> None:
+        """Concatenate the layers' inputs along the batch when that is one eager operation."""
+        if eager and self._ops is reference and stackable([g for _, g in self._inputs]) and stackable(
+                [a for a, _ in self._inputs]):
+            self._inputs = [(cat([a for a, _ in self._inputs]), cat([g for _, g in self._inputs]))]
+
+    def _params(self) -> List[nn.Parameter]:
+        weight, bias = _trainable(self._layers[0])
+        return [layer.weight for layer in self._layers if weight] + [layer.bias for layer in self._layers if bias]
+
+    def _take_bias_sums(self) -> Optional[torch.Tensor]:
+        if self._bias_sums is None and _trainable(self._layers[0])[1]:
+            self._bias_sums = cat([G.sum(dim=1, dtype=accumulation_dtype(G)) for _, G in self._inputs])
+        return self._bias_sums
+
+    def norms(self):
+        weight, _ = _trainable(self._layers[0])
+        rows = []
+        if weight:
+            cand = get_tuner().select_group("linear_norm", self._inputs, self._layers)
+            self._stack(cand.backend == "eager")
+            if len(self._inputs) == 1 and cand.backend == "eager":
+                rows.append(reference.linear_weight_norm(*self._inputs[0], cand.algorithm))
+            else:
+                rows.append(cat([cand.run(A, G) for A, G in self._inputs]).sqrt())
+        else:
+            self._stack(True)
+        bias_sums = self._take_bias_sums()
+        if bias_sums is not None:
+            rows.append(torch.linalg.vector_norm(bias_sums, dim=1))
+        return self._params(), rows
 
     def clipped_sums(self, coef):
         layers, inputs = self._layers, self._inputs
-        self._inputs = None
         weight, bias = _trainable(layers[0])
-        transposed = _transposed(layers[0])
+        bias_sums = self._take_bias_sums()
+        self._inputs = []
         out = []
-        if self._stacked:
-            A, G = inputs
-            L, T, d, p = len(layers), A.shape[1], A.shape[2], G.shape[2]
-            B = A.shape[0] // L
-            if weight:
-                acc = accumulation_dtype(A, G)
-                A3 = A.view(L, B * T, d).to(acc)
-                scaled = G.view(L, B * T, p).to(acc) * coef.per_token(T)
-                sums = torch.bmm(A3.mT, scaled) if transposed else torch.bmm(scaled.mT, A3)
-                out.extend((layer.weight, s.to(layer.weight.dtype)) for layer, s in zip(layers, sums.unbind(0)))
-            if bias:
-                sums = weighted_sums(coef, self._bias_sums.view(L, B, p))
-                out.extend((layer.bias, s.to(layer.bias.dtype)) for layer, s in zip(layers, sums.unbind(0)))
-            self._bias_sums = None
-            return out
-        ops = self._ops
-        for layer, (A, G) in zip(layers, inputs):
-            if weight and transposed:
-                out.append((layer.weight, ops.linear_clipped_sum(G, A, coef.sample, out_dtype=layer.weight.dtype)[0]))
-            elif weight:
-                w, b = ops.linear_clipped_sum(A, G, coef.sample, bias=bias, out_dtype=layer.weight.dtype)
-                out.append((layer.weight, w))
-                if bias:
-                    out.append((layer.bias, b.to(layer.bias.dtype)))
-                    continue
-            if bias:
-                out.append((layer.bias, _bias_clipped_sum(ops, G, coef.sample, layer.bias.dtype)))
+        if weight:
+            out += zip([layer.weight for layer in layers], self._weight_sums(inputs, coef))
+        if bias:
+            sums = weighted_sums(coef, bias_sums.view(len(layers), -1, layers[0].bias.shape[0]))
+            out += [(layer.bias, s.to(layer.bias.dtype)) for layer, s in zip(layers, sums.unbind(0))]
+        self._bias_sums = None
         return out
+
+    def _weight_sums(self, inputs, coef) -> List[torch.Tensor]:
+        layers = self._layers
+        transposed = _transposed(layers[0])
+        dtype = layers[0].weight.dtype
+        if len(inputs) == 1 and len(layers) > 1:  # stacked: one batched product
+            A, G = inputs[0]
+            L, T, d, p = len(layers), A.shape[1], A.shape[2], G.shape[2]
+            acc = accumulation_dtype(A, G)
+            A3 = A.view(L, -1, d).to(acc)
+            scaled = G.view(L, -1, p).to(acc) * coef.per_token(T, G)
+            sums = torch.bmm(A3.mT, scaled) if transposed else torch.bmm(scaled.mT, A3)
+            return [s.to(dtype) for s in sums.unbind(0)]
+        c = coef.like(inputs[0][1])
+        cand = get_tuner().select_group("linear_clipped_sum", [(a, g, c) for a, g in inputs], layers)
+        # Conv1D's (d, p) weight: the same sum with the roles of A and G swapped.
+        return [cand.run(*((G, A) if transposed else (A, G)), c, out_dtype=dtype)[0] for A, G in inputs]
 
 
 @register_grad_sample_group(LAYERS)
@@ -247,47 +227,30 @@ class LinearGradSampleGroup(LinearGroup):
     product. Eager: small groups in one batched product; Triton: one launch per layer."""
 
     def norms(self):
-        layers = [layer for layer, _, _ in self.records]
-        flat = [flatten_tokens(activations[0], backprops) for _, activations, backprops in self.records]
-        self.records = []
-        weight, bias = _trainable(layers[0])
-        A0, G0 = flat[0]
-        L, B = len(flat), G0.shape[0]
-        acc = accumulation_dtype(A0, G0)
-        ops = ops_for(A0, G0)
-        cand = get_tuner().select_group("linear_grad_sample", flat, layers) if weight else None
-        transposed = _transposed(layers[0])
-        if ops is reference and (cand is None or cand.backend == "eager") and stackable(
-                [g for _, g in flat]) and stackable([a for a, _ in flat]):
-            flat = [(cat([a for a, _ in flat]), cat([g for _, g in flat]))]
-        w_grads, w_rows, b_grads = [], [], []
-        for A, G in flat:
-            if weight:
-                # Conv1D's (d, p) weight: the same product with the roles of A and G swapped.
-                res = cand.ops().linear_per_sample(*((G, A) if transposed else (A, G)), bias=bias and not transposed,
-                                                   norm=True, out_dtype=acc)
-                w_grads.append(res.weight)
-                w_rows.append(res.weight_sq_norm)
-                if res.bias is not None:
-                    b_grads.append(res.bias)
-                    continue
-            if bias:
-                b_grads.append(ops.linear_bias_grad_sample(G, out_dtype=acc))
-        self._layers = layers
-        self._grads = (cat(w_grads) if weight else None, cat(b_grads) if bias else None)
-        params = ([layer.weight for layer in layers] if weight else []) + ([layer.bias for layer in layers] if bias else [])
-        rows = ([cat(w_rows).sqrt()] if weight else []) + ([torch.linalg.vector_norm(self._grads[1], dim=1)] if bias else [])
-        return params, cat(rows).view(len(params), B)
+        weight, _ = _trainable(self._layers[0])
+        transposed = _transposed(self._layers[0])
+        rows, self._grads = [], None
+        if weight:
+            cand = get_tuner().select_group("linear_grad_sample", self._inputs, self._layers)
+            self._stack(cand.backend == "eager")
+            # Conv1D's (d, p) weight: the same product with the roles of A and G swapped. The
+            # eager product leaves the fp32 gradients' norms to one reduction; Triton's kernel
+            # takes them from its accumulators in the same pass.
+            eager = cand.backend == "eager"
+            res = [cand.ops().linear_per_sample(*((G, A) if transposed else (A, G)), norm=not eager,
+                                                out_dtype=accumulation_dtype(A, G)) for A, G in self._inputs]
+            self._grads = cat([r.weight for r in res])
+            rows.append(row_norms(self._grads) if eager else cat([r.weight_sq_norm for r in res]).sqrt())
+        else:
+            self._stack(True)
+        bias_sums = self._take_bias_sums()
+        if bias_sums is not None:
+            rows.append(torch.linalg.vector_norm(bias_sums, dim=1))
+        self._inputs = []  # what the clipped sums need is in the gradients now
+        return self._params(), rows
 
-    def clipped_sums(self, coef):
-        layers, (w, b) = self._layers, self._grads
-        self._grads = None
-        L = len(layers)
-        out = []
-        if w is not None:
-            sums = weighted_sums(coef, w.view(L, -1, w.shape[1] * w.shape[2])).view(L, w.shape[1], w.shape[2])
-            out.extend((layer.weight, s.to(layer.weight.dtype)) for layer, s in zip(layers, sums.unbind(0)))
-        if b is not None:
-            sums = weighted_sums(coef, b.view(L, -1, b.shape[1]))
-            out.extend((layer.bias, s.to(layer.bias.dtype)) for layer, s in zip(layers, sums.unbind(0)))
-        return out
+    def _weight_sums(self, inputs, coef):
+        w, self._grads = self._grads, None
+        L = len(self._layers)
+        sums = weighted_sums(coef, w.view(L, -1, w.shape[1] * w.shape[2]), (L, w.shape[1], w.shape[2]))
+        return [s.to(self._layers[0].weight.dtype) for s in sums.unbind(0)]

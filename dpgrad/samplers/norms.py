@@ -18,10 +18,10 @@ from dpgrad.registry import register_grad_sample_group, register_grad_sampler
 from dpgrad.samplers.groups import Group, cat, row_norms, stackable, weighted_sums
 
 
-def _sum_tokens(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """Sum (N, *, *shape) over every dimension but the first and the trailing ``shape``."""
+def _sum_tokens(x: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """Sum (N, *, *shape) over every dimension but the first and the trailing ``shape``, in ``dtype``."""
     dims = list(range(1, x.dim() - len(shape)))
-    return x.sum(dim=dims) if dims else x
+    return x.sum(dim=dims, dtype=dtype) if dims else x.to(dtype)
 
 
 def _eps(layer: nn.Module, x: torch.Tensor) -> float:
@@ -48,9 +48,10 @@ def per_sample_grads(layer: nn.Module, x: torch.Tensor, backprops: torch.Tensor)
     if weight:
         norm = F.rms_norm if isinstance(layer, nn.RMSNorm) else F.layer_norm
         normed = norm(x.to(acc), shape, eps=_eps(layer, x))
-        gw = _sum_tokens(normed * backprops.to(acc), shape)
+        # The product promotes half backprops to the accumulation dtype: no copy of its own.
+        gw = _sum_tokens(normed * backprops, shape, acc)
     if bias:
-        gb = _sum_tokens(backprops.to(acc), shape)
+        gb = _sum_tokens(backprops, shape, acc)
     return gw, gb
 
 
@@ -87,24 +88,20 @@ class NormLayerGroup(Group):
         gs = [backprops for _, _, backprops in self.records]
         self.records = []
         if stackable(xs) and stackable(gs):
-            gw, gb = per_sample_grads(layers[0], cat(xs), cat(gs))
+            grads = per_sample_grads(layers[0], cat(xs), cat(gs))
         else:
             parts = [per_sample_grads(layer, x, g) for layer, x, g in zip(layers, xs, gs)]
-            gw, gb = (None if parts[0][i] is None else cat([part[i] for part in parts]) for i in (0, 1))
-        weight, bias = _trainable(layers[0])
-        self._layers, self._grads = layers, (gw, gb)
-        params = ([layer.weight for layer in layers] if weight else []) + ([layer.bias for layer in layers] if bias else [])
-        rows = [row_norms(g) for g in (gw, gb) if g is not None]
-        return params, cat(rows).view(len(params), -1)
+            grads = tuple(None if parts[0][i] is None else cat([part[i] for part in parts]) for i in (0, 1))
+        kept = [g for g in grads if g is not None]
+        # Weight and bias gradients have the same shape: one tensor (K*L*B, *shape) for both.
+        self._grads = kept[0] if len(kept) == 1 else torch.cat(kept)
+        self._params = [getattr(layer, attr) for g, attr in zip(grads, ("weight", "bias")) if g is not None
+                        for layer in layers]
+        return self._params, [row_norms(self._grads)]
 
     def clipped_sums(self, coef):
-        layers, grads = self._layers, self._grads
+        params, g = self._params, self._grads
         self._grads = None
-        out = []
-        for g, attr in zip(grads, ("weight", "bias")):
-            if g is None:
-                continue
-            sums = weighted_sums(coef, g.reshape(len(layers), -1, math.prod(g.shape[1:])))
-            out.extend((getattr(layer, attr), s.view(getattr(layer, attr).shape).to(getattr(layer, attr).dtype))
-                       for layer, s in zip(layers, sums.unbind(0)))
-        return out
+        n = len(params)
+        sums = weighted_sums(coef, g.view(n, -1, math.prod(g.shape[1:])))
+        return [(p, (s if s.shape == p.shape else s.view(p.shape)).to(p.dtype)) for p, s in zip(params, sums.unbind(0))]

@@ -3,6 +3,7 @@
 A kind's inputs are the tensors a sampler has in hand:
 - ``linear_norm``: (A (B, T, d), G (B, T, p)) -> squared weight norms (B,)
 - ``linear_grad_sample``: (A, G) -> per-sample weight gradients (B, p, d)
+- ``linear_clipped_sum``: (A, G, coef (B,)) -> the clipped weight gradient ``(c ⊙ G)^T A`` (p, d)
 - ``embedding_norm``: (ids (B, T), G (B, T, d), V, padding_idx) -> squared norms (B,)
 - ``embedding_grad_sample``: the same inputs -> per-sample gradients (B, V, d)
 Each candidate names its backend ("triton" or "eager", see dpgrad.backend), runs on those
@@ -24,7 +25,7 @@ from dpgrad.kernels import reference
 
 from . import cost_model
 
-KINDS = ("linear_norm", "linear_grad_sample", "embedding_norm", "embedding_grad_sample")
+KINDS = ("linear_norm", "linear_grad_sample", "linear_clipped_sum", "embedding_norm", "embedding_grad_sample")
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,8 @@ class Candidate:
     def ops(self):
         return reference if self.backend == "eager" else backend.triton_ops()
 
-    def run(self, *inputs):
-        return getattr(self.ops(), self.function)(*inputs)
+    def run(self, *inputs, **options):
+        return getattr(self.ops(), self.function)(*inputs, **options)
 
     def cost(self, shape: Shape) -> cost_model.Cost:
         e = shape.element_size
@@ -70,6 +71,8 @@ class Candidate:
                                                shape.dim("p"), e)
         if self.kind == "linear_grad_sample":
             return cost_model.linear_grad_sample_cost(self.backend, shape.B, shape.T, shape.dim("d"), shape.dim("p"), e)
+        if self.kind == "linear_clipped_sum":
+            return cost_model.linear_clipped_sum_cost(self.backend, shape.B, shape.T, shape.dim("d"), shape.dim("p"), e)
         what = "norm" if self.kind == "embedding_norm" else "grad_sample"
         return cost_model.embedding_cost(what, self.backend, shape.B, shape.T, shape.dim("V"), shape.dim("d"), e,
                                          self.algorithm)
@@ -105,6 +108,11 @@ CANDIDATES: Dict[str, List[Candidate]] = {
                   _K + "linear_grad_sample:_linear_per_sample_kernel"),
         Candidate("linear_grad_sample", "eager-bmm", "eager", "bmm", "linear_grad_sample"),
     ],
+    "linear_clipped_sum": [
+        Candidate("linear_clipped_sum", "triton-fused", "triton", "fused", "linear_clipped_sum",
+                  _K + "linear_clipped_sum:_linear_clipped_sum_kernel"),
+        Candidate("linear_clipped_sum", "eager-gemm", "eager", "gemm", "linear_clipped_sum_gemm"),
+    ],
     "embedding_norm": [
         Candidate("embedding_norm", "triton-segments", "triton", "segments", "embedding_sq_norm",
                   _K + "embedding_segment_sum:_segment_sum_kernel"),
@@ -121,7 +129,7 @@ CANDIDATES: Dict[str, List[Candidate]] = {
 
 def shape_of(kind: str, inputs: tuple) -> Shape:
     """The Shape of a kind's inputs (see the module docstring for their order)."""
-    if kind in ("linear_norm", "linear_grad_sample"):
+    if kind in ("linear_norm", "linear_grad_sample", "linear_clipped_sum"):
         A, G = inputs[:2]
         B, T, d = A.shape
         return Shape(kind, B, T, (("d", d), ("p", G.shape[-1])), G.dtype, G.device)

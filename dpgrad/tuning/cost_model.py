@@ -111,6 +111,18 @@ def linear_grad_sample_cost(backend: str, B: int, T: int, d: int, p: int, e: int
     return Cost(flops, B * T * (d + p) * e + out + 2 * extra, extra)
 
 
+def linear_clipped_sum_cost(backend: str, B: int, T: int, d: int, p: int, e: int) -> Cost:
+    """The clipped weight gradient ``(c ⊙ G)^T A`` (p, d) in the input dtype."""
+    flops = 2 * B * T * p * d
+    out = p * d * e
+    if backend == "triton":
+        tiles = math.ceil(p / TILE) * math.ceil(d / TILE)
+        return Cost(flops, B * T * tiles * 2 * TILE * e + out, 4 * p * d)
+    # One pass writing the scaled smaller operand, then one GEMM reading both.
+    scaled = B * T * min(p, d) * e
+    return Cost(flops, B * T * (d + p) * e + 2 * scaled + out, scaled)
+
+
 def embedding_cost(kind: str, backend: str, B: int, T: int, V: int, d: int, e: int, algorithm: str = "") -> Cost:
     """Embedding norms ("norm") or per-sample gradients ("grad_sample")."""
     rows = B * T * d

@@ -262,6 +262,8 @@ def _device_name(device: torch.device) -> str:
 
 
 def _reference_result(kind: str, inputs: tuple):
+    if kind == "linear_clipped_sum":
+        return reference.linear_clipped_sum(*inputs[:3], out_dtype=torch.float32)[0]
     if kind == "linear_norm":
         return reference.linear_weight_sq_norm_direct(*inputs[:2])
     if kind == "linear_grad_sample":
@@ -272,7 +274,12 @@ def _reference_result(kind: str, inputs: tuple):
 
 
 def _close(kind: str, out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Per sample: ||out - expected|| <= rtol * ||expected|| (norms: per element)."""
+    """Per sample: ||out - expected|| <= rtol * ||expected|| (norms: per element; a clipped
+    sum, which has no samples: as a whole)."""
+    if isinstance(out, tuple):
+        out = out[0]
+    if kind == "linear_clipped_sum":
+        out, expected = out.reshape(1, -1), expected.reshape(1, -1)
     if out.shape != expected.shape:
         return False
     if out.numel() == 0:
@@ -287,6 +294,8 @@ def _time_opacus(timer, kind: str, layer, inputs: tuple):
     """Opacus 1.6's eager sampler for this layer on the same inputs, in ms (or why not)."""
     if layer is None:
         return "no layer"
+    if kind == "linear_clipped_sum":
+        return "Opacus has no clipped sum (it sums clipped per-sample gradients)"
     try:
         from opacus.grad_sample import embedding as op_embedding
         from opacus.grad_sample import embedding_norm_sample as op_embedding_norm
