@@ -3,11 +3,12 @@
 Each benchmark test asks for the ``bench`` fixture and says what it measures (``suite``,
 ``benchmark``, ``shape``, ``provider``); it times with pytest-benchmark (whose rounds give
 the p20/p50/p80 of ``step_time`` or ``time``) or hands in metrics of its own (GPU kernel
-times from ``triton.testing.do_bench``, peak memory), or says why the provider did not run
-(``bench.skip(reason)``: Opacus refusing tied weights, out of memory). At the end of a run
-with timing enabled, each suite's rows get their ratios to the same run's baselines and go to
-``<suite>_<device>.json`` in ``$DPGRAD_RESULTS_DIR`` (default benchmarks/results). Runs with
-``--benchmark-disable`` (the test suite's quick pass: collection and one round) write nothing.
+times from ``triton.testing.do_bench``, peak memory, operation counts, host time), or says
+why the provider did not run (``bench.skip(reason)``: Opacus refusing tied weights, out of
+memory). At the end of a run with timing enabled, each suite's rows get their ratios to the
+same run's baselines and go to ``<suite>_<device>.json`` in ``$DPGRAD_RESULTS_DIR`` (default
+benchmarks/results). Runs with ``--benchmark-disable`` (the test suite's quick pass:
+collection and one round) write nothing.
 
 ``DPGRAD_BENCH_QUICK=1`` picks the small sizes; they are the default without CUDA.
 """
@@ -123,7 +124,38 @@ def _derive_kernels(rows: List[dict]) -> None:
                 r["metrics"]["time_over_gemm"] = results.metric("time_over_gemm", t / gemm["metrics"]["time"]["p50"])
 
 
-DERIVE = {"dp_step": _derive_dp_step, "kernels": _derive_kernels}
+def _derive_host_overhead(rows: List[dict]) -> None:
+    """What each dpgrad step adds to the non-private step of the same model: operations per
+    hooked layer, host waits, host time per hooked layer, and the step time's ratio."""
+    for case in results.by_case(rows).values():
+        base = case.get("non-private")
+        if base is None or base["status"] != "ok":
+            continue
+        b = base["metrics"]
+        for name, r in case.items():
+            m = r["metrics"]
+            if not name.startswith("dpgrad") or r["status"] != "ok":
+                continue
+            layers = m["hooked_layers"]["p50"]
+            m["extra_syncs"] = results.metric("extra_syncs", m["syncs"]["p50"] - b["syncs"]["p50"])
+            if layers:
+                m["extra_ops_per_layer"] = results.metric("extra_ops_per_layer",
+                                                          (m["ops"]["p50"] - b["ops"]["p50"]) / layers)
+                m["host_time_per_layer"] = results.metric(
+                    "host_time_per_layer", (m["host_time"]["p50"] - b["host_time"]["p50"]) / layers)
+            m["step_time_over_non_private"] = results.metric("step_time_over_non_private",
+                                                             m["step_time"]["p50"] / b["step_time"]["p50"])
+
+
+DERIVE = {"dp_step": _derive_dp_step, "kernels": _derive_kernels, "host_overhead": _derive_host_overhead}
+# What a suite's results file says about how it measured, beside the timer.
+SETTINGS = {"host_overhead": {
+    "timer": "pytest-benchmark rounds of a synchronised step (step_time)",
+    "counts": "one step after two warm-up steps: aten operations dispatched (TorchDispatchMode, views included) "
+              "and those that wait for the device; on CUDA also the sync debug mode's reports and the profiler's "
+              "kernel launches",
+    "host_time": "perf_counter around a step started on an idle device, not waiting for its end",
+}}
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -140,9 +172,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         DERIVE[suite](rows)
         settings[suite] = {"quick": QUICK, "timer": "triton.testing.do_bench (GPU kernels), else pytest-benchmark "
                            "rounds of a synchronised call", "dtype": sorted({str(r["shape"].get("dtype")) for r in rows})}
+        settings[suite].update(SETTINGS.get(suite, {}))
         path = results.write(RESULTS, suite, rows, settings[suite], config.stash[MACHINE_KEY])
         terminalreporter.write_line(f"written {path}")
-        if suite == "dp_step":
-            terminalreporter.section("DP step")
+        if suite in ("dp_step", "host_overhead"):
+            terminalreporter.section({"dp_step": "DP step", "host_overhead": "Host overhead"}[suite])
             terminalreporter.write_line(results.markdown([{"suite": suite, "machine": config.stash[MACHINE_KEY],
                                                              "results": rows}]))

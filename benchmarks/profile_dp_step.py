@@ -4,8 +4,10 @@
         --provider non-private dpgrad-single [--dtype bf16] [--steps 3] [--top 15]
 
 For each provider (the steps of ``bench_dp_step.py``, same weights and batch): host time per
-step (CPU time of the step's own thread), device time per step (the sum of kernel times on
-CUDA), kernel launches per step, and the operations that cost the host most. A step whose host
+step (the operations' own CPU time, less the time spent waiting for the device, which is
+shown apart), device time per step (the sum of kernel times on CUDA), kernel launches per
+step, and the operations that cost the host most. ``--trace`` writes the timeline; ``--python``
+profiles the Python functions instead. A step whose host
 time exceeds its device time keeps the GPU waiting. Prints one table; with ``--json PATH`` also
 writes the figures. Not a test and not a benchmark suite: a tool for finding what to fix.
 """
@@ -26,7 +28,11 @@ import bench_dp_step  # noqa: E402
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 
 
-def profile_provider(provider: str, model: str, batch: int, seq_len: int, dtype: str, steps: int, top: int) -> dict:
+SYNCS = ("cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize")
+
+
+def profile_provider(provider: str, model: str, batch: int, seq_len: int, dtype: str, steps: int, top: int,
+                     trace: Path = None) -> dict:
     step = bench_dp_step.make_step(provider, model, batch, seq_len, dtype)
     for _ in range(2):  # warm-up: compilation and the autotuner's first look at each shape
         step()
@@ -38,20 +44,51 @@ def profile_provider(provider: str, model: str, batch: int, seq_len: int, dtype:
             step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+    if trace is not None:
+        import gzip
+
+        raw = trace.with_suffix(".tmp.json")
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
+            dst.write(src.read())
+        raw.unlink()
     events = prof.key_averages()
     launches = sum(e.count for e in events if e.key in LAUNCHES)
+    waiting_us = sum(e.self_cpu_time_total for e in events if e.key in SYNCS)
     device_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) \
         if torch.cuda.is_available() else 0.0
-    # Host time: the profiled thread's top-level events (each op's own CPU time, summed).
-    host_us = sum(e.self_cpu_time_total for e in events)
+    # Host time: each op's own CPU time, summed, less the time spent waiting for the device.
+    host_us = sum(e.self_cpu_time_total for e in events) - waiting_us
     costly = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
     return {
         "provider": provider,
         "host_ms_per_step": host_us / 1e3 / steps,
+        "waiting_ms_per_step": waiting_us / 1e3 / steps,
         "device_ms_per_step": device_us / 1e3 / steps,
         "launches_per_step": launches / steps,
         "top_host": [(e.key, e.count // steps, round(e.self_cpu_time_total / 1e3 / steps, 3)) for e in costly],
     }
+
+
+def python_profile(provider: str, model: str, batch: int, seq_len: int, dtype: str, steps: int, top: int) -> None:
+    """The Python functions that cost the host most per step (cProfile), after warm-up."""
+    import cProfile
+    import pstats
+
+    step = bench_dp_step.make_step(provider, model, batch, seq_len, dtype)
+    for _ in range(2):
+        step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    prof.disable()
+    print(f"\n{provider}: Python, {steps} steps, by own time")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
 
 
 def main(argv=None) -> int:
@@ -66,14 +103,21 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="profiled steps per provider (default: 3)")
     parser.add_argument("--top", type=int, default=12, help="costliest host operations listed (default: 12)")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    parser.add_argument("--python", action="store_true", help="profile the Python functions (cProfile) instead")
+    parser.add_argument("--trace", type=Path, help="write each provider's trace (Chrome format, gzip) to PATH-provider.json.gz")
     args = parser.parse_args(argv)
-    rows = [profile_provider(p, args.model, args.batch, args.seq_len, args.dtype, args.steps, args.top)
+    if args.python:
+        for p in args.provider:
+            python_profile(p, args.model, args.batch, args.seq_len, args.dtype, args.steps, args.top)
+        return 0
+    rows = [profile_provider(p, args.model, args.batch, args.seq_len, args.dtype, args.steps, args.top,
+                             None if args.trace is None else Path(f"{args.trace}-{p}.json.gz"))
             for p in args.provider]
     print(f"{args.model} B={args.batch} T={args.seq_len} {args.dtype}")
-    print(f"{'provider':16s} {'host ms/step':>12s} {'device ms/step':>14s} {'launches/step':>13s}")
+    print(f"{'provider':16s} {'host ms/step':>12s} {'waiting':>8s} {'device ms/step':>14s} {'launches/step':>13s}")
     for r in rows:
-        print(f"{r['provider']:16s} {r['host_ms_per_step']:12.1f} {r['device_ms_per_step']:14.1f} "
-              f"{r['launches_per_step']:13.0f}")
+        print(f"{r['provider']:16s} {r['host_ms_per_step']:12.1f} {r['waiting_ms_per_step']:8.1f} "
+              f"{r['device_ms_per_step']:14.1f} {r['launches_per_step']:13.0f}")
     for r in rows:
         print(f"\n{r['provider']}: costliest host operations (name, calls/step, ms/step)")
         for name, calls, ms in r["top_host"]:

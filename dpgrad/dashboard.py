@@ -5,6 +5,9 @@ JavaScript into SVG: nothing is fetched, so it opens offline. Per machine:
 - speedup over Opacus per kernel and layer shape (the kernels suite);
 - throughput of each DP step over the non-private step's, per model and T (dp_step);
 - peak memory per model, T and provider (dp_step, measured on CUDA);
+- a table of each DP step's host overhead against the non-private step's (host_overhead:
+  operations dispatched and host waits per step, per hooked layer, host and step times),
+  where the machine has such results;
 then a table of every raw figure and one of the machines. Each chart, once drawn, carries
 ``data-marks`` (bars drawn) or ``data-empty`` (why there is nothing to draw); the page logs
 ``dashboard: N charts drawn`` to the console, and any script error as a console error.
@@ -147,6 +150,41 @@ _SCRIPT = r"""
     tr.appendChild(td);
   }
 
+  // One row per model and provider: what the host is asked to do in a step, and the times.
+  function hostOverhead(section, docs, i) {
+    const rows = rowsOf(docs, "host_overhead");
+    if (!rows.length) return 0;
+    const title = document.createElement("h3");
+    title.textContent = "Host overhead per DP step (counts of one step; times: medians; extra: over non-private)";
+    section.appendChild(title);
+    const table = document.createElement("table");
+    table.id = "host-overhead-" + i;
+    const head = document.createElement("tr");
+    const columns = [["hooked_layers", "hooked layers", 0], ["ops", "ops", 0],
+                     ["extra_ops_per_layer", "extra ops / layer", 1], ["syncs", "syncs", 0],
+                     ["extra_syncs", "extra syncs", 0], ["cuda_syncs", "CUDA syncs", 0], ["launches", "launches", 0],
+                     ["host_time", "host time (ms)", 2], ["host_time_per_layer", "host time / layer (ms)", 3],
+                     ["step_time", "step time (ms)", 2], ["step_time_over_non_private", "step time / non-private", 2]];
+    for (const h of ["model", "B", "T", "dtype", "provider", ...columns.map(c => c[1])]) cell(head, h, "th");
+    table.appendChild(head);
+    for (const r of rows) {
+      const tr = document.createElement("tr");
+      for (const v of [r.shape.model, r.shape.batch, r.shape.seq_len, r.shape.dtype, r.provider]) cell(tr, String(v));
+      if (r.status !== "ok") {
+        cell(tr, r.status);
+        tr.lastChild.colSpan = columns.length;
+      } else {
+        for (const [name, , digits] of columns) {
+          const v = p50(r, name);
+          cell(tr, v === null ? "-" : v.toFixed(digits));
+        }
+      }
+      table.appendChild(tr);
+    }
+    section.appendChild(table);
+    return rows.length;
+  }
+
   function rawTable(section, docs) {
     const table = document.createElement("table");
     table.id = "raw";
@@ -210,6 +248,7 @@ _SCRIPT = r"""
           f => dpStep(f, mine, "peak_memory", 1 / 2 ** 30, "GiB", 0),
           "no peak-memory figures for this machine (measured on CUDA only)");
     drawn += 3;
+    hostOverhead(section, mine, i);
   }
   rawTable(document.getElementById("raw-figures"), docs);
   machines(document.getElementById("machine-info"), docs);
@@ -230,7 +269,8 @@ def render(docs: List[dict]) -> str:
 <style>{_STYLE}</style></head>
 <body>
 <h1>{TITLE}</h1>
-<p>From {sources}. Medians of synchronised runs; ratios are to the baselines of the same run.</p>
+<p>From {sources}. Medians of synchronised runs (host times: of the host issuing a step, not waiting for its
+end); ratios are to the baselines of the same run.</p>
 <div id="charts"></div>
 <h2>Raw figures</h2><div id="raw-figures"></div>
 <h2>Machines</h2><div id="machine-info"></div>
