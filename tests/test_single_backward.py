@@ -443,3 +443,38 @@ def test_dp_loss_per_sequence_and_arithmetic():
                                token.sum(1))
     with pytest.raises(ValueError, match="reduced by 'mean' and 'sum'"):
         loss + summed(logits.view(-1, V), targets.view(-1), shape=(B, T))
+
+
+class BiasOnly4D(nn.Module):
+    """A Linear with a frozen weight (bias-only fine-tuning) on 4-D inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(12, 20)
+        self.lin.weight.requires_grad_(False)
+        self.head = nn.Linear(20, 3)
+
+    def forward(self, x):
+        return self.head(self.lin(x).tanh().mean(dim=(1, 2)))
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("mode", MODES)
+def test_bias_only_layer_on_4d_inputs(mode, device):
+    """A frozen weight's bias is clipped from its token sums alone (on a GPU this reached an
+    untuned kernel that crashed in some Triton versions)."""
+    torch.manual_seed(0)
+    model = BiasOnly4D().to(device)
+    reference = copy.deepcopy(model).double()
+    wrapped = wrap(model, mode, loss_reduction="sum", max_grad_norm=0.5)
+    x, y = torch.randn(6, 3, 5, 12, device=device), torch.randint(0, 3, (6,), device=device)
+    wrapped.clipped_backward(F.cross_entropy(wrapped(x), y, reduction="none"))
+    ref = per_sample_grads(reference, x.double(), y, per_sample_loss)
+    norms = wrapped.per_sample_gradient_norms
+    assert_norms_close(norms.cpu(), total_norm(ref).cpu())
+    coef = (0.5 / (norms + 1e-6)).clamp(max=1.0).double()
+    for n, p in model.named_parameters():
+        if n in ref:
+            assert_tensor_close(p.grad, torch.einsum("b,b...->...", coef, ref[n]), n)
+        else:
+            assert p.grad is None, n
