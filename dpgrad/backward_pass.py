@@ -41,9 +41,9 @@ from torch.autograd.profiler import record_function
 
 from dpgrad import registry
 from dpgrad.autograd_graph import ForwardEdges
-from dpgrad.samplers import ft_compute_per_sample_gradient
+from dpgrad.samplers import ft_compute_per_sample_gradient, prepare_layer
 from dpgrad.samplers.functorch import _first_tensor
-from dpgrad.samplers.groups import Coefficients, Group, GradSampleGroup, SamplerGroup, group_records
+from dpgrad.samplers.groups import Coefficients, GradSampleGroup, Group, Record, SamplerGroup, group_records
 
 # What a clipped backward's norm pass does with the records besides taking norms.
 NORMS_ONLY, KEEP_FOR_CLIPPING = "norms", "keep"
@@ -52,8 +52,6 @@ NORMS_ONLY, KEEP_FOR_CLIPPING = "norms", "keep"
 # have at most this many elements over the batch (too small to matter, and fewer operations).
 GRAD_SAMPLE_MEMORY_FRACTION = 0.25
 TINY_GRAD_SAMPLE_ELEMENTS = 1 << 18
-
-Record = Tuple[nn.Module, list, torch.Tensor]  # (layer, activations, backprops)
 
 
 class FiniteCheck:
@@ -125,8 +123,6 @@ class BackwardPath:
             yield from self._layers_to_hook(child, f"{prefix}.{name}" if prefix else name, seen)
 
     def _attach(self, force_functorch: bool) -> list:
-        from dpgrad.samplers import prepare_layer
-
         self._layer_names: Dict[nn.Module, str] = {}
         self._functorch_layers: set = set()
         self._own_params: Dict[nn.Module, Tuple[nn.Parameter, ...]] = {}
