@@ -83,24 +83,11 @@ def linear_grad_sample(
 def linear_norm_sample(
     layer: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor
 ) -> Dict[nn.Parameter, torch.Tensor]:
-    """Per-sample gradient L2 norms, (B,) each, without per-sample gradients.
-
-    The weight norm uses the candidate the autotuner picked for the shape (outer when T = 1,
-    else Gram or direct, on Triton or eager); the bias norm is ``||sum_t g_t||``, fused into
-    the direct pass when that is the choice.
-    """
-    A, G = flatten_tokens(activations[0], backprops)
-    weight, bias = _trainable(layer)
-    out = {}
-    if weight:
-        cand = get_tuner().select("linear_norm", (A, G), layer)
-        if bias and cand.algorithm == "direct":
-            res = cand.ops().linear_per_sample(A, G, grad=False, bias=True, norm=True)
-            return {layer.weight: res.weight_sq_norm.sqrt(), layer.bias: res.bias_sq_norm.sqrt()}
-        out[layer.weight] = cand.run(A, G).sqrt()
-    if bias:
-        out[layer.bias] = ops_for(A, G).linear_bias_sq_norm(G).sqrt()
-    return out
+    """Per-sample gradient L2 norms, (B,) each, without per-sample gradients: ``LinearGroup``'s
+    for this one layer (the weight's by the candidate the autotuner picked for the shape, the
+    bias's ``||sum_t g_t||``)."""
+    params, norms = LinearGroup([(layer, activations, backprops)]).norms()
+    return dict(zip(params, norms))
 
 
 @register_clipped_sum_sampler(LAYERS)
