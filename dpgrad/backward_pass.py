@@ -54,6 +54,11 @@ GRAD_SAMPLE_MEMORY_FRACTION = 0.25
 TINY_GRAD_SAMPLE_ELEMENTS = 1 << 18
 
 
+def own_trainable(module: nn.Module) -> bool:
+    """Whether ``module`` has trainable parameters of its own (not its children's)."""
+    return any(p.requires_grad for p in module.parameters(recurse=False))
+
+
 class FiniteCheck:
     """Whether per-sample values (rows of (P, B) norms, or per-sample gradients) are all
     finite: one float64 sum computed on the device, read on the host by ``wait``.
@@ -115,7 +120,7 @@ class BackwardPath:
         if module in seen:
             return
         seen.add(module)
-        if any(p.requires_grad for p in module.parameters(recurse=False)):
+        if own_trainable(module):
             yield prefix, module
             if type(module) not in self.GRAD_SAMPLERS:
                 return

@@ -17,21 +17,17 @@ import torch
 import torch.nn as nn
 
 from dpgrad import registry
-from dpgrad.backward_pass import BackwardPath
+from dpgrad.backward_pass import BackwardPath, own_trainable
 
 logger = logging.getLogger(__name__)
 
 # Attributes dpgrad (like Opacus) puts on parameters.
-PARAM_ATTRS = ("grad_sample", "_forward_counter", "_current_grad_sample", "_norm_sample")
-
-
-def _own_trainable(module: nn.Module) -> bool:
-    return any(p.requires_grad for p in module.parameters(recurse=False))
+PARAM_ATTRS = ("grad_sample", "_forward_counter", "_norm_sample")
 
 
 def _trainable_modules(module: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
     for name, m in module.named_modules():
-        if _own_trainable(m):
+        if own_trainable(m):
             yield name, m
 
 
