@@ -3,8 +3,11 @@ weights and batch: non-private; Opacus's hooks (per-sample gradients, DPOptimize
 (vmap of the per-sample gradients over the whole model, then Opacus's DPOptimizer); Opacus's
 ghost clipping; dpgrad's double and single backward.
 
-A DP step is forward, backward and Opacus's optimizer step (noise 1.0, C = 1.0); the
-non-private step is forward, the mean token loss's backward and the plain optimizer's step.
+A DP step is forward, backward and the DP optimizer's step (noise 1.0, C = 1.0): Opacus's
+``DPOptimizer`` / ``DPOptimizerFastGradientClipping`` for Opacus's rows, and for dpgrad's the
+optimizer ``dpgrad.opacus.make_private`` gives (``dpgrad.opacus.DPOptimizerFastGradientClipping``:
+Opacus's, its per-parameter loops batched); the non-private step is forward, the mean token
+loss's backward and the plain optimizer's step.
 Each sequence is one sample (``shape=`` of the loss wrappers). Models:
 - ``tiny``: dpgrad's demo preset (``TinyTransformer``, 0.56M parameters);
 - ``hf-gpt2``: Hugging Face GPT-2 small, full fine-tuning, tied embeddings (Opacus refuses
@@ -38,6 +41,8 @@ from opacus.grad_sample import GradSampleModule as OpacusGSM  # noqa: E402
 from opacus.grad_sample import GradSampleModuleFastGradientClipping as OpacusFGC  # noqa: E402
 from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping  # noqa: E402
 from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping as OpacusDPLoss  # noqa: E402
+
+import dpgrad.opacus  # noqa: E402  (imports Opacus)
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -144,12 +149,14 @@ def make_step(provider: str, name: str, batch: int, seq_len: int, dtype: str) ->
         return _per_sample_gradient_step(provider, built, model, inputs, targets, criterion, trainable, batch)
     if provider == "opacus-ghost":
         wrapped, loss_cls = OpacusFGC(model, max_grad_norm=1.0, loss_reduction="mean"), OpacusDPLoss
+        optimizer_cls = DPOptimizerFastGradientClipping
     else:
         wrapped = dpgrad.GradSampleModuleFastGradientClipping(
             model, max_grad_norm=1.0, loss_reduction="mean", single_backward=provider == "dpgrad-single"
         )
         loss_cls = dpgrad.DPLossFastGradientClipping
-    optimizer = DPOptimizerFastGradientClipping(
+        optimizer_cls = dpgrad.opacus.DPOptimizerFastGradientClipping
+    optimizer = optimizer_cls(
         torch.optim.SGD(trainable, lr=1e-3),
         noise_multiplier=1.0,
         max_grad_norm=1.0,

@@ -135,6 +135,24 @@ def linear_clipped_sum(
     return weight.to(out_dtype), scaled.sum(dim=(0, 1)).to(out_dtype) if bias else None
 
 
+def coefficients_in(coef: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Clipping coefficients (>= 0) in ``dtype``, never above their value in ``coef``'s dtype.
+
+    Rounding to the nearest half-precision value can raise a coefficient by half a unit in the
+    last place (2^-9 of it in bf16), and a sample's clipped gradient above the clipping bound
+    by as much, which the noise is not calibrated for. Scaled by ``1 - eps/2`` first (eps: the
+    dtype's machine epsilon), the nearest value is at most the coefficient; one too small to be
+    represented that way (subnormal) becomes 0. A coefficient already in ``dtype`` is returned
+    as it is.
+    """
+    if coef.dtype == dtype:
+        return coef
+    if torch.finfo(dtype).bits >= torch.finfo(coef.dtype).bits:
+        return coef.to(dtype)
+    low = (coef * (1.0 - torch.finfo(dtype).eps / 2)).to(dtype)
+    return torch.where(low.to(coef.dtype) > coef, torch.zeros_like(low), low)
+
+
 def linear_clipped_sum_gemm(
     A: torch.Tensor,
     G: torch.Tensor,
@@ -149,17 +167,20 @@ def linear_clipped_sum_gemm(
     dtype, then one product over all B*T positions, accumulated in fp32 by the GEMM and rounded
     once to ``out_dtype``. The scaled operand costs one pass over it and its memory, briefly;
     in half precision it rounds ``c_b * x`` to the input precision (the gradient is rounded to
-    it anyway). A: (B, T, d), G: (B, T, p), coef: (B,).
+    it anyway), with the coefficients themselves rounded down (``coefficients_in``). A: (B, T, d),
+    G: (B, T, p), coef: (B,) in any floating dtype (one in the operands' dtype is used as it is).
     """
     out_dtype = out_dtype or G.dtype
     B, T, d = A.shape
     p = G.shape[-1]
-    c = coef.to(device=G.device, dtype=G.dtype).view(B, 1, 1)
+    c = coefficients_in(coef.to(G.device), G.dtype).view(B, 1, 1)
     if d < p:
-        A = A * c.to(A.dtype)
+        A = A * (c if A.dtype == G.dtype else coefficients_in(coef.to(G.device), A.dtype).view(B, 1, 1))
     else:
         G = G * c
-    weight = torch.mm(G.reshape(B * T, p).t(), A.reshape(B * T, d).to(G.dtype))
+    if A.dtype != G.dtype:
+        A = A.to(G.dtype)
+    weight = torch.mm(G.reshape(B * T, p).t(), A.reshape(B * T, d))
     if not bias:
         return weight.to(out_dtype), None
     acc = accumulation_dtype(G)

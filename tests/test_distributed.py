@@ -103,6 +103,7 @@ def test_norm_pass_reduces_nothing(ranks):
 def test_privacy_engine_step_is_the_one_process_step(ranks, mode, noise):
     import dpgrad.opacus
     from opacus import PrivacyEngine
+    from opacus.optimizers import DPOptimizerFastGradientClipping
     from torch.utils.data import DataLoader, TensorDataset
 
     net = W.model()
@@ -113,6 +114,14 @@ def test_privacy_engine_step_is_the_one_process_step(ranks, mode, noise):
         noise_multiplier=noise, max_grad_norm=W.C, poisson_sampling=False, single_backward=MODES[mode],
         noise_generator=torch.Generator().manual_seed(7),  # rank 0's generator: its noise is the only one
     )
+    # In one process make_private gives dpgrad's batched optimizer, which draws its noise in
+    # one call; the distributed one is Opacus's, drawing it parameter by parameter: the same
+    # draws (same generator) come from Opacus's one-process optimizer.
+    assert type(optimizer) is dpgrad.opacus.DPOptimizerFastGradientClipping
+    optimizer = DPOptimizerFastGradientClipping(
+        optimizer.original_optimizer, noise_multiplier=noise, max_grad_norm=W.C,
+        expected_batch_size=optimizer.expected_batch_size, loss_reduction=optimizer.loss_reduction,
+        generator=torch.Generator().manual_seed(7))
     (batch,) = next(iter(loader))
     optimizer.zero_grad()
     W.lm_step(wrapped, criterion, batch)

@@ -102,6 +102,8 @@ def test_make_private_trains_and_accounts(mode):
         module, optimizer, criterion, loader = out
         assert type(module) is dpgrad.GradSampleModuleFastGradientClipping
         assert module.single_backward == (mode == "ghost-single")
+        # Opacus's optimizer, its per-parameter loops batched.
+        assert type(optimizer) is dpgrad.opacus.DPOptimizerFastGradientClipping
         assert isinstance(optimizer, DPOptimizerFastGradientClipping)
         assert isinstance(criterion, dpgrad.DPLossFastGradientClipping)
         assert module.max_grad_norm == 1.0

@@ -459,3 +459,34 @@ def test_factor_samplers_rebuild_the_per_sample_gradients():
     assert (L[ids == 2] == -1).all()
     expected = embedding_samplers.embedding_grad_sample(emb, [ids], G)[emb.weight]
     assert_tensor_close(naive_outer_sum(L, Rt, 7), expected, 1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_coefficients_in_half_precision_never_exceed_their_value(dtype):
+    """A coefficient rounded up would let a clipped gradient exceed the clipping bound."""
+    g = torch.Generator().manual_seed(0)
+    coef = torch.cat([torch.rand(100_000, generator=g), torch.tensor([1.0, 0.0, 0.999999, 1e-3, 1e-9])])
+    low = R.coefficients_in(coef, dtype)
+    assert low.dtype == dtype
+    assert (low.float() <= coef).all()
+    # Within two units in the last place of the nearest value, where it is a normal number.
+    normal = coef >= torch.finfo(dtype).tiny
+    assert ((coef - low.float())[normal] <= 2 * torch.finfo(dtype).eps * coef[normal]).all()
+    assert R.coefficients_in(coef, torch.float32) is coef
+    assert R.coefficients_in(coef, torch.float64).dtype == torch.float64
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_clipped_sum_gemm_in_half_precision_is_the_float64_sum(dtype):
+    g = torch.Generator().manual_seed(1)
+    B, T, d, p = 4, 6, 24, 16
+    A = torch.randn(B, T, d, generator=g).to(dtype)
+    G = torch.randn(B, T, p, generator=g).to(dtype)
+    coef = torch.rand(B, generator=g)
+    expected = torch.einsum("b,btp,btd->pd", coef.double(), G.double(), A.double())
+    for a, gg in ((A, G), (A[..., :12], G)):  # scaling G (d >= p), then A (d < p)
+        w, _ = R.linear_clipped_sum_gemm(a, gg, coef)
+        ref = expected if a.shape[-1] == d else torch.einsum("b,btp,btd->pd", coef.double(), G.double(),
+                                                              a.double())
+        assert w.dtype == dtype
+        assert (w.double() - ref).norm() <= 1e-2 * ref.norm()

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from dpgrad import registry
-from dpgrad.kernels.reference import accumulation_dtype
+from dpgrad.kernels.reference import accumulation_dtype, coefficients_in
 
 Record = Tuple[nn.Module, list, torch.Tensor]  # (layer, activations, backprops), batch first
 ParamTensors = List[Tuple[nn.Parameter, torch.Tensor]]
@@ -47,8 +47,8 @@ def row_norms(x: torch.Tensor) -> torch.Tensor:
 
 class Coefficients:
     """The clipping coefficients of a pass, (B,), and the forms of them groups use, each made
-    once per pass: in a tensor's accumulation dtype and device, repeated over T positions (for
-    a (B*T, n) operand), or expanded to L rows (for a batched product)."""
+    once per pass: in a tensor's accumulation dtype and device, or in its own dtype, repeated
+    over T positions (for a (B*T, n) operand), or expanded to L rows (for a batched product)."""
 
     def __init__(self, coef: torch.Tensor):
         self._coef = coef
@@ -63,6 +63,10 @@ class Coefficients:
         """(B,) in x's accumulation dtype, on x's device."""
         acc = accumulation_dtype(x)
         return self._form(("like", acc, x.device), lambda: self._coef.to(device=x.device, dtype=acc))
+
+    def rounded_like(self, x: torch.Tensor) -> torch.Tensor:
+        """(B,) in x's own dtype (rounded down in half precision: ``coefficients_in``)."""
+        return self._form(("rounded", x.dtype, x.device), lambda: coefficients_in(self.like(x), x.dtype))
 
     def per_token(self, T: int, x: torch.Tensor) -> torch.Tensor:
         """(B*T, 1): each sample's coefficient on each of its T positions."""

@@ -183,7 +183,7 @@ class LinearGroup(Group):
             out += zip([layer.weight for layer in layers], self._weight_sums(inputs, coef))
         if bias:
             sums = weighted_sums(coef, bias_sums.view(len(layers), -1, layers[0].bias.shape[0]))
-            out += [(layer.bias, s.to(layer.bias.dtype)) for layer, s in zip(layers, sums.unbind(0))]
+            out += zip([layer.bias for layer in layers], sums.to(layers[0].bias.dtype).unbind(0))
         self._bias_sums = None
         return out
 
@@ -198,9 +198,12 @@ class LinearGroup(Group):
             A3 = A.view(L, -1, d).to(acc)
             scaled = G.view(L, -1, p).to(acc) * coef.per_token(T, G)
             sums = torch.bmm(A3.mT, scaled) if transposed else torch.bmm(scaled.mT, A3)
-            return [s.to(dtype) for s in sums.unbind(0)]
-        c = coef.like(inputs[0][1])
+            return sums.to(dtype).unbind(0)
+        G0 = inputs[0][1]
+        c = coef.like(G0)
         cand = get_tuner().select_group("linear_clipped_sum", [(a, g, c) for a, g in inputs], layers)
+        if cand.backend == "eager":  # a GEMM on operands scaled in their own dtype
+            c = coef.rounded_like(G0)
         # Conv1D's (d, p) weight: the same sum with the roles of A and G swapped.
         return [cand.run(*((G, A) if transposed else (A, G)), c, out_dtype=dtype)[0] for A, G in inputs]
 

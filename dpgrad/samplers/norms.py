@@ -104,4 +104,10 @@ class NormLayerGroup(Group):
         self._grads = None
         n = len(params)
         sums = weighted_sums(coef, g.view(n, -1, math.prod(g.shape[1:])))
-        return [(p, (s if s.shape == p.shape else s.view(p.shape)).to(p.dtype)) for p, s in zip(params, sums.unbind(0))]
+        if len({p.dtype for p in params}) == 1:  # one cast for the group, not one per parameter
+            sums = sums.to(params[0].dtype)
+        out = []
+        for p, s in zip(params, sums.unbind(0)):
+            s = s if s.shape == p.shape else s.view(p.shape)
+            out.append((p, s if s.dtype == p.dtype else s.to(p.dtype)))
+        return out

@@ -1,0 +1,185 @@
+"""``dpgrad.opacus.DPOptimizerFastGradientClipping``: Opacus's DP optimizer for ghost clipping
+with its per-parameter loops batched. Checked against Opacus's own optimizer (no noise: the
+same update, step skipping included), and the noise by its statistics: independent N(0, s^2)
+coordinates, fresh at every step, on every parameter."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("opacus")
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from opacus.optimizers import DPOptimizerFastGradientClipping as OpacusOptimizer  # noqa: E402
+
+import dpgrad.opacus  # noqa: E402
+from dpgrad.opacus import DPOptimizerFastGradientClipping  # noqa: E402
+
+BENCHMARKS = str(Path(__file__).parents[1] / "benchmarks")
+if BENCHMARKS not in sys.path:
+    sys.path.insert(0, BENCHMARKS)
+from dispatch_counts import DispatchCounts  # noqa: E402
+
+pytestmark = pytest.mark.opacus
+
+SHAPES = [(7, 5), (5,), (3, 4, 2), (), (11,)]
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _params(dtypes=(torch.float32,), device="cpu"):
+    g = torch.Generator().manual_seed(0)
+    return [nn.Parameter(torch.randn(shape, generator=g).to(device=device, dtype=dtypes[i % len(dtypes)]))
+            for i, shape in enumerate(SHAPES)]
+
+
+def _grads(params, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(p.shape, generator=g).to(device=p.device, dtype=p.dtype) for p in params]
+
+
+def _optimizer(cls, params, noise=0.0, reduction="mean", batch=4, **kwargs):
+    return cls(torch.optim.SGD(params, lr=0.5), noise_multiplier=noise, max_grad_norm=1.5,
+               expected_batch_size=batch, loss_reduction=reduction, **kwargs)
+
+
+def _run(cls, steps, dtypes=(torch.float32,), reduction="mean", set_to_none=True, device="cpu"):
+    """Parameters after ``steps``: per step, a list of clipped gradients and whether the step
+    is skipped (a virtual step of a large batch)."""
+    params = _params(dtypes, device)
+    opt = _optimizer(cls, params, reduction=reduction)
+    grads_seen = []
+    for i, skip in enumerate(steps):
+        for p, g in zip(params, _grads(params, seed=i)):
+            p.grad = g.clone()
+        opt.signal_skip_step(do_skip=skip)
+        opt.step()
+        grads_seen.append([None if p.grad is None else p.grad.clone() for p in params])
+        opt.zero_grad(set_to_none=set_to_none)
+    return [p.detach() for p in params], grads_seen
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("steps", [[False], [False, False], [True, False], [True, True, False, False]])
+def test_without_noise_the_update_is_opacus(reduction, set_to_none, steps, device):
+    dtypes = (torch.float32, torch.float64, torch.bfloat16)
+    ours, ours_grads = _run(DPOptimizerFastGradientClipping, steps, dtypes, reduction, set_to_none, device)
+    theirs, their_grads = _run(OpacusOptimizer, steps, dtypes, reduction, set_to_none, device)
+    for a, b in zip(ours, theirs):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for step_a, step_b in zip(ours_grads, their_grads):
+        for a, b in zip(step_a, step_b):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_skipped_step_keeps_its_sum_through_zero_grad_in_place():
+    """The sum of a skipped step is the gradient tensor until it is copied: zero_grad's in-place
+    zeroing must not reach it."""
+    params = _params()
+    opt = _optimizer(DPOptimizerFastGradientClipping, params, reduction="sum")
+    first = _grads(params, seed=1)
+    for p, g in zip(params, first):
+        p.grad = g.clone()
+    opt.signal_skip_step(do_skip=True)
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    assert all(p.grad.abs().sum() == 0 for p in params)
+    for p, g in zip(params, first):
+        torch.testing.assert_close(p.summed_grad, g, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_noise_is_independent_gaussian_on_every_coordinate(dtype, device):
+    torch.manual_seed(0)
+    sizes = [(300, 200), (200,), (300, 200), (1,)]
+    params = [nn.Parameter(torch.zeros(s, dtype=dtype, device=device)) for s in sizes]
+    noise_multiplier, batch = 0.7, 8
+    opt = _optimizer(DPOptimizerFastGradientClipping, params, noise=noise_multiplier, batch=batch)
+    std = noise_multiplier * opt.max_grad_norm
+    draws = []
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        draws.append([(p.grad.double() * batch) for p in params])  # "mean": p.grad = noise / B
+        opt.zero_grad()
+    for step in draws:
+        flat = torch.cat([n.flatten() for n in step])
+        n = flat.numel()
+        assert abs(flat.mean().item()) < 5 * std / math.sqrt(n)
+        # The sample standard deviation of n normals is within 5 of its own deviations.
+        assert abs(flat.std().item() / std - 1) < 5 / math.sqrt(2 * n) + 0.01 * (dtype == torch.bfloat16)
+        for piece in step[:3]:
+            assert abs(piece.std().item() / std - 1) < 5 / math.sqrt(2 * piece.numel()) + 0.02
+    # Two parameters of one shape, and one parameter at two steps, draw independent noise.
+    for a, b in [(draws[0][0], draws[0][2]), (draws[0][0], draws[1][0])]:
+        corr = torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].item()
+        assert abs(corr) < 5 / math.sqrt(a.numel())
+
+
+def test_a_parameter_without_gradient_gets_noise():
+    params = _params()
+    opt = _optimizer(DPOptimizerFastGradientClipping, params, noise=1.0, reduction="sum")
+    for p, g in zip(params[1:], _grads(params[1:], seed=0)):
+        p.grad = g
+    opt.step()
+    assert params[0].grad is not None and params[0].grad.shape == params[0].shape
+    assert params[0].grad.abs().min() > 0
+    quiet = _params()
+    opt = _optimizer(DPOptimizerFastGradientClipping, quiet, noise=0.0, reduction="sum")
+    opt.step()
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in quiet)
+
+
+def test_a_second_step_without_zero_grad_is_refused_like_opacus():
+    for cls in (DPOptimizerFastGradientClipping, OpacusOptimizer):
+        params = _params()
+        opt = _optimizer(cls, params)
+        for p, g in zip(params, _grads(params, seed=0)):
+            p.grad = g
+        opt.step()
+        with pytest.raises(ValueError, match="zero_grad"):
+            opt.step()
+
+
+def test_secure_mode_draws_opacus_noise():
+    """Secure mode runs Opacus's own noise code: the same generator gives the same update."""
+    updates = []
+    for cls in (DPOptimizerFastGradientClipping, OpacusOptimizer):
+        params = _params()
+        opt = _optimizer(cls, params, noise=1.0, generator=torch.Generator().manual_seed(5), secure_mode=True)
+        for p, g in zip(params, _grads(params, seed=0)):
+            p.grad = g
+        opt.step()
+        updates.append([p.grad.clone() for p in params])
+    for a, b in zip(*updates):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_step_dispatches_a_few_operations_and_a_view_per_parameter():
+    """Opacus's noise and scaling cost about five operations per parameter (so hundreds of
+    launches for a transformer); these a view per parameter and a fixed number of batched
+    operations. (The wrapped optimizer's own step is the same for both, and left out.)"""
+    params = [nn.Parameter(torch.zeros(3, 2)) for _ in range(40)]
+    counts = {}
+    for cls in (DPOptimizerFastGradientClipping, OpacusOptimizer):
+        opt = _optimizer(cls, params, noise=1.0)
+        for _ in range(2):
+            for p in params:
+                p.grad = torch.ones_like(p)
+            with DispatchCounts() as c:
+                assert opt.pre_step()
+            opt.zero_grad()
+        counts[cls] = c
+    ours, theirs = counts[DPOptimizerFastGradientClipping], counts[OpacusOptimizer]
+    assert theirs.ops >= 4 * len(params)
+    assert ours.ops <= len(params) + 12, ours.names
+    assert ours.syncs == 0
+
