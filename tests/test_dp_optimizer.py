@@ -16,7 +16,6 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from opacus.optimizers import DPOptimizerFastGradientClipping as OpacusOptimizer  # noqa: E402
 
-import dpgrad.opacus  # noqa: E402
 from dpgrad.opacus import DPOptimizerFastGradientClipping  # noqa: E402
 
 BENCHMARKS = str(Path(__file__).parents[1] / "benchmarks")
