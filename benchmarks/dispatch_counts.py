@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -90,6 +91,8 @@ class DispatchCounts(TorchDispatchMode):
         self.syncs = 0
         self.names: Counter = Counter()
         self.sync_names: Counter = Counter()
+        # Tensors made from host data in this step (torch.tensor, a list used as an index).
+        self._from_host: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -98,10 +101,21 @@ class DispatchCounts(TorchDispatchMode):
         name = str(func)
         self.ops += 1
         self.names[name] += 1
-        if waits_for_device(func, args, kwargs):
+        if waits_for_device(func, args, kwargs) or self._indexes_by_host_data(func, args):
             self.syncs += 1
             self.sync_names[name] += 1
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func is aten.lift_fresh.default:
+            self._from_host[id(out)] = out
+        return out
+
+    def _indexes_by_host_data(self, func, args) -> bool:
+        """Indexing by a tensor made from host data in the step (``x[[0, 2]]``): on a GPU the
+        index is copied from pageable memory to the device, and that copy waits for the queue.
+        (On a CPU the same call is made, so it is counted the same.)"""
+        if func.overloadpacket not in _INDEXING:
+            return False
+        return any(isinstance(i, torch.Tensor) and self._from_host.get(id(i)) is i for i in args[1] or ())
 
 
 def count(run: Callable[[], None]) -> DispatchCounts:

@@ -109,6 +109,7 @@ class BackwardPath:
         self._pass_open = False
         self._records: List = []
         self._edges = ForwardEdges()
+        self._row_indices: Dict[tuple, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ the layers hooked
     def _layers_to_hook(self, module: nn.Module, prefix: str = "", seen: Optional[set] = None):
@@ -495,7 +496,7 @@ class ClippingPath(BackwardPath):
         for p, rows_of in index.items():
             if len(rows_of) == 1:
                 continue
-            sq = rows[rows_of].square().sum(0)
+            sq = rows.index_select(0, self._row_index(rows_of, rows.device)).square().sum(0)
             uses = factors[p]
             for i in range(len(uses)):
                 for j in range(i + 1, len(uses)):
@@ -504,8 +505,17 @@ class ClippingPath(BackwardPath):
             # Rounding can take the square of an exact zero (opposite uses) slightly below it.
             combined.append(sq.clamp_min(0).sqrt())
             out_params.append(p)
-        kept = rows[once] if once else rows.new_zeros(0, rows.shape[1])
+        kept = rows.index_select(0, self._row_index(once, rows.device))
         return out_params, torch.cat([kept, torch.stack(combined)])
+
+    def _row_index(self, rows: List[int], device: torch.device) -> torch.Tensor:
+        """``rows`` as an index tensor on ``device``, made once: indexing by a Python list
+        copies the list to the device at every call, which on a GPU waits for the queue."""
+        key = (tuple(rows), device)
+        found = self._row_indices.get(key)
+        if found is None:
+            found = self._row_indices[key] = torch.tensor(rows, dtype=torch.int64, device=device)
+        return found
 
     # ------------------------------------------------------------------ clipped sums
     def _clipped_sums(self, coef: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
