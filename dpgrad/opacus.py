@@ -149,39 +149,25 @@ class DPOptimizerFastGradientClipping(_OpacusDPOptimizerFastGradientClipping):
     """
 
     def accumulate(self):
-        params = self.params
-        if all(p.summed_grad is None for p in params):
-            for p in params:
-                p.summed_grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            return
         summed, grads = [], []
-        for p in params:
-            if p.grad is None:
-                if p.summed_grad is None:
-                    p.summed_grad = torch.zeros_like(p)
-            elif p.summed_grad is None:
-                p.summed_grad = p.grad.clone()
-            else:
+        for p in self.params:
+            if p.summed_grad is None:
+                # The gradient itself: pre_step copies it only if the step is skipped.
+                p.summed_grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            elif p.grad is not None:
                 summed.append(p.summed_grad)
                 grads.append(p.grad)
         if summed:
             torch._foreach_add_(summed, grads)
 
     def pre_step(self, closure=None) -> bool:
-        self.accumulate()
-        if self._check_skip_next_step():
-            self._is_last_step_skipped = True
-            # The sums outlive this step: they must not be p.grad, which zero_grad may clear.
+        stepped = super().pre_step(closure)
+        if not stepped:
+            # A skipped step's sums outlive it: they must not be p.grad, which zero_grad may clear.
             for p in self.params:
                 if p.summed_grad is p.grad:
                     p.summed_grad = p.grad.clone()
-            return False
-        self.add_noise()
-        self.scale_grad()
-        if self.step_hook:
-            self.step_hook(self)
-        self._is_last_step_skipped = False
-        return True
+        return stepped
 
     def add_noise(self):
         if self.secure_mode:
