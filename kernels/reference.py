@@ -173,11 +173,11 @@ def linear_clipped_sum_gemm(
     out_dtype = out_dtype or G.dtype
     B, T, d = A.shape
     p = G.shape[-1]
-    c = coefficients_in(coef.to(G.device), G.dtype).view(B, 1, 1)
+    coef = coef.to(G.device)
     if d < p:
-        A = A * (c if A.dtype == G.dtype else coefficients_in(coef.to(G.device), A.dtype).view(B, 1, 1))
+        A = A * coefficients_in(coef, A.dtype).view(B, 1, 1)
     else:
-        G = G * c
+        G = G * coefficients_in(coef, G.dtype).view(B, 1, 1)
     if A.dtype != G.dtype:
         A = A.to(G.dtype)
     weight = torch.mm(G.reshape(B * T, p).t(), A.reshape(B * T, d))
