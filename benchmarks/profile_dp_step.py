@@ -123,7 +123,8 @@ def main(argv=None) -> int:
         for name, calls, ms in r["top_host"]:
             print(f"  {ms:8.3f}  {calls:6d}  {name}")
     if args.json:
-        args.json.write_text(json.dumps({"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "rows": rows}, indent=1))
+        settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        args.json.write_text(json.dumps({"settings": settings, "rows": rows}, indent=1))
     return 0
 
 
