@@ -5,7 +5,7 @@ dpgrad's per-layer work is small GEMMs and reductions; on a GPU, with a model of
 and a large batch, the kernels are fast and the question is whether the host keeps the GPU
 fed. Each hooked layer adds operations the host must dispatch (and kernels it must launch),
 and every operation that waits for the device (an ``item()``, a boolean mask, a
-data-sized output) stalls the queue. This suite measures that overhead per hooked layer,
+data-sized output, an index made from host data) stalls the queue. This suite measures that overhead per hooked layer,
 against the non-private step of the same model, on two-layer Hugging Face models (two
 layers keep the per-layer figures from drowning in per-layer kernel time):
 - ``hf-gpt2-2l``: GPT-2, full fine-tuning, tied embeddings, no dropout;
