@@ -14,6 +14,7 @@ Nothing here knows about hooks.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Hashable, List, Optional, Sequence, Tuple
 
 import torch
@@ -79,11 +80,21 @@ class Coefficients:
                           lambda: self.like(x).view(1, 1, -1).expand(L, 1, self._coef.shape[0]))
 
 
-def weighted_sums(coef: Coefficients, x: torch.Tensor, shape: Optional[Tuple[int, ...]] = None) -> torch.Tensor:
-    """``sum_b coef_b x[l, b]`` for x (L, B, n): (L, n), or ``shape`` (L, ...), accumulated in
-    fp32 (fp64)."""
-    sums = torch.bmm(coef.rows(x.shape[0], x), x.to(accumulation_dtype(x)))
-    return sums.view(shape if shape is not None else (x.shape[0], x.shape[2]))
+def clipped_sums_of(params: Sequence[nn.Parameter], coef: Coefficients, grads: torch.Tensor) -> ParamTensors:
+    """``sum_b coef_b g_b`` for L parameters whose per-sample gradients are ``grads`` (L*B, ...),
+    one block of B rows per parameter: (parameter, sum) pairs, accumulated in fp32 (fp64) by one
+    batched product, each sum in its parameter's shape and dtype (cast once for the group when
+    they share a dtype)."""
+    x = grads.view(len(params), -1, math.prod(grads.shape[1:]))
+    sums = torch.bmm(coef.rows(x.shape[0], x), x.to(accumulation_dtype(x))).view(len(params), *grads.shape[1:])
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) == 1:
+        sums = sums.to(dtypes.pop())
+    out = []
+    for p, s in zip(params, sums.unbind(0)):
+        s = s if s.shape == p.shape else s.view(p.shape)
+        out.append((p, s if s.dtype == p.dtype else s.to(p.dtype)))
+    return out
 
 
 class Group:

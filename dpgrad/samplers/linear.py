@@ -29,7 +29,7 @@ from dpgrad.registry import (
     register_norm_group,
     register_norm_sampler,
 )
-from dpgrad.samplers.groups import Coefficients, Group, cat, row_norms, stackable, weighted_sums
+from dpgrad.samplers.groups import Coefficients, Group, cat, clipped_sums_of, row_norms, stackable
 from dpgrad.tuning import get_tuner
 
 CONV1D = "transformers.pytorch_utils.Conv1D"
@@ -182,8 +182,7 @@ class LinearGroup(Group):
         if weight:
             out += zip([layer.weight for layer in layers], self._weight_sums(inputs, coef))
         if bias:
-            sums = weighted_sums(coef, bias_sums.view(len(layers), -1, layers[0].bias.shape[0]))
-            out += zip([layer.bias for layer in layers], sums.to(layers[0].bias.dtype).unbind(0))
+            out += clipped_sums_of([layer.bias for layer in layers], coef, bias_sums)
         self._bias_sums = None
         return out
 
@@ -241,6 +240,4 @@ class LinearGradSampleGroup(LinearGroup):
 
     def _weight_sums(self, inputs, coef):
         w, self._grads = self._grads, None
-        L = len(self._layers)
-        sums = weighted_sums(coef, w.view(L, -1, w.shape[1] * w.shape[2]), (L, w.shape[1], w.shape[2]))
-        return [s.to(self._layers[0].weight.dtype) for s in sums.unbind(0)]
+        return [s for _, s in clipped_sums_of([layer.weight for layer in self._layers], coef, w)]

@@ -6,7 +6,6 @@ of these directly; ``NormLayerGroup`` computes those of many such layers at once
 
 from __future__ import annotations
 
-import math
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -15,7 +14,7 @@ import torch.nn.functional as F
 
 from dpgrad.kernels.reference import accumulation_dtype
 from dpgrad.registry import register_grad_sample_group, register_grad_sampler
-from dpgrad.samplers.groups import Group, cat, row_norms, stackable, weighted_sums
+from dpgrad.samplers.groups import Group, cat, clipped_sums_of, row_norms, stackable
 
 
 def _sum_tokens(x: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -102,12 +101,4 @@ class NormLayerGroup(Group):
     def clipped_sums(self, coef):
         params, g = self._params, self._grads
         self._grads = None
-        n = len(params)
-        sums = weighted_sums(coef, g.view(n, -1, math.prod(g.shape[1:])))
-        if len({p.dtype for p in params}) == 1:  # one cast for the group, not one per parameter
-            sums = sums.to(params[0].dtype)
-        out = []
-        for p, s in zip(params, sums.unbind(0)):
-            s = s if s.shape == p.shape else s.view(p.shape)
-            out.append((p, s if s.dtype == p.dtype else s.to(p.dtype)))
-        return out
+        return clipped_sums_of(params, coef, g)
