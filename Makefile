@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 DASHBOARD := build/dashboard
+# The test modules that go through the samplers, run a second time on the Triton kernels.
+BACKEND_TESTS := test_reference_models.py test_single_backward.py test_opacus_suite.py \
+	test_hf_models.py test_opacus_training_step.py test_distributed.py test_errors.py \
+	test_opacus_integration.py test_mixed_precision.py test_gpu_dp_step.py test_dp_optimizer.py
 
 # gpt2-small in bf16 on a CUDA GPU, the tiny preset in fp32 (eager fallback) otherwise; then
 # the benchmark suites in quick mode (minutes on a CPU) and their dashboard.
@@ -33,8 +37,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
-	# Again with every sampler on the Triton kernels (Triton's interpreter when there is no GPU).
-	DPGRAD_BACKEND=triton $(PY) -m pytest -q -p no:cacheprovider tests
+	# Again with every sampler on the Triton kernels (Triton's interpreter when there is no GPU):
+	# the tests that run the wrappers and samplers. The kernels' own tests choose their backend
+	# and ran above; the tools, store and package tests do not reach a kernel.
+	DPGRAD_BACKEND=triton $(PY) -m pytest -q -p no:cacheprovider $(addprefix tests/,$(BACKEND_TESTS))
 	# The benchmark suites at small sizes, once each and untimed: collection and one round.
 	DPGRAD_BENCH_QUICK=1 $(PY) -m pytest -q -p no:cacheprovider benchmarks
 
