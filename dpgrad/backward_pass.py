@@ -12,7 +12,8 @@ Every hooked layer (a layer with trainable parameters of its own) goes through t
 3. Finish (``_finish_pass``, once per backward pass, queued behind its last hook):
    - per-sample gradients: summed over the uses of each parameter, onto ``p.grad_sample``;
    - norms (``ClippingPath``): the records grouped by layer type and shapes
-     (``dpgrad.samplers.groups``), each group's per-sample gradient norms in a few batched
+     (``dpgrad.samplers.groups``; the grouping is planned once for a pass of given layers,
+     shapes and trainable parameters, and reused), each group's per-sample gradient norms in a few batched
      operations, rows of one (P, B) matrix; ``p._norm_sample`` and the total norm (B,) from
      it. A clipped backward then takes the coefficients ``min(1, C / (norm + 1e-6))`` once
      and, in single-backward mode, each group's clipped sums, which reach ``p.grad`` through
@@ -31,7 +32,9 @@ before anything reaches ``p.grad``.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -52,6 +55,33 @@ NORMS_ONLY, KEEP_FOR_CLIPPING = "norms", "keep"
 # have at most this many elements over the batch (too small to matter, and fewer operations).
 GRAD_SAMPLE_MEMORY_FRACTION = 0.25
 TINY_GRAD_SAMPLE_ELEMENTS = 1 << 18
+# Finish plans kept per wrapper: one per pass layout (a batch size under Poisson sampling).
+MAX_PLANS = 64
+
+
+@dataclass
+class FinishPlan:
+    """How a clipped pass's records are served: ``groups``, (what makes the group from its
+    records, the records' indices in the pass); ``by_norm``, the indices of the records clipped
+    from their norms; ``combined``, whether a parameter has several rows to combine (known after
+    the first pass of the plan)."""
+
+    groups: List[Tuple[Callable[[List[Record]], Group], Tuple[int, ...]]]
+    by_norm: Tuple[int, ...]
+    combined: Optional[bool] = None
+
+
+def _record_key(layer: nn.Module, params: Tuple[nn.Parameter, ...], activations: list, backprops: torch.Tensor) -> tuple:
+    """What a record's place in a finish plan depends on: its layer, which of the layer's
+    parameters train, and the shapes, dtypes and devices of its inputs and backprops."""
+    return (layer, tuple(p.requires_grad for p in params), backprops.shape, backprops.dtype, backprops.device,
+            *((a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else type(a) for a in activations))
+
+
+def region(name: str):
+    """A named range in a torch.profiler trace while a profiler runs; nothing otherwise
+    (``record_function`` costs microseconds even with no profiler to see it)."""
+    return record_function(name) if torch._C._autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 def own_trainable(module: nn.Module) -> bool:
@@ -110,6 +140,7 @@ class BackwardPath:
         self._records: List = []
         self._edges = ForwardEdges()
         self._row_indices: Dict[tuple, torch.Tensor] = {}
+        self._plans: Dict[tuple, FinishPlan] = {}
 
     # ------------------------------------------------------------------ the layers hooked
     def _layers_to_hook(self, module: nn.Module, prefix: str = "", seen: Optional[set] = None):
@@ -285,7 +316,7 @@ class BackwardPath:
 
     def _close_pass(self) -> None:
         try:
-            with torch.no_grad(), record_function("dpgrad.finish"):
+            with torch.no_grad(), region("dpgrad.finish"):
                 self._finish_pass()
         finally:
             self._end_pass()
@@ -398,25 +429,58 @@ class ClippingPath(BackwardPath):
     def _wait_finite(self) -> None:
         check, self._finite = self._finite, None
         if check is not None:
-            with record_function("dpgrad.wait_finite"):
+            with region("dpgrad.wait_finite"):
                 check.wait()
 
     def _norm_rows(self, records: List[Record]) -> Tuple[List[nn.Parameter], Optional[torch.Tensor]]:
-        """The pass's parameters (each once) and their per-sample gradient norms (P, B).
-
-        A record is clipped from its per-sample gradients when its layer has no norm sampler
-        or when they are small (``_small_grad_sample``), else from its norm ("ghost"). A
-        parameter used by several records gets the norm of its summed gradient: from the sum of
-        its per-sample gradients, or, for ghost uses, from the uses' norms and cross terms.
-        """
+        """The pass's parameters (each once) and their per-sample gradient norms (P, B), by
+        the pass's plan (``_finish_plan``): each group's norms, then, for a parameter used by
+        several records, the norm of its summed gradient."""
         if not records:
             return [], None
+        plan = self._finish_plan(records)
+        groups = [make([records[i] for i in at]) for make, at in plan.groups]
+        params, pieces = [], []
+        for group in groups:
+            ps, rows = group.norms()
+            params += ps
+            pieces += rows
+        self._kept = groups if self._norm_pass == KEEP_FOR_CLIPPING else None
+        if not params:
+            return [], None
+        rows = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).view(len(params), -1)
+        if plan.combined is None:
+            plan.combined = len(params) != len(set(params))
+        if plan.combined:
+            params, rows = self._combine_uses(params, rows, [records[i] for i in plan.by_norm])
+        return params, rows
+
+    def _finish_plan(self, records: List[Record]) -> "FinishPlan":
+        """How the pass's records are grouped, planned once for a pass of the same layers,
+        shapes, dtypes and trainable parameters (a training loop's every step): see
+        ``_plan``."""
+        key = (registry.version, len(self._shared), self.use_ghost_clipping, self.single_backward,
+               *(_record_key(layer, self._own_params[layer], activations, backprops)
+                 for layer, activations, backprops in records))
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= MAX_PLANS:  # Poisson batches: one plan per batch size seen
+                self._plans.clear()
+            plan = self._plans[key] = self._plan(records)
+        return plan
+
+    def _plan(self, records: List[Record]) -> "FinishPlan":
+        """A record is clipped from its per-sample gradients when its layer has no norm
+        sampler or when they are small (``_small_grad_sample``), else from its norm ("ghost").
+        A parameter used by several records gets the norm of its summed gradient: from the
+        sum of its per-sample gradients, or, for ghost uses, from the uses' norms and cross
+        terms. The records are then grouped (``group_records``)."""
         uses: Dict[nn.Parameter, list] = {}
-        for rec in records:
+        for i, rec in enumerate(records):
             for p in self._layer_params(rec[0]):
-                uses.setdefault(p, []).append(rec)
+                uses.setdefault(p, []).append(i)
         ghost = {}
-        for rec in records:
+        for i, rec in enumerate(records):
             layer = rec[0]
             if not self._uses_norm_sampler(layer):
                 continue
@@ -428,36 +492,26 @@ class ClippingPath(BackwardPath):
                     "passes before one backward); ghost clipping combines the uses of one forward "
                     "pass only. Run backward after every forward pass."
                 )
-            ghost[id(rec)] = not self._small_grad_sample(rec)
+            ghost[i] = not self._small_grad_sample(rec)
         # A parameter's uses are all summed as per-sample gradients or all ghost.
-        for p, recs in uses.items():
-            if len(recs) > 1 and any(ghost.get(id(r), False) for r in recs):
-                for r in recs:
-                    ghost[id(r)] = True
+        for p, at in uses.items():
+            if len(at) > 1 and any(ghost.get(i, False) for i in at):
+                for i in at:
+                    ghost[i] = True
         by_norm, alone, summed = [], [], []
-        for rec in records:
-            if ghost.get(id(rec), False):
-                by_norm.append(rec)
+        for i, rec in enumerate(records):
+            if ghost.get(i, False):
+                by_norm.append(i)
             elif any(len(uses[p]) > 1 for p in self._layer_params(rec[0])):
-                summed.append(rec)
+                summed.append(i)
             else:
-                alone.append(rec)
-        groups = group_records(by_norm, lambda layer: registry.NORM_GROUPS.get(type(layer)), SamplerGroup)
-        groups += group_records(alone, self._grad_sample_group, lambda recs: GradSampleGroup(recs, self._grad_sampler))
+                alone.append(i)
+        per_sample = partial(GradSampleGroup, sampler_for=self._grad_sampler)
+        groups = group_records(records, by_norm, lambda layer: registry.NORM_GROUPS.get(type(layer)), SamplerGroup)
+        groups += group_records(records, alone, self._grad_sample_group, per_sample)
         if summed:
-            groups.append(GradSampleGroup(summed, self._grad_sampler))
-        params, pieces = [], []
-        for group in groups:
-            ps, rows = group.norms()
-            params += ps
-            pieces += rows
-        self._kept = groups if self._norm_pass == KEEP_FOR_CLIPPING else None
-        if not params:
-            return [], None
-        rows = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).view(len(params), -1)
-        if len(params) != len(set(params)):
-            params, rows = self._combine_uses(params, rows, by_norm)
-        return params, rows
+            groups.append((per_sample, tuple(summed)))
+        return FinishPlan(groups, tuple(by_norm))
 
     def _small_grad_sample(self, rec: Record) -> bool:
         """Whether a layer's per-sample gradients (fp32) take a small fraction of the memory of
@@ -526,7 +580,7 @@ class ClippingPath(BackwardPath):
             coef = coef * coef.shape[0]  # the records' backprops are those of the mean
         coefs = Coefficients(coef)
         sums: Dict[nn.Parameter, torch.Tensor] = {}
-        with record_function("dpgrad.clipped_sums"):
+        with region("dpgrad.clipped_sums"):
             while groups:
                 for p, s in groups.pop().clipped_sums(coefs):
                     sums[p] = s if p not in sums else sums[p] + s

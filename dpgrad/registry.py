@@ -39,6 +39,10 @@ FACTOR_SAMPLERS: Dict[Type[nn.Module], Sampler] = {}
 NORM_GROUPS: Dict[Type[nn.Module], type] = {}
 GRAD_SAMPLE_GROUPS: Dict[Type[nn.Module], type] = {}
 
+# Changes whenever a table does: what is planned from the tables (a backward pass's finish
+# plan, dpgrad.backward_pass) is planned again.
+version = 0
+
 # "package.module.Class" -> [(table, sampler)], for classes dpgrad does not import.
 _BY_PATH: Dict[str, List[Tuple[Dict[Type[nn.Module], Sampler], Sampler]]] = {}
 
@@ -57,6 +61,8 @@ def _targets(target: Target) -> list:
 
 def _register(table: Dict[Type[nn.Module], Sampler], target: Target):
     def decorator(fn: Sampler) -> Sampler:
+        global version
+        version += 1
         for cls in _targets(target):
             if isinstance(cls, str):
                 _BY_PATH.setdefault(cls, []).append((table, fn))
@@ -69,9 +75,12 @@ def _register(table: Dict[Type[nn.Module], Sampler], target: Target):
 
 def resolve(model: nn.Module) -> None:
     """Enter the classes registered by dotted path that ``model`` uses in the tables."""
+    global version
     for cls in {type(m) for m in model.modules()}:
         for table, fn in _BY_PATH.get(class_path(cls), ()):
-            table.setdefault(cls, fn)
+            if cls not in table:
+                table[cls] = fn
+                version += 1
 
 
 def register_grad_sampler(target_class_or_classes: Target):

@@ -60,22 +60,27 @@ def clipping_bound(model, batches, batch_first):
     return float(ranked[B // 2 - 1] + ranked[B // 2]) / 2
 
 
-def check_clipped_sums(model, batches, mode, loss_reduction, batch_first, rtol=RTOL, ghost=True):
+def check_clipped_sums(model, batches, mode, loss_reduction, batch_first, rtol=RTOL, ghost=True, wrapped=None):
     """Accumulate the micro-batches through DPLossFastGradientClipping; check every p.grad
     against the float64 reference clipped sum. Returns {name: p.grad}. A mode "...-norms"
-    clips every layer that has a norm sampler from its norms."""
+    clips every layer that has a norm sampler from its norms. ``wrapped``: a wrapper made
+    earlier (by ``wrap``) around a copy of ``model`` to go on with (its max_grad_norm is set
+    here); ``model`` then gives the reference only."""
     if mode.endswith("-norms"):
         with clipped_from_norms():
             return _check_clipped_sums(model, batches, mode.removesuffix("-norms"), loss_reduction, batch_first,
-                                       rtol, ghost)
-    return _check_clipped_sums(model, batches, mode, loss_reduction, batch_first, rtol, ghost)
+                                       rtol, ghost, wrapped)
+    return _check_clipped_sums(model, batches, mode, loss_reduction, batch_first, rtol, ghost, wrapped)
 
 
-def _check_clipped_sums(model, batches, mode, loss_reduction, batch_first, rtol, ghost):
+def _check_clipped_sums(model, batches, mode, loss_reduction, batch_first, rtol, ghost, wrapped=None):
     refs = [per_sample_grads(model, x.detach(), y, per_sample_loss, batch_first) for x, y in batches]
     C = clipping_bound(model, batches, batch_first)
-    params = dict(model.named_parameters())
-    wrapped = wrap(model, mode, loss_reduction=loss_reduction, batch_first=batch_first, max_grad_norm=C, ghost=ghost)
+    params = dict(model.named_parameters() if wrapped is None else wrapped._module.named_parameters())
+    if wrapped is None:
+        wrapped = wrap(model, mode, loss_reduction=loss_reduction, batch_first=batch_first, max_grad_norm=C,
+                       ghost=ghost)
+    wrapped.max_grad_norm = C
     criterion = dp_criterion(wrapped, loss_reduction)
     expected = {n: 0 for n in refs[0]}
     scale = {n: 0.0 for n in refs[0]}
@@ -117,6 +122,30 @@ def test_single_equals_double_and_reference(loss_reduction, micro_batches, freez
     double = check_clipped_sums(copy.deepcopy(model), batches, "double" + policy, loss_reduction, True)
     for n in single:
         assert_tensor_close(single[n], double[n].double(), f"single vs double {n}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_finish_plans_follow_the_pass(mode):
+    """The finish step groups a pass's records by a plan made once for the pass's layout
+    (layers, shapes, trainable parameters) and reused: the same layout again reuses it; a new
+    batch size, sequence length or frozen parameter makes another; every step stays exact."""
+    cfg = NetConfig()
+    model = build(cfg, seed=3)
+    wrapped = wrap(copy.deepcopy(model), mode, loss_reduction="sum")
+    batches = [make_batch(cfg, B=4, T=3, seed=30), make_batch(cfg, B=4, T=3, seed=31),
+               make_batch(cfg, B=5, T=3, seed=32), make_batch(cfg, B=4, T=6, seed=33)]
+    check_clipped_sums(model, batches, mode, "sum", True, wrapped=wrapped)
+    assert len(wrapped._plans) == 3
+    first = next(iter(wrapped._plans.values()))
+    wrapped.zero_grad(set_to_none=True)
+    check_clipped_sums(model, batches[:1], mode, "sum", True, wrapped=wrapped)
+    assert len(wrapped._plans) == 3 and next(iter(wrapped._plans.values())) is first
+    for frozen in ("lin1.bias", "emb.weight"):
+        for m in (model, wrapped._module):
+            dict(m.named_parameters())[frozen].requires_grad_(False)
+        wrapped.zero_grad(set_to_none=True)
+        check_clipped_sums(model, batches[:1], mode, "sum", True, wrapped=wrapped)
+    assert len(wrapped._plans) == 5
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -168,17 +168,19 @@ class GradSampleGroup(Group):
         return out
 
 
-def group_records(records: List[Record], group_class: Callable[[nn.Module], Optional[type]],
-                  default: Callable[[List[Record]], Group]) -> List[Group]:
-    """``records`` grouped: by ``group_class(layer)`` and its key where there is one, else one
-    ``default`` group per record."""
+def group_records(records: List[Record], at: Sequence[int], group_class: Callable[[nn.Module], Optional[type]],
+                  default: Callable[[List[Record]], Group]) -> List[Tuple[Callable[[List[Record]], Group], Tuple[int, ...]]]:
+    """``records[i]`` for i in ``at``, grouped: by ``group_class(layer)`` and its key where there
+    is one, else one ``default`` group per record. Each group as (what makes it from its
+    records, their indices in ``records``): a plan that serves every pass of the same shapes."""
     keyed: dict = {}
-    singles: List[Group] = []
-    for rec in records:
+    singles = []
+    for i in at:
+        rec = records[i]
         cls = group_class(rec[0])
         key = cls.key(*rec) if cls is not None else None
         if key is None:
-            singles.append(cls([rec]) if cls is not None else default([rec]))
+            singles.append((cls if cls is not None else default, (i,)))
         else:
-            keyed.setdefault((cls, key), []).append(rec)
-    return [cls(recs) for (cls, _), recs in keyed.items()] + singles
+            keyed.setdefault((cls, key), []).append(i)
+    return [(cls, tuple(idx)) for (cls, _), idx in keyed.items()] + singles
