@@ -9,6 +9,13 @@
 anything imports Triton): slow, and meant for testing. float64 tensors always take the eager
 path: the kernels accumulate in fp32, which would throw away the precision asked for.
 Both modules have the same functions, so callers write ``ops_for(A, G).linear_...(A, G)``.
+
+A Triton kernel that fails to compile or run is never fatal under ``auto``: the work is done
+again by the eager function of the same name, with one warning naming the layer, the shapes
+and the error, and that work takes the eager path for those shapes from then on (the
+autotuner's candidates: ``Tuner.run``, which also remembers it in the tune store; other
+kernels: ``guarded``, for the process). Under a forced ``triton`` the failure is raised,
+naming the layer.
 """
 
 from __future__ import annotations
@@ -16,7 +23,9 @@ from __future__ import annotations
 import importlib
 import os
 import warnings
+import weakref
 from types import ModuleType
+from typing import Callable, Dict, TypeVar
 
 import torch
 
@@ -82,3 +91,62 @@ def ops_for(*tensors: torch.Tensor) -> ModuleType:
 def name_for(*tensors: torch.Tensor) -> str:
     """"triton" or "eager": what ``ops_for`` picks for these tensors."""
     return ops_for(*tensors).NAME
+
+
+# The names the wrappers give the layers they hook, for messages about a layer.
+_LAYER_NAMES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# (what, shapes and dtypes) of untuned work whose Triton kernel failed in this process.
+_FAILED: set = set()
+_R = TypeVar("_R")
+
+
+def name_layers(names: Dict[object, str]) -> None:
+    """Record ``{layer: name}`` (the names a wrapper uses) for messages about those layers."""
+    for layer, name in names.items():
+        _LAYER_NAMES[layer] = name
+
+
+def layer_name(layer) -> str:
+    """"'transformer.h.0.attn.c_attn' (Conv1D)", or the class alone for a layer no wrapper named."""
+    if layer is None:
+        return "a layer"
+    name = _LAYER_NAMES.get(layer)
+    return f"'{name}' ({type(layer).__name__})" if name is not None else type(layer).__name__
+
+
+def describe(tensors) -> str:
+    """Shapes and dtypes of the tensors among ``tensors``, for messages."""
+    return ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in tensors
+                     if isinstance(t, torch.Tensor))
+
+
+def kernel_failed(what: str, layer, where: str, exc: BaseException, instead: str) -> None:
+    """A Triton kernel doing ``what`` for ``layer`` on ``where`` (its shapes) raised ``exc``:
+    raise under a forced ``triton`` backend, else warn that ``instead`` does the work."""
+    error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
+    of = "" if layer is None else f" of layer {layer_name(layer)}"
+    if requested() == "triton":
+        raise RuntimeError(
+            f"the Triton kernel for {what}{of} failed on {where}: {error}. "
+            f"{ENV_VAR}=triton allows no fallback; unset it to fall back to the eager kernels"
+        ) from exc
+    warnings.warn(f"dpgrad: the Triton kernel for {what}{of} failed on {where} ({error}); {instead}",
+                  RuntimeWarning, stacklevel=3)
+
+
+def guarded(what: str, layer, tensors: tuple, work: Callable[[ModuleType], _R]) -> _R:
+    """``work(ops_for(*tensors))`` for work the autotuner does not choose for: if the Triton
+    kernel fails, the eager function does it (``kernel_failed``), and does it for these shapes
+    and dtypes from then on in this process."""
+    ops = ops_for(*tensors)
+    if ops is reference:
+        return work(reference)
+    key = (what, *((t.shape, t.dtype) for t in tensors))
+    if key in _FAILED and requested() != "triton":
+        return work(reference)
+    try:
+        return work(ops)
+    except Exception as exc:
+        kernel_failed(what, layer, describe(tensors), exc, "the eager kernel does it for these shapes from now on")
+        _FAILED.add(key)
+        return work(reference)

@@ -44,6 +44,7 @@ from torch.autograd.profiler import record_function
 
 from dpgrad import registry
 from dpgrad.autograd_graph import ForwardEdges
+from dpgrad.backend import guarded, name_layers
 from dpgrad.samplers import ft_compute_per_sample_gradient, prepare_layer
 from dpgrad.samplers.functorch import _first_tensor
 from dpgrad.samplers.groups import Coefficients, GradSampleGroup, Group, Record, SamplerGroup, group_records
@@ -174,6 +175,7 @@ class BackwardPath:
             self._layer_names[layer] = name
             self._own_params[layer] = tuple(layer.parameters(recurse=whole))
             handles.append(layer.register_forward_hook(self._on_layer_forward))
+        name_layers(self._layer_names)
         covered = {p for params in self._own_params.values() for p in params}
         # Parameters no hook sees (skipped layers and their children): no per-sample values.
         self._unhooked = {p for p in self._module.parameters() if p not in covered}
@@ -532,7 +534,6 @@ class ClippingPath(BackwardPath):
         """One row per parameter: a parameter with several uses gets the norm of its summed
         gradient, ``sqrt(sum_i |g_i|^2 + 2 sum_{i<j} <g_i, g_j>)``, the cross terms from the
         uses' factors (never a per-sample gradient)."""
-        from dpgrad.backend import ops_for
 
         index: Dict[nn.Parameter, List[int]] = {}
         for i, p in enumerate(params):
@@ -554,8 +555,10 @@ class ClippingPath(BackwardPath):
             uses = factors[p]
             for i in range(len(uses)):
                 for j in range(i + 1, len(uses)):
-                    ops = ops_for(*(t for t in (*uses[i], *uses[j]) if t.is_floating_point()))
-                    sq = sq + 2 * ops.outer_sum_inner(*uses[i], *uses[j]).to(sq.dtype)
+                    floats = tuple(t for t in (*uses[i], *uses[j]) if t.is_floating_point())
+                    cross = guarded(f"the cross term of parameter '{self._param_names.get(p)}'", None, floats,
+                                    lambda ops, i=i, j=j: ops.outer_sum_inner(*uses[i], *uses[j]))
+                    sq = sq + 2 * cross.to(sq.dtype)
             # Rounding can take the square of an exact zero (opposite uses) slightly below it.
             combined.append(sq.clamp_min(0).sqrt())
             out_params.append(p)

@@ -24,8 +24,15 @@ _MIN_BT = min_block(CONFIGS, "BT")
 
 @triton.jit
 def _gram_tile(X, i_b, o_i, o_j, T, n, s_b, s_t, s_n, UPCAST: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
-    """``X_b[o_i] @ X_b[o_j]^T`` as a [BT, BT] fp32 tile, over n in chunks of BK."""
+    """``X_b[o_i] @ X_b[o_j]^T`` as a [BT, BT] fp32 tile, over n in chunks of BK.
+
+    Each chunk's products are summed from zero, and the chunks' sums are added with Kahan's
+    compensation: a running fp32 sum over thousands of features (d, p) would otherwise lose
+    the low bits of every term once it is large (1e-4 relative at Llama's widths), and a
+    norm's Gram entries must be right to 1e-5.
+    """
     b_acc = tl.zeros((BT, BT), dtype=tl.float32)
+    b_low = tl.zeros((BT, BT), dtype=tl.float32)  # what the running sum has lost so far
     for k0 in range(0, n, BK):
         o_k = k0 + tl.arange(0, BK).to(tl.int64)
         m_k = o_k < n
@@ -35,7 +42,10 @@ def _gram_tile(X, i_b, o_i, o_j, T, n, s_b, s_t, s_n, UPCAST: tl.constexpr, BT: 
         # [BK, BT]
         b_xj = tl.load(X + i_b * s_b + o_j[None, :] * s_t + o_k[:, None] * s_n,
                        mask=(o_j[None, :] < T) & m_k[:, None], other=0.0)
-        b_acc = dot_fp32(b_xi, b_xj, b_acc, UPCAST)
+        b_part = dot_fp32(b_xi, b_xj, tl.zeros((BT, BT), dtype=tl.float32), UPCAST) - b_low
+        b_sum = b_acc + b_part
+        b_low = (b_sum - b_acc) - b_part
+        b_acc = b_sum
     return b_acc
 
 

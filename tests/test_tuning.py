@@ -64,7 +64,9 @@ def test_failing_and_wrong_candidates_are_skipped(tune_on, monkeypatch):
         raise RuntimeError("out of resources")
 
     monkeypatch.setattr(reference, "linear_weight_sq_norm_gram", broken)
-    assert tuner.select("linear_norm", linear_inputs()).name == "eager-direct"
+    with pytest.warns(RuntimeWarning, match=r"candidate eager-gram for linear norm failed on B=4, T=6, d=10, p=12, "
+                                            r"float32 \(RuntimeError: out of resources\)"):
+        assert tuner.select("linear_norm", linear_inputs()).name == "eager-direct"
     (decision,) = tuner._decisions.values()
     assert decision.skipped["eager-gram"].startswith("failed: RuntimeError")
 
@@ -183,3 +185,147 @@ def test_wrapper_records_a_decision_per_layer(tune_on):
     kinds = sorted((type(layer).__name__, d.kind) for layer, d, _ in rec.layers)
     assert kinds == [("Embedding", "embedding_norm"), ("Linear", "linear_norm"), ("Linear", "linear_norm")]
     assert all(isinstance(ms, float) and ms > 0 for _, _, ms in rec.layers)
+
+
+# ------------------------------------------------------------------------ failing kernels
+def _with_triton(kind, shape, tensors):
+    """The candidates ``auto`` allows on a GPU, Triton's beside the eager ones (on CPU tensors
+    the Triton kernels run under the interpreter)."""
+    from dpgrad.tuning.candidates import CANDIDATES
+
+    return [c for c in CANDIDATES[kind] if kind != "linear_norm" or (c.algorithm == "outer") == (shape.T == 1)]
+
+
+def _one_linear():
+    from collections import OrderedDict
+
+    torch.manual_seed(0)
+    return nn.Sequential(OrderedDict(fc=nn.Linear(10, 12)))
+
+
+def _norms_step(wrapped, x):
+    wrapped.zero_grad(set_to_none=True)
+    wrapped(x).square().sum().backward()
+    return wrapped.get_norm_sample()
+
+
+def _reference_norms(model, x):
+    from per_sample_reference import per_sample_grads, total_norm
+
+    return total_norm(per_sample_grads(model, x, torch.zeros(x.shape[0]), lambda out, y: out.square().flatten(1).sum(1)))
+
+
+def test_a_kernel_that_fails_in_a_step_falls_back_for_good(tune_on, monkeypatch):
+    """A Triton kernel that fails once it was chosen (as one that does not compile for a new
+    shape of the same bucket): the step completes on the eager candidate with exact norms,
+    one warning names the layer, the shape and the error, and the tune store keeps the eager
+    choice, so that a new process does not try the kernel again."""
+    import copy
+    import warnings
+
+    from dpgrad.backend import triton_ops
+    from dpgrad.tuning import tuner as tuner_module
+    from per_sample_reference import assert_norms_close
+
+    monkeypatch.setattr(tuner_module, "applicable", _with_triton)
+    calls = []
+    monkeypatch.setattr(tuner_module, "_TUNER", Tuner(timer=fixed_timer({"triton-outer-product": 1.0,
+                                                                          "eager-bmm": 2.0}, calls)))
+    model = _one_linear()
+    wrapped = GradSampleModuleFastGradientClipping(copy.deepcopy(model), max_grad_norm=1.0, loss_reduction="sum")
+    x = torch.randn(4, 6, 10, generator=torch.Generator().manual_seed(1))
+    expected = _reference_norms(model, x)
+    assert_norms_close(_norms_step(wrapped, x), expected, "norms, Triton kernel working")
+    assert tuner_module.get_tuner()._decisions and calls == ["triton-outer-product", "eager-bmm"]
+
+    failures = []
+
+    def broken(*args, **kwargs):
+        failures.append(1)
+        raise RuntimeError("PassManager::run failed\nmore lines of the compiler's log")
+
+    monkeypatch.setattr(triton_ops(), "linear_per_sample", broken)
+    with pytest.warns(RuntimeWarning) as caught:
+        assert_norms_close(_norms_step(wrapped, x), expected, "norms after the kernel failed")
+    messages = [str(w.message) for w in caught if "dpgrad" in str(w.message)]
+    assert len(messages) == 1 and len(failures) == 1
+    assert "'fc' (Linear)" in messages[0] and "B=4, T=6, d=10, p=12" in messages[0]
+    assert "PassManager::run failed" in messages[0] and "eager-bmm" in messages[0]
+    assert "more lines" not in messages[0]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_norms_close(_norms_step(wrapped, x), expected, "norms, the next step")
+    assert len(failures) == 1
+
+    # A new process: the store's choice, no timing and no second try of the kernel.
+    fresh = Tuner(timer=fixed_timer({}, calls))
+    monkeypatch.setattr(tuner_module, "_TUNER", fresh)
+    wrapped = GradSampleModuleFastGradientClipping(copy.deepcopy(model), max_grad_norm=1.0, loss_reduction="sum")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_norms_close(_norms_step(wrapped, x), expected, "norms, a new process")
+    (decision,) = fresh._decisions.values()
+    assert decision.source == "store" and decision.choice == "eager-bmm"
+    assert decision.skipped["triton-outer-product"].startswith("failed in a step: RuntimeError: PassManager")
+    assert len(failures) == 1 and len(calls) == 2
+
+
+def test_a_failing_kernel_raises_under_forced_triton(tune_on, monkeypatch):
+    """DPGRAD_BACKEND=triton allows no fallback: the error names the layer and says so."""
+    from dpgrad.backend import triton_ops
+    from dpgrad.tuning import tuner as tuner_module
+
+    monkeypatch.setenv("DPGRAD_BACKEND", "triton")
+    monkeypatch.setattr(tuner_module, "_TUNER", Tuner(timer=fixed_timer({}, [])))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(triton_ops(), "linear_per_sample", broken)
+    wrapped = GradSampleModuleFastGradientClipping(_one_linear(), max_grad_norm=1.0, loss_reduction="sum")
+    with pytest.raises(RuntimeError, match=r"layer 'fc' \(Linear\).*PassManager::run failed.*DPGRAD_BACKEND=triton"):
+        _norms_step(wrapped, torch.randn(4, 6, 10))
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_untuned_kernel_failure_falls_back_or_names_the_layer(tune_on, monkeypatch, forced):
+    """Work the autotuner does not choose for (a frozen-weight Linear's bias gradients on 4-D
+    inputs) goes through ``backend.guarded``: a failing Triton kernel is done again by the
+    eager one, with one warning naming the layer, and not tried again in the process; under
+    DPGRAD_BACKEND=triton the error names the layer."""
+    from collections import OrderedDict
+
+    from dpgrad import GradSampleModule, backend
+    from per_sample_reference import assert_tensor_close, per_sample_grads
+
+    kernels = backend.triton_ops()
+    monkeypatch.setattr(backend, "_FAILED", set())
+    if forced:
+        monkeypatch.setenv("DPGRAD_BACKEND", "triton")
+    else:  # on a GPU, auto hands CUDA tensors to the Triton kernels
+        monkeypatch.setattr(backend, "ops_for", lambda *tensors: kernels)
+    failures = []
+
+    def broken(*args, **kwargs):
+        failures.append(1)
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(kernels, "linear_bias_grad_sample", broken)
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(proj=nn.Linear(5, 3)))
+    model.proj.weight.requires_grad_(False)
+    x = torch.randn(2, 3, 4, 5)
+    expected = per_sample_grads(model, x, torch.zeros(2), lambda out, y: out.square().flatten(1).sum(1))["proj.bias"]
+    wrapped = GradSampleModule(model, loss_reduction="sum")
+    if forced:
+        with pytest.raises(RuntimeError, match=r"layer 'proj' \(Linear\).*PassManager.*DPGRAD_BACKEND=triton"):
+            wrapped(x).square().sum().backward()
+        return
+    with pytest.warns(RuntimeWarning, match=r"bias gradients of layer 'proj' \(Linear\) failed on .*PassManager"):
+        wrapped(x).square().sum().backward()
+    assert_tensor_close(model.proj.bias.grad_sample, expected, "bias per-sample gradients")
+    model.proj.bias.grad_sample = None
+    wrapped(x).square().sum().backward()
+    assert_tensor_close(model.proj.bias.grad_sample, expected, "bias per-sample gradients, again")
+    assert len(failures) == 1

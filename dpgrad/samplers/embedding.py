@@ -11,7 +11,7 @@ from typing import Dict, List, Tuple
 import torch
 import torch.nn as nn
 
-from dpgrad.backend import ops_for
+from dpgrad.backend import guarded
 from dpgrad.tuning import get_tuner
 from dpgrad.registry import (
     register_clipped_sum_sampler,
@@ -46,7 +46,7 @@ def embedding_grad_sample(
     if prepared is None:
         return {}
     inputs = (*prepared, layer.num_embeddings, layer.padding_idx)
-    return {layer.weight: get_tuner().select("embedding_grad_sample", inputs, layer).run(*inputs)}
+    return {layer.weight: get_tuner().call("embedding_grad_sample", inputs, layer)}
 
 
 @register_norm_sampler(nn.Embedding)
@@ -58,7 +58,7 @@ def embedding_norm_sample(
     if prepared is None:
         return {}
     inputs = (*prepared, layer.num_embeddings, layer.padding_idx)
-    return {layer.weight: get_tuner().select("embedding_norm", inputs, layer).run(*inputs).sqrt()}
+    return {layer.weight: get_tuner().call("embedding_norm", inputs, layer).sqrt()}
 
 
 @register_clipped_sum_sampler(nn.Embedding)
@@ -71,9 +71,8 @@ def embedding_clipped_sum(
     if prepared is None:
         return {}
     ids, G = prepared
-    ops = ops_for(G)
-    clipped = ops.embedding_clipped_sum(ids, G, coef, layer.num_embeddings, layer.padding_idx,
-                                        out_dtype=layer.weight.dtype)
+    clipped = guarded("the clipped sum", layer, (G,), lambda ops: ops.embedding_clipped_sum(
+        ids, G, coef, layer.num_embeddings, layer.padding_idx, out_dtype=layer.weight.dtype))
     return {layer.weight: clipped}
 
 

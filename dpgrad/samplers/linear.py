@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from dpgrad.backend import ops_for
+from dpgrad.backend import guarded, ops_for
 from dpgrad.kernels import reference
 from dpgrad.kernels.reference import accumulation_dtype
 from dpgrad.registry import (
@@ -64,18 +64,20 @@ def linear_grad_sample(
     A, G = flatten_tokens(activations[0], backprops)
     weight, bias = _trainable(layer)
     out = {}
+    tuner = get_tuner()
     if weight and _transposed(layer):
-        ops = get_tuner().select("linear_grad_sample", (A, G), layer).ops()
-        out[layer.weight] = ops.linear_per_sample(G, A, out_dtype=layer.weight.dtype).weight
+        out[layer.weight] = tuner.call("linear_grad_sample", (A, G), layer, lambda c: c.ops().linear_per_sample(
+            G, A, out_dtype=layer.weight.dtype).weight)
     elif weight:
-        ops = get_tuner().select("linear_grad_sample", (A, G), layer).ops()
-        res = ops.linear_per_sample(A, G, bias=bias, out_dtype=layer.weight.dtype)
+        res = tuner.call("linear_grad_sample", (A, G), layer, lambda c: c.ops().linear_per_sample(
+            A, G, bias=bias, out_dtype=layer.weight.dtype))
         out[layer.weight] = res.weight
         if bias:
             out[layer.bias] = res.bias.to(layer.bias.dtype)
             return out
     if bias:
-        out[layer.bias] = ops_for(A, G).linear_bias_grad_sample(G).to(layer.bias.dtype)
+        out[layer.bias] = guarded("bias gradients", layer, (A, G),
+                                  lambda ops: ops.linear_bias_grad_sample(G)).to(layer.bias.dtype)
     return out
 
 
@@ -165,7 +167,9 @@ class LinearGroup(Group):
             if len(self._inputs) == 1 and cand.backend == "eager":
                 rows.append(reference.linear_weight_norm(*self._inputs[0], cand.algorithm))
             else:
-                rows.append(cat([cand.run(A, G) for A, G in self._inputs]).sqrt())
+                tuner = get_tuner()
+                rows.append(cat([tuner.run("linear_norm", cand, (A, G), layer, lambda c, A=A, G=G: c.run(A, G))
+                                 for (A, G), layer in zip(self._inputs, self._layers)]).sqrt())
         else:
             self._stack(True)
         bias_sums = self._take_bias_sums()
@@ -200,11 +204,17 @@ class LinearGroup(Group):
             return sums.to(dtype).unbind(0)
         G0 = inputs[0][1]
         c = coef.like(G0)
-        cand = get_tuner().select_group("linear_clipped_sum", [(a, g, c) for a, g in inputs], layers)
-        if cand.backend == "eager":  # a GEMM on operands scaled in their own dtype
-            c = coef.rounded_like(G0)
-        # Conv1D's (d, p) weight: the same sum with the roles of A and G swapped.
-        return [cand.run(*((G, A) if transposed else (A, G)), c, out_dtype=dtype)[0] for A, G in inputs]
+        tuner = get_tuner()
+        cand = tuner.select_group("linear_clipped_sum", [(a, g, c) for a, g in inputs], layers)
+
+        def clipped_sum(k, A, G):
+            # Eager: a GEMM on operands scaled in their own dtype. Conv1D's (d, p) weight: the
+            # same sum with the roles of A and G swapped.
+            scale = coef.rounded_like(G0) if k.backend == "eager" else c
+            return k.run(*((G, A) if transposed else (A, G)), scale, out_dtype=dtype)[0]
+
+        return [tuner.run("linear_clipped_sum", cand, (A, G, c), layer, lambda k, A=A, G=G: clipped_sum(k, A, G))
+                for (A, G), layer in zip(inputs, layers)]
 
 
 @register_grad_sample_group(LAYERS)
@@ -226,8 +236,10 @@ class LinearGradSampleGroup(LinearGroup):
             # eager product leaves the fp32 gradients' norms to one reduction; Triton's kernel
             # takes them from its accumulators in the same pass.
             eager = cand.backend == "eager"
-            res = [cand.ops().linear_per_sample(*((G, A) if transposed else (A, G)), norm=not eager,
-                                                out_dtype=accumulation_dtype(A, G)) for A, G in self._inputs]
+            tuner = get_tuner()
+            res = [tuner.run("linear_grad_sample", cand, (A, G), layer, lambda c, A=A, G=G: c.ops().linear_per_sample(
+                *((G, A) if transposed else (A, G)), norm=not eager, out_dtype=accumulation_dtype(A, G)))
+                for (A, G), layer in zip(self._inputs, self._layers)]
             self._grads = cat([r.weight for r in res])
             rows.append(row_norms(self._grads) if eager else cat([r.weight_sq_norm for r in res]).sqrt())
         else:

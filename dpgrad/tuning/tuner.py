@@ -18,6 +18,7 @@ import functools
 import os
 import time
 import types
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional
@@ -112,8 +113,7 @@ class Tuner:
 
     def select(self, kind: str, inputs: tuple, layer: Optional[torch.nn.Module] = None) -> Candidate:
         """The candidate to run ``kind`` on ``inputs`` (tuning the shape key if it is new)."""
-        fast = (kind, backend.requested(), *(
-            (t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else t for t in inputs))
+        fast = _fast_key(kind, inputs)
         chosen = self._chosen.get(fast)
         if chosen is not None and not self._recordings:
             return chosen
@@ -124,12 +124,64 @@ class Tuner:
         key = self.key(shape, candidates)
         decision = self._decisions.get(key)
         if decision is None:
-            decision = self._decide(shape, key, candidates, inputs)
+            decision = self._decide(shape, key, candidates, inputs, layer)
             self._decisions[key] = decision
         for rec in self._recordings:
             self._record(rec, layer, decision, inputs)
         self._chosen[fast] = by_name[decision.choice]
         return by_name[decision.choice]
+
+    def call(self, kind: str, inputs: tuple, layer: Optional[torch.nn.Module] = None,
+             work: Optional[Callable[[Candidate], object]] = None):
+        """``work(candidate)`` (default: the candidate run on ``inputs``) with the candidate
+        chosen for ``inputs``, through ``run``."""
+        cand = self.select(kind, inputs, layer)
+        return self.run(kind, cand, inputs, layer, work or (lambda c: c.run(*inputs)))
+
+    def run(self, kind: str, cand: Candidate, inputs: tuple, layer: Optional[torch.nn.Module],
+            work: Callable[[Candidate], object]):
+        """``work(cand)``, where ``cand`` was selected for ``inputs`` (``work`` runs it, on these
+        inputs or on a layer's of the same shapes). A Triton candidate that raises, as one
+        whose kernel fails to compile for a shape may, is never fatal under the ``auto``
+        backend: ``work`` runs again with the eager candidate, which this shape key keeps from
+        then on, in this process and in the tune store; one warning names the layer, the shape
+        and the error. Under ``DPGRAD_BACKEND=triton`` the error is raised, naming the layer."""
+        if cand.backend != "triton":
+            return work(cand)
+        try:
+            return work(cand)
+        except Exception as exc:
+            fallback = self._failed(kind, cand, inputs, layer, exc)
+            return work(fallback)
+
+    def _failed(self, kind: str, cand: Candidate, inputs: tuple, layer, exc: Exception) -> Candidate:
+        """Replace a failed candidate by an eager one for its shape key, for good (raises under a
+        forced Triton backend)."""
+        shape = shape_of(kind, inputs)
+        tensors = tuple(t for t in inputs if isinstance(t, torch.Tensor))
+        candidates = applicable(kind, shape, tensors)
+        key = self.key(shape, candidates)
+        eager = [c for c in CANDIDATES[kind] if c.backend == "eager"]
+        if kind == "linear_norm":
+            eager = [c for c in eager if (c.algorithm == "outer") == (shape.T == 1)]
+        fallback = next((c for c in eager if c.algorithm == cand.algorithm), None) or min(
+            eager, key=lambda c: c.cost(shape).seconds(cost_model.device_spec(shape.device),
+                                                       shape.dtype in (torch.float16, torch.bfloat16)))
+        store_note = ""
+        decision = self._decisions.get(key)
+        if decision is not None:
+            decision.skipped[cand.name] = f"failed in a step: {type(exc).__name__}: {exc}"[:300]
+            decision.timings_ms.pop(cand.name, None)
+            decision.choice, decision.source = fallback.name, "eager after a failure"
+            decision.config = None
+            if tune_mode() != "off":
+                handle = self._store(shape)
+                handle.put(key, _stored(decision))
+                store_note = f" (kept in the tune store {handle.path})"
+        backend.kernel_failed(kind.replace("_", " "), layer, f"{_describe(shape)} ({cand.name})", exc,
+                              f"{fallback.name} does it for this shape from now on{store_note}")
+        self._chosen[_fast_key(kind, inputs)] = fallback
+        return fallback
 
     def select_group(self, kind: str, inputs: List[tuple], layers: List[torch.nn.Module]) -> Candidate:
         """The candidate for a group of layers whose inputs have the same shapes: chosen once,
@@ -166,7 +218,8 @@ class Tuner:
         self._chosen.clear()
 
     # ------------------------------------------------------------------ deciding
-    def _decide(self, shape: Shape, key: str, candidates: List[Candidate], inputs: tuple) -> Decision:
+    def _decide(self, shape: Shape, key: str, candidates: List[Candidate], inputs: tuple,
+                layer: Optional[torch.nn.Module] = None) -> Decision:
         spec = cost_model.device_spec(shape.device)
         half = shape.dtype in (torch.float16, torch.bfloat16)
         costs = {c.name: c.cost(shape) for c in candidates}
@@ -191,24 +244,23 @@ class Tuner:
         if mode != "on" or shape.B == 0:
             decision.choice, decision.source = by_estimate, "cost model"
             return decision
-        self._measure(decision, shape, candidates, inputs)
+        self._measure(decision, shape, candidates, inputs, layer)
         if decision.timings_ms:
             decision.choice = min(decision.timings_ms, key=decision.timings_ms.get)
             decision.source = "measured"
             decision.config = next(c for c in candidates if c.name == decision.choice).triton_config()
-            self._store(shape).put(key, {
-                "choice": decision.choice, "timings_ms": decision.timings_ms, "skipped": decision.skipped,
-                "config": decision.config, "shape": decision.shape,
-                "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            })
+            self._store(shape).put(key, _stored(decision))
         else:
             # Nothing ran correctly: the eager reference is the one answer known to be right.
             eager = [c for c in candidates if c.backend == "eager"] or candidates
             decision.choice = min(eager, key=lambda c: decision.estimates_ms[c.name]).name
             decision.source = "cost model (no candidate passed)"
+            if decision.skipped and any(c.backend == "eager" for c in candidates):
+                self._store(shape).put(key, _stored(decision))  # not tried again in every process
         return decision
 
-    def _measure(self, decision: Decision, shape: Shape, candidates: List[Candidate], inputs: tuple) -> None:
+    def _measure(self, decision: Decision, shape: Shape, candidates: List[Candidate], inputs: tuple,
+                 layer: Optional[torch.nn.Module] = None) -> None:
         best = min(decision.estimates_ms.values())
         expected = None
         for cand in candidates:
@@ -226,6 +278,11 @@ class Tuner:
                                                             name=cand.name)
             except Exception as exc:  # a candidate that cannot run here is skipped, not fatal
                 decision.skipped[cand.name] = f"failed: {type(exc).__name__}: {exc}"[:300]
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                of = "" if layer is None else f" of layer {backend.layer_name(layer)}"
+                warnings.warn(f"dpgrad: candidate {cand.name} for {shape.kind.replace('_', ' ')}{of} failed on "
+                              f"{_describe(shape)} ({type(exc).__name__}: {first[:200]}); tuning goes on "
+                              "without it", RuntimeWarning, stacklevel=2)
 
     def _store(self, shape: Shape) -> store.TuneStore:
         name = _device_name(shape.device)
@@ -253,6 +310,24 @@ class Tuner:
         rec.layers.append((layer, decision, opacus_ms))
         if rec.callback is not None:
             rec.callback(layer, decision)
+
+
+def _fast_key(kind: str, inputs: tuple) -> tuple:
+    """What a step looks a chosen candidate up by: exact shapes, dtypes, devices, the backend asked for."""
+    return (kind, backend.requested(), *(
+        (t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else t for t in inputs))
+
+
+def _describe(shape: Shape) -> str:
+    dims = ", ".join(f"{k}={v}" for k, v in shape.dims)
+    return f"B={shape.B}, T={shape.T}, {dims}, {str(shape.dtype).replace('torch.', '')}"
+
+
+def _stored(decision: Decision) -> dict:
+    """A decision as the tune store keeps it."""
+    return {"choice": decision.choice, "timings_ms": decision.timings_ms, "skipped": decision.skipped,
+            "config": decision.config, "shape": decision.shape,
+            "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 @functools.lru_cache(maxsize=None)
