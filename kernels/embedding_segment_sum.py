@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .reference import EMBEDDING_GRAD_SAMPLE_WARN_ELEMENTS, embedding_grad_sample_warning
-from .triton_common import cdiv, check_dtypes, configs, empty, min_block
+from .triton_common import launch, cdiv, check_dtypes, configs, empty, min_block
 
 CONFIGS = configs(
     [dict(BD=bd, BR=br) for bd in (64, 128, 256) for br in (4, 16)],
@@ -127,7 +127,7 @@ def _launch(G: torch.Tensor, seg: _Segments, out: torch.Tensor, dest=None, coef=
     n = seg.pos.numel()
     if n == 0 or d == 0:
         return
-    _segment_sum_kernel[lambda meta: (n, cdiv(d, meta["BD"]))](
+    launch(_segment_sum_kernel, lambda meta: (n, cdiv(d, meta["BD"])),
         G3, seg.pos, seg.offsets, seg.keys if dest is None else dest, seg.offsets if coef is None else coef, out,
         seg.T, d, *G3.stride(), n_tiles_max,
         SCALED=coef is not None, STORE_ROWS=dest is not None,

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from .linear_grad_sample import CONFIGS as _PER_SAMPLE_CONFIGS
 from .linear_grad_sample import sample_tile, tile_offsets
-from .triton_common import INTERPRET, cdiv, check_dtypes, empty
+from .triton_common import launch, INTERPRET, cdiv, check_dtypes, empty
 
 # The same tiles as the per-sample kernel (tuned separately: the loop over samples differs).
 CONFIGS = _PER_SAMPLE_CONFIGS
@@ -91,7 +91,7 @@ def linear_clipped_sum(
     part_dtype = out_dtype if splits == 1 else torch.float32
     w = empty((splits, p, d), part_dtype, device)
     b = empty((splits, p), part_dtype, device) if bias else None
-    _linear_clipped_sum_kernel[lambda meta: (cdiv(p, meta["BP"]) * cdiv(d, meta["BD"]), splits)](
+    launch(_linear_clipped_sum_kernel, lambda meta: (cdiv(p, meta["BP"]) * cdiv(d, meta["BD"]), splits),
         A, G, coef, w, b,
         B, T, p, d,
         *A.stride(), *G.stride(),

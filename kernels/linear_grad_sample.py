@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .linear_token_sum import token_sum
 from .reference import LinearPerSample
-from .triton_common import INTERPRET, cdiv, check_dtypes, configs, dot_fp32, empty, min_block, placeholder
+from .triton_common import launch, INTERPRET, cdiv, check_dtypes, configs, dot_fp32, empty, min_block, placeholder
 
 CONFIGS = configs(
     [dict(BP=bp, BD=bd, BT=bt) for bp, bd in ((64, 64), (128, 64), (64, 128), (128, 128)) for bt in (32, 64)],
@@ -133,7 +133,7 @@ def linear_per_sample(
     b_sq = torch.zeros(B, n_tiles_p_max, dtype=torch.float32, device=device) if norm and bias else None
     if (grad or norm) and B * p * d > 0:
         unused = placeholder(device)
-        _linear_per_sample_kernel[lambda meta: (cdiv(p, meta["BP"]) * cdiv(d, meta["BD"]) * B,)](
+        launch(_linear_per_sample_kernel, lambda meta: (cdiv(p, meta["BP"]) * cdiv(d, meta["BD"]) * B,),
             A, G, w, b, unused if w_sq is None else w_sq, unused if b_sq is None else b_sq,
             B, T, p, d,
             *A.stride(), *G.stride(),

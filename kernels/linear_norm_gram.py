@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import INTERPRET, cdiv, check_dtypes, configs, dot_fp32, min_block
+from .triton_common import launch, INTERPRET, cdiv, check_dtypes, configs, dot_fp32, min_block
 
 CONFIGS = configs(
     [dict(BT=bt, BK=bk) for bt in (32, 64, 128) for bk in (32, 64)],
@@ -88,7 +88,7 @@ def linear_weight_sq_norm_gram(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor
     # Pairs with i > j, and pairs beyond the autotuned block count, stay zero.
     sq = torch.zeros(B, n_pairs_max, dtype=torch.float32, device=A.device)
     if B * T > 0:
-        _linear_gram_norm_kernel[lambda meta: (cdiv(T, meta["BT"]) ** 2 * B,)](
+        launch(_linear_gram_norm_kernel, lambda meta: (cdiv(T, meta["BT"]) ** 2 * B,),
             A, G, sq, T, p, d, *A.stride(), *G.stride(), n_pairs_max, UPCAST=INTERPRET,
         )
     # Rounding can take an exact zero slightly below it.

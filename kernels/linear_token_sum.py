@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import cdiv, check_dtypes, configs, empty, min_block, placeholder
+from .triton_common import launch, cdiv, check_dtypes, configs, empty, min_block, placeholder
 
 CONFIGS = configs(
     [dict(BN=bn, BT=bt) for bn in (128, 256, 512) for bt in (8, 32)],
@@ -68,7 +68,7 @@ def token_sum(
     out = empty((B, n), out_dtype or X.dtype, X.device) if write_sum else None
     sq = torch.zeros(B, n_tiles_max, dtype=torch.float32, device=X.device) if norm else None
     if B * n > 0:
-        _token_sum_kernel[lambda meta: (cdiv(n, meta["BN"]) * B,)](
+        launch(_token_sum_kernel, lambda meta: (cdiv(n, meta["BN"]) * B,),
             X, out, placeholder(X.device) if sq is None else sq, T, n, *X.stride(), n_tiles_max,
             WRITE_SUM=write_sum, WITH_NORM=norm,
         )

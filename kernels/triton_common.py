@@ -6,8 +6,10 @@ kernels to run on CPU tensors (Triton's interpreter, used by the tests).
 
 from __future__ import annotations
 
+import contextvars
 import os
-from typing import Dict, List, Sequence
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import triton
@@ -57,6 +59,32 @@ def placeholder(device: torch.device) -> torch.Tensor:
     if found is None:
         found = _PLACEHOLDERS[device] = torch.zeros(1, dtype=torch.float32, device=device)
     return found
+
+
+# (autotuned kernel, config) to launch directly inside ``configured``.
+_CONFIGURED: contextvars.ContextVar[Optional[Tuple[Any, Dict[str, Any]]]] = contextvars.ContextVar(
+    "dpgrad_triton_config", default=None)
+
+
+@contextmanager
+def configured(kernel, config: Dict[str, Any]) -> Iterator[None]:
+    """Within: ``launch`` runs ``kernel`` (a ``triton.autotune`` kernel) with ``config`` (block
+    sizes and ``num_warps``/``num_stages``, as the tune store keeps them), without Triton's
+    config search."""
+    token = _CONFIGURED.set((kernel, config))
+    try:
+        yield
+    finally:
+        _CONFIGURED.reset(token)
+
+
+def launch(kernel, grid, *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)``: an autotuned kernel searches its configs on the first
+    launch of a shape key, unless ``configured`` names one for it, which then runs directly."""
+    active = _CONFIGURED.get()
+    if active is not None and active[0] is kernel:
+        return kernel.fn[grid](*args, **kwargs, **active[1])
+    return kernel[grid](*args, **kwargs)
 
 
 def cdiv(a: int, b: int) -> int:

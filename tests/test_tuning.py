@@ -329,3 +329,35 @@ def test_untuned_kernel_failure_falls_back_or_names_the_layer(tune_on, monkeypat
     wrapped(x).square().sum().backward()
     assert_tensor_close(model.proj.bias.grad_sample, expected, "bias per-sample gradients, again")
     assert len(failures) == 1
+
+
+def test_a_warm_store_launches_the_stored_config_without_a_search(tune_on, monkeypatch):
+    """The Triton config chosen for a shape is stored with the choice; a new process launches
+    the kernel with it directly: Triton's config search does not run."""
+    import dataclasses
+
+    from dpgrad.kernels import linear_norm_gram
+
+    monkeypatch.setenv("DPGRAD_BACKEND", "triton")
+    A, G = linear_inputs(B=3, T=20, d=33, p=17)
+    expected = reference.linear_weight_sq_norm_direct(A.double(), G.double())
+    first = Tuner(timer=fixed_timer({"triton-direct": 2.0, "triton-gram": 1.0}, []))
+    torch.testing.assert_close(first.call("linear_norm", (A, G)).double(), expected, rtol=1e-5, atol=0)
+    (decision,) = first._decisions.values()
+    assert decision.choice == "triton-gram" and decision.config["BT"] > 0
+
+    searched = []
+
+    def search(*args, **kwargs):
+        searched.append(1)
+        raise AssertionError("Triton's config search ran")
+
+    monkeypatch.setattr(linear_norm_gram._linear_gram_norm_kernel, "run", search)
+    second = Tuner(timer=fixed_timer({}, []))
+    cand = second.select("linear_norm", (A, G))
+    assert cand.name == "triton-gram" and dict(cand.config) == decision.config
+    got = second.call("linear_norm", (A, G))
+    assert not searched
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=0)
+    with pytest.raises(AssertionError, match="config search"):  # what an unconfigured launch does
+        dataclasses.replace(cand, config=None).run(A, G)

@@ -13,6 +13,8 @@ the oracle a candidate's result is checked against before it may win.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib
 import math
 from dataclasses import dataclass
@@ -57,12 +59,33 @@ class Candidate:
     algorithm: str  # e.g. "direct", "gram", "segments"
     function: str  # the backend module's function that does the work
     kernel: Optional[str] = None  # "module:attr" of the Triton kernel whose config is reported
+    # The kernel's config chosen for a shape ((name, value) pairs), launched directly within
+    # ``configured``: a process that finds the choice in the tune store runs no config search.
+    config: Optional[Tuple[Tuple[str, Any], ...]] = None
 
     def ops(self):
         return reference if self.backend == "eager" else backend.triton_ops()
 
     def run(self, *inputs, **options):
         return getattr(self.ops(), self.function)(*inputs, **options)
+
+    def with_config(self, config: Optional[Dict[str, Any]]) -> "Candidate":
+        """This candidate with ``config`` (``triton_config``'s form) to launch its kernel with."""
+        if self.backend != "triton" or self.kernel is None or not config:
+            return self
+        return dataclasses.replace(self, config=tuple(sorted(config.items())))
+
+    def configured(self):
+        """A context in which the kernel launches with ``config`` (no config search), if set."""
+        if self.config is None:
+            return contextlib.nullcontext()
+        from dpgrad.kernels import triton_common
+
+        return triton_common.configured(self._kernel(), dict(self.config))
+
+    def _kernel(self):
+        module, attr = self.kernel.split(":")
+        return getattr(importlib.import_module(module), attr)
 
     def cost(self, shape: Shape) -> cost_model.Cost:
         e = shape.element_size
@@ -81,8 +104,7 @@ class Candidate:
         """The block sizes and warps Triton's autotuner last chose for this candidate's kernel."""
         if self.backend != "triton" or self.kernel is None:
             return None
-        module, attr = self.kernel.split(":")
-        config = getattr(getattr(importlib.import_module(module), attr), "best_config", None)
+        config = getattr(self._kernel(), "best_config", None)
         if config is None:
             return None
         return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}

@@ -128,8 +128,8 @@ class Tuner:
             self._decisions[key] = decision
         for rec in self._recordings:
             self._record(rec, layer, decision, inputs)
-        self._chosen[fast] = by_name[decision.choice]
-        return by_name[decision.choice]
+        chosen = self._chosen[fast] = by_name[decision.choice].with_config(decision.config)
+        return chosen
 
     def call(self, kind: str, inputs: tuple, layer: Optional[torch.nn.Module] = None,
              work: Optional[Callable[[Candidate], object]] = None):
@@ -141,7 +141,9 @@ class Tuner:
     def run(self, kind: str, cand: Candidate, inputs: tuple, layer: Optional[torch.nn.Module],
             work: Callable[[Candidate], object]):
         """``work(cand)``, where ``cand`` was selected for ``inputs`` (``work`` runs it, on these
-        inputs or on a layer's of the same shapes). A Triton candidate that raises, as one
+        inputs or on a layer's of the same shapes). A Triton candidate with the config chosen
+        for the shape (measured here, or found in the tune store) launches its kernel with it
+        directly, with no config search. A Triton candidate that raises, as one
         whose kernel fails to compile for a shape may, is never fatal under the ``auto``
         backend: ``work`` runs again with the eager candidate, which this shape key keeps from
         then on, in this process and in the tune store; one warning names the layer, the shape
@@ -149,10 +151,11 @@ class Tuner:
         if cand.backend != "triton":
             return work(cand)
         try:
-            return work(cand)
+            with cand.configured():
+                return work(cand)
         except Exception as exc:
             fallback = self._failed(kind, cand, inputs, layer, exc)
-            return work(fallback)
+        return work(fallback)
 
     def _failed(self, kind: str, cand: Candidate, inputs: tuple, layer, exc: Exception) -> Candidate:
         """Replace a failed candidate by an eager one for its shape key, for good (raises under a
