@@ -156,14 +156,10 @@ def _run(settings: ReportSettings, device: torch.device, dtype: torch.dtype, pro
 
     from dpgrad.cli import dp_sgd_step  # here: the CLI imports this module when it runs
 
-    tuner, chosen_ms = get_tuner(), {}
+    tuner = get_tuner()
     progress = Progress(len(layers), progress_stream)
 
     def on_layer(layer, decision):
-        # While recording, the tuner times the chosen candidate even when it did not tune.
-        if decision.choice in decision.timings_ms:
-            timed_by = "autotuner" if decision.source == "measured" else "report"
-            chosen_ms[(id(layer), decision.kind)] = (decision.timings_ms[decision.choice], timed_by)
         progress.update(f"{names.get(id(layer), '?')}: {decision.choice} ({decision.source})")
 
     with _tuning_on_unless_set():
@@ -183,7 +179,7 @@ def _run(settings: ReportSettings, device: torch.device, dtype: torch.dtype, pro
         _sync(device)
         step_ms = (time.perf_counter() - start) * 1e3
 
-    rows = _rows(layers, rec.layers, chosen_ms)
+    rows = _rows(layers, rec.layers, rec.chosen_ms)
     dev_name = store.device_name(device)
     notice = None
     if device.type != "cuda":
@@ -208,7 +204,10 @@ def _run(settings: ReportSettings, device: torch.device, dtype: torch.dtype, pro
     }
 
 
-def _rows(layers, recorded, chosen_ms) -> List[dict]:
+def _rows(layers, recorded, chosen_ms: Dict[tuple, float]) -> List[dict]:
+    """A row per trainable layer and kind of work. Speedups divide Opacus's time by the chosen
+    candidate's, both taken in this run on the layer's inputs; ``timings_ms`` are the tuner's,
+    of this run (source "measured") or of the process that stored them (``timings_from``)."""
     by_layer: Dict[int, list] = {}
     for layer, decision, opacus in recorded:
         by_layer.setdefault(id(layer), []).append((decision, opacus))
@@ -223,10 +222,11 @@ def _rows(layers, recorded, chosen_ms) -> List[dict]:
             rows.append({**base, "B": None, "T": None, "kind": None, "choice": choice, "config": None,
                          "source": None, "timings_ms": {}, "skipped": {}, "estimates_ms": {}, "chosen_ms": None,
                          "chosen_timed_by": None, "opacus_ms": None, "opacus_note": None, "speedup": None,
-                         "extra_bytes": None})
+                         "extra_bytes": None, "timings_from": None})
             continue
         for decision, opacus in by_layer[id(layer)]:
-            ms, timed_by = chosen_ms.get((id(layer), decision.kind), (None, None))
+            ms = chosen_ms.get((id(layer), decision.kind))
+            timed_by = None if ms is None else "autotuner" if decision.source == "measured" else "report"
             opacus_ms = opacus if isinstance(opacus, float) else None
             note = None if opacus_ms is not None else (opacus or "not timed (--no-opacus)")
             speedup = opacus_ms / ms if opacus_ms is not None and ms else None
@@ -237,7 +237,10 @@ def _rows(layers, recorded, chosen_ms) -> List[dict]:
                          "timings_ms": dict(decision.timings_ms), "skipped": dict(decision.skipped),
                          "estimates_ms": dict(decision.estimates_ms), "chosen_ms": ms, "chosen_timed_by": timed_by,
                          "opacus_ms": opacus_ms, "opacus_note": note, "speedup": speedup,
-                         "extra_bytes": decision.extra_bytes.get(decision.choice)})
+                         "extra_bytes": decision.extra_bytes.get(decision.choice),
+                         "timings_from": ("this run" if decision.source == "measured" else
+                                          f"store, {decision.stored_at or 'undated'}" if decision.source == "store"
+                                          else None)})
     return rows
 
 
@@ -265,11 +268,12 @@ def _bytes(n: Optional[float]) -> str:
 
 def _candidates_cell(row: dict) -> str:
     parts = []
+    stored = (row.get("timings_from") or "").startswith("store")
     for name in row["estimates_ms"]:
-        if name in row["timings_ms"]:
-            parts.append(f"{name} {row['timings_ms'][name]:.3f}")
-        elif name == row["choice"] and row["chosen_ms"] is not None:
-            parts.append(f"{name} {row['chosen_ms']:.3f}")
+        if name == row["choice"] and row["chosen_ms"] is not None:
+            parts.append(f"{name} {row['chosen_ms']:.3f}")  # timed in this run
+        elif name in row["timings_ms"]:
+            parts.append(f"{name} {'stored ' if stored else ''}{row['timings_ms'][name]:.3f}")
         elif name in row["skipped"]:
             parts.append(f"{name} {_short_reason(row['skipped'][name])}")
         else:
@@ -301,8 +305,9 @@ def _header_lines(report: dict) -> List[str]:
     return lines
 
 
-FOOTER = ("candidates: measured ms, or why not timed (pruned by the cost model, failed, wrong result); "
-          "~ marks a cost-model estimate. speedup = Opacus ms / chosen ms, on the same inputs. "
+FOOTER = ("candidates: ms measured in this run, 'stored' ms from the tune store (the JSON says when), or why "
+          "not timed (pruned by the cost model, failed, wrong result); ~ marks a cost-model estimate. "
+          "speedup = Opacus ms / chosen ms, both timed in this run on the same inputs. "
           "extra mem: cost-model estimate for the chosen candidate.")
 
 

@@ -87,6 +87,7 @@ class Decision:
     timings_ms: Dict[str, float] = field(default_factory=dict)
     skipped: Dict[str, str] = field(default_factory=dict)  # candidate -> why it was not timed
     config: Optional[Dict[str, object]] = None
+    stored_at: Optional[str] = None  # source "store": when the stored timings were taken
 
 
 @dataclass
@@ -96,6 +97,9 @@ class Recording:
     opacus: bool
     callback: Optional[Callable[[object, Decision], None]] = None  # called per new layer
     layers: List[tuple] = field(default_factory=list)  # (layer, Decision, opacus_ms or reason)
+    # (id(layer), kind) -> the chosen candidate's ms on the layer's inputs, timed in this
+    # process (by the tuner as it measured, or by the recording): what a speedup divides by.
+    chosen_ms: Dict[tuple, float] = field(default_factory=dict)
     _seen: set = field(default_factory=set)
 
 
@@ -243,6 +247,7 @@ class Tuner:
             decision.timings_ms = dict(stored.get("timings_ms", {}))
             decision.skipped = dict(stored.get("skipped", {}))
             decision.config = stored.get("config")
+            decision.stored_at = stored.get("measured")
             return decision
         if mode != "on" or shape.B == 0:
             decision.choice, decision.source = by_estimate, "cost model"
@@ -300,13 +305,20 @@ class Tuner:
         if ident in rec._seen:
             return
         rec._seen.add(ident)
-        if decision.choice not in decision.timings_ms:
-            # An only candidate, or a choice from the store or the cost model: a recording
-            # (the autotune report) still wants the chosen candidate's time on these inputs.
+        if decision.source == "measured" and decision.choice in decision.timings_ms:
+            rec.chosen_ms[ident] = decision.timings_ms[decision.choice]  # timed in this process
+        else:
+            # An only candidate, or a choice from the store or the cost model: the chosen
+            # candidate is timed here, on these inputs, never taken from an earlier process.
             try:
                 chosen = next(c for c in CANDIDATES[decision.kind] if c.name == decision.choice)
-                decision.timings_ms[decision.choice] = self.timer(lambda: chosen.run(*inputs), inputs[1].device,
-                                                                  name=chosen.name)
+                chosen = chosen.with_config(decision.config)
+
+                def run():
+                    with chosen.configured():
+                        chosen.run(*inputs)
+
+                rec.chosen_ms[ident] = self.timer(run, inputs[1].device, name=chosen.name)
             except Exception as exc:
                 decision.skipped.setdefault(decision.choice, f"failed: {type(exc).__name__}: {exc}"[:300])
         opacus_ms = _time_opacus(self.timer, decision.kind, layer, inputs) if rec.opacus else None
