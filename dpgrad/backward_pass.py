@@ -198,7 +198,7 @@ class BackwardPath:
     def _on_begin_forward(self) -> None:
         """What a wrapper resets at each forward pass."""
 
-    def _on_layer_forward(self, layer: nn.Module, inputs, output) -> None:
+    def _on_layer_forward(self, layer: nn.Module, inputs, output) -> Optional[torch.Tensor]:
         if not (self.hooks_enabled and layer.training and torch.is_grad_enabled()):
             return
         out = output if isinstance(output, torch.Tensor) else _first_tensor(output)
@@ -207,11 +207,35 @@ class BackwardPath:
         params = self._layer_params(layer)
         if not params:
             return
+        widened = self._broadcast_inputs(layer, inputs)
+        if widened is not None:
+            # The layer again, on its input expanded to the batch: that call is the one its
+            # hook records, and its output replaces this one.
+            return layer(*widened)
         name = self._layer_names[layer]
         self._check_batch(layer, name, inputs)
         self._on_forward(layer, name, params, out)
         # Not detached: they are only read under no_grad, and the list is emptied when read.
         out.register_hook(partial(self._record, layer, params, list(inputs), self._edges.forward_id))
+
+    def _broadcast_inputs(self, layer: nn.Module, inputs) -> Optional[tuple]:
+        """An Embedding's ids expanded to the forward pass's batch when it got one row of them
+        after another layer saw the batch: the model broadcasts that row's embeddings over the
+        batch (Hugging Face GPT-2 and BERT embed position ids (1, T) unless given them). An
+        embedding looks each id up alone, so its output on the expanded ids is what
+        broadcasting makes of it, and each sample gets its own gradient, exact where the output
+        meets the batch by broadcasting (added to the token embeddings). None otherwise (then
+        ``_check_batch`` decides)."""
+        if not self.batch_first or self._forward_batch is None or self._forward_batch == 1:
+            return None
+        if not isinstance(layer, nn.Embedding) or layer in self._functorch_layers:
+            return None
+        x = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
+        if x is None or x.dim() < 2 or x.shape[0] != 1:
+            return None
+        B = self._forward_batch
+        return tuple(a.expand(B, *a.shape[1:]) if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] == 1 else a
+                     for a in inputs)
 
     def _on_forward(self, layer: nn.Module, name: str, params: List[nn.Parameter], out: torch.Tensor) -> None:
         self._forward_seen.add(layer)

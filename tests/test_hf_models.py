@@ -82,13 +82,13 @@ def causal_lm(model: nn.Module, position_ids: bool, device="cpu") -> Case:
     return Case(model, forward, per_sample_loss)
 
 
-def gpt2(device="cpu") -> Case:
+def gpt2(device="cpu", position_ids=True) -> Case:
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=V, n_positions=T, resid_pdrop=0.0,
                                   embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=1)
     model = transformers.GPT2LMHeadModel(cfg)
     assert model.lm_head.weight is model.transformer.wte.weight
-    return causal_lm(model, position_ids=True, device=device)
+    return causal_lm(model, position_ids=position_ids, device=device)
 
 
 def llama_config(**kwargs):
@@ -113,7 +113,7 @@ def llama_lora(device="cpu") -> Case:
                      device=device)
 
 
-def bert() -> Case:
+def bert(position_ids=True) -> Case:
     torch.manual_seed(2)
     cfg = transformers.BertConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                                   vocab_size=V, max_position_embeddings=T, type_vocab_size=2, hidden_dropout_prob=0.0,
@@ -124,7 +124,8 @@ def bert() -> Case:
     positions = torch.arange(T).expand(B, T)
 
     def logits_of(m, rows):
-        return m(input_ids=ids[rows], attention_mask=mask[rows], position_ids=positions[rows]).logits
+        extra = dict(position_ids=positions[rows]) if position_ids else {}
+        return m(input_ids=ids[rows], attention_mask=mask[rows], **extra).logits
 
     return Case(model, lambda m, rows: ((logits_of(m, rows), y[rows]), None),
                 lambda m, rows, loss_reduction="mean": F.cross_entropy(logits_of(m, rows).float(), y[rows],
@@ -255,12 +256,57 @@ def test_lora_whether_moved_before_or_after_peft(order):
     check(causal_lm(model.float(), position_ids=False, device=device), single=True)
 
 
+@pytest.mark.parametrize("from_norms", [False, True], ids=["auto", "norms"])
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("name", ["gpt2", "bert"])
-def test_broadcast_position_ids_are_refused_with_the_fix(name):
-    """Left to themselves, these models embed positions (1, T) and broadcast them over the
-    batch, which has no per-sample gradient: the error says to pass position_ids."""
-    case = CASES[name]()
-    wrapped = dpgrad.GradSampleModuleFastGradientClipping(case.model)
-    ids, mask = _batch()
-    with pytest.raises(ValueError, match=r"position_ids=torch.arange\(T\).expand\(B, T\)"):
-        wrapped(input_ids=ids, attention_mask=mask)
+def test_default_position_ids_are_exact(name, mode, from_norms):
+    """Left to themselves, GPT-2 and BERT embed positions (1, T) and broadcast them over the
+    batch: the position embedding runs on its ids expanded to the batch, and every gradient
+    matches the float64 reference, with no extra argument."""
+    with clipped_from_norms() if from_norms else contextlib.nullcontext():
+        check(CASES[name](position_ids=False), MODES[mode])
+
+
+def test_default_position_ids_give_per_sample_gradients():
+    """The same through GradSampleModule: the position embedding's per-sample gradients."""
+    case = gpt2(position_ids=False)
+    ref = reference(case, loss_reduction="sum")
+    model = copy.deepcopy(case.model)
+    wrapped = dpgrad.GradSampleModule(model, loss_reduction="sum")
+    case.per_sample_loss(wrapped, slice(None), "sum").sum().backward()
+    grad_sample = model.transformer.wpe.weight.grad_sample
+    assert grad_sample.shape == (B, T, 16)
+    assert_tensor_close(grad_sample, ref["transformer.wpe.weight"], "wpe per-sample gradients")
+
+
+def test_a_broadcast_row_before_the_batch_is_known_is_refused_with_the_fix():
+    """Where the single row comes first (no layer has seen the batch yet), it cannot be told
+    from a batch of one: the later layer's error names the fix."""
+    class PositionsFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos, self.tok = nn.Embedding(T, 6), nn.Embedding(V, 6)
+
+        def forward(self, ids):
+            return self.pos(torch.arange(ids.shape[1])[None]) + self.tok(ids)
+
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(PositionsFirst())
+    with pytest.raises(ValueError, match=r"layer 'tok' got 4 samples .* earlier layer of this forward pass got 1"):
+        wrapped(_batch()[0])
+
+
+def test_one_row_into_another_layer_in_a_batched_pass_is_refused():
+    """Only an embedding's ids are expanded: a Linear given one row after the batch was seen
+    (a learned token whose output the model may also reduce over the batch) raises, naming it."""
+    class GlobalToken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok, self.query = nn.Embedding(V, 6), nn.Linear(6, 6)
+            self.token = nn.Parameter(torch.randn(1, 1, 6), requires_grad=False)
+
+        def forward(self, ids):
+            return self.tok(ids) + self.query(self.token)
+
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(GlobalToken())
+    with pytest.raises(ValueError, match=r"layer 'query' got an input of shape \(1, 1, 6\), with 1 along the batch"):
+        wrapped(_batch()[0])
