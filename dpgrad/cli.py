@@ -34,6 +34,23 @@ def _doc(paragraph: int) -> str:
     return __doc__.split("\n\n")[paragraph].replace("``", "")
 
 
+def number_in(kind: type, low: float, high: Optional[float] = None, low_open: bool = False):
+    """An argparse ``type`` for numbers of ``kind`` from ``low`` (excluded if ``low_open``) to
+    ``high``: every out-of-range value is refused the same way, as a usage error (exit 2)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}")
+        if value < low or (low_open and value == low) or (high is not None and value > high):
+            span = f"above {low}" if low_open else f"at least {low}" if high is None else f"from {low} to {high}"
+            raise argparse.ArgumentTypeError(f"{text} is out of range: pass a value {span}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
 def dp_sgd_step(
     model: GradSampleModuleFastGradientClipping,
     optimizer: torch.optim.Optimizer,
@@ -63,13 +80,18 @@ def dp_sgd_step(
 
 def demo(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(prog="dpgrad demo", description=_doc(2))
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--max-grad-norm", type=float, default=1.0)
-    parser.add_argument("--noise-multiplier", type=float, default=0.5)
-    parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--seed", type=int, default=0)
+    max_len = TinyTransformerConfig().max_seq_len
+    parser.add_argument("--steps", type=number_in(int, 1), default=30, help="training steps (default 30)")
+    parser.add_argument("--batch-size", type=number_in(int, 1), default=64, help="samples per step (default 64)")
+    parser.add_argument("--seq-len", type=number_in(int, 2, max_len), default=64,
+                        help=f"tokens per sample, 2 to {max_len} (default 64)")
+    parser.add_argument("--max-grad-norm", type=number_in(float, 0, low_open=True), default=1.0,
+                        help="the clipping bound C (default 1.0)")
+    parser.add_argument("--noise-multiplier", type=number_in(float, 0), default=0.5,
+                        help="noise standard deviation over C (default 0.5)")
+    parser.add_argument("--lr", type=number_in(float, 0, low_open=True), default=1e-2,
+                        help="Adam's learning rate (default 0.01)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
     parser.add_argument("--backward", choices=["single", "double"], default="single",
                         help="one backward pass per step (default) or Opacus's two")
     args = parser.parse_args(argv)
@@ -106,15 +128,16 @@ def demo(argv: List[str]) -> int:
 REPORT_EPILOG = """\
 defaults: on CUDA, --model gpt2-small --seq-len 1024 --dtype bf16; otherwise --model tiny
 --seq-len 128 --dtype fp32 (seconds on a laptop CPU; there the eager fallback is reported,
-since the Triton kernels run on CUDA tensors). --seq-len is capped at the model's maximum.
---batch-size defaults to 8.
+since the Triton kernels run on CUDA tensors); the default --seq-len is lowered to the
+model's maximum where that is less. --batch-size defaults to 8.
 
 DPGRAD_TUNE: the report sets it to "on" (time new shapes) unless it is set already
 ("cached": stored choices, else the cost model; "off": the cost model). Measured choices are
 saved in the per-device store (DPGRAD_TUNE_DIR, else ~/.cache/dpgrad/tune) and reused.
 
-exit status: 0 on success; 2 for a usage error (an unknown --model, a --seq-len above the
-model's maximum, hf: without transformers), with a message saying what to pass instead.
+exit status: 0 on success; 2 for a usage error (an unknown --model, a --batch-size below 1,
+a --seq-len below 2 or above the model's maximum, hf: without transformers), with a message
+saying what to pass instead.
 """
 
 
@@ -127,8 +150,9 @@ def autotune_report(argv: List[str]) -> int:
         epilog=REPORT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", help=f"a preset or Hugging Face architecture: {presets.model_names()}")
-    parser.add_argument("--batch-size", type=int, default=8, help="samples per batch (default 8)")
-    parser.add_argument("--seq-len", type=int, help="tokens per sample (default 1024 on CUDA, 128 otherwise)")
+    parser.add_argument("--batch-size", type=number_in(int, 1), default=8, help="samples per batch (default 8)")
+    parser.add_argument("--seq-len", type=number_in(int, 2),
+                        help="tokens per sample, 2 to the model's maximum (default 1024 on CUDA, 128 otherwise)")
     parser.add_argument("--dtype", choices=list(presets.DTYPES), help="default bf16 on CUDA, fp32 otherwise")
     parser.add_argument("--device", default="cuda" if cuda else "cpu",
                         help=f"torch device (default {'cuda' if cuda else 'cpu'})")
@@ -152,8 +176,6 @@ def autotune_report(argv: List[str]) -> int:
     if on_cuda and not cuda:
         parser.error(f"--device {args.device}: CUDA is not available here; use --device cpu")
     model = args.model or ("gpt2-small" if on_cuda else "tiny")
-    if args.batch_size < 1:
-        parser.error(f"--batch-size {args.batch_size}: pass 1 or more")
     if args.json == "-" and args.markdown == "-":
         parser.error("--json - and --markdown - would both go to stdout: give one of them a file path")
     try:
@@ -163,9 +185,11 @@ def autotune_report(argv: List[str]) -> int:
         seq_len = args.seq_len
         if model in presets.PRESETS:
             max_len = presets.PRESETS[model].max_seq_len
-            seq_len = seq_len or min(1024 if on_cuda else 128, max_len)
+            if seq_len is None:
+                seq_len = min(1024 if on_cuda else 128, max_len)
             presets.check_seq_len(model, seq_len, max_len)
-        seq_len = seq_len or (1024 if on_cuda else 128)
+        elif seq_len is None:
+            seq_len = 1024 if on_cuda else 128
     except ValueError as exc:
         parser.error(str(exc))
     settings = report.ReportSettings(model=model, batch_size=args.batch_size, seq_len=seq_len,

@@ -28,6 +28,7 @@ from opacus import PrivacyEngine
 from torch.utils.data import DataLoader, TensorDataset
 
 import dpgrad.opacus
+from dpgrad.cli import number_in
 from dpgrad.models import TinyTransformerConfig, synthetic_batch
 
 PAD = 0
@@ -116,11 +117,16 @@ def main(model: str = "gpt2", size: str = "tiny", steps: int = 30, batch_size: i
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["gpt2", "llama-lora"], default="gpt2")
-    parser.add_argument("--size", choices=["tiny", "real"], default="real" if torch.cuda.is_available() else "tiny")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--seq-len", type=int, default=16)
-    parser.add_argument("--noise-multiplier", type=float, default=0.5)
+    parser.add_argument("--model", choices=["gpt2", "llama-lora"], default="gpt2",
+                        help="full fine-tuning of GPT-2 (tied embeddings), or rank-16 LoRA on a Llama (default gpt2)")
+    parser.add_argument("--size", choices=["tiny", "real"], default="real" if torch.cuda.is_available() else "tiny",
+                        help="a two-layer config for a CPU, or the real widths in bf16 for a GPU "
+                             "(default real on CUDA, tiny otherwise)")
+    parser.add_argument("--steps", type=number_in(int, 1), default=30, help="training steps (default 30)")
+    parser.add_argument("--batch-size", type=number_in(int, 1), default=32,
+                        help="expected samples per step under Poisson sampling (default 32)")
+    parser.add_argument("--seq-len", type=number_in(int, 2), default=16, help="tokens per sequence (default 16)")
+    parser.add_argument("--noise-multiplier", type=number_in(float, 0), default=0.5,
+                        help="noise standard deviation over the clipping bound (default 0.5)")
     args = parser.parse_args()
     main(args.model, args.size, args.steps, args.batch_size, args.seq_len, args.noise_multiplier)

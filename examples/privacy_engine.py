@@ -13,6 +13,7 @@ from opacus import PrivacyEngine
 from torch.utils.data import DataLoader, TensorDataset
 
 import dpgrad.opacus
+from dpgrad.cli import number_in
 from dpgrad.models import TinyTransformer, TinyTransformerConfig, synthetic_batch
 
 
@@ -51,6 +52,6 @@ def main(steps: int = 20) -> float:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("--steps", type=number_in(int, 1), default=20, help="training steps (default 20)")
     main(parser.parse_args().steps)

@@ -178,6 +178,12 @@ def test_an_explicit_tune_mode_is_kept(tmp_path):
     (["--model", "gpt3"], "unknown model 'gpt3': choose one of tiny, gpt2-small"),
     (["--model", "tiny", "--seq-len", "300"], "takes 2 to 256 tokens"),
     (["--model", "tiny", "--hf-config", "n_layer=2"], "hf: models only"),
+    (["--seq-len", "0"], "argument --seq-len: 0 is out of range: pass a value at least 2"),
+    (["--seq-len", "1"], "argument --seq-len: 1 is out of range: pass a value at least 2"),
+    (["--seq-len", "-5"], "argument --seq-len: -5 is out of range: pass a value at least 2"),
+    (["--model", "hf:gpt2", "--seq-len", "0"], "argument --seq-len: 0 is out of range"),
+    (["--seq-len", "x"], "argument --seq-len: 'x' is not an integer"),
+    (["--batch-size", "0"], "argument --batch-size: 0 is out of range: pass a value at least 1"),
 ])
 def test_bad_arguments_are_usage_errors_with_exit_code_2(args, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -285,3 +291,48 @@ def test_a_doctored_store_does_not_change_the_displayed_speedup(tmp_path, monkey
     assert all(r["source"] == "store" and r["timings_from"].startswith("store, 20") for r in tuned)
     table = report.format_table(second)
     assert "eager-sort 0.800, eager-gram stored 0.020" in table, table  # the embeddings' row
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "0"], "argument --steps: 0 is out of range: pass a value at least 1"),
+    (["--seq-len", "300"], "argument --seq-len: 300 is out of range: pass a value from 2 to 256"),
+    (["--max-grad-norm", "0"], "argument --max-grad-norm: 0 is out of range: pass a value above 0"),
+    (["--noise-multiplier", "-1"], "argument --noise-multiplier: -1 is out of range: pass a value at least 0"),
+])
+def test_demo_refuses_out_of_range_values_the_same_way(args, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo"] + args)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def _option_helps(text: str) -> dict:
+    """Each option of an argparse --help text and its help (empty when it has none)."""
+    helps, current = {}, None
+    for line in text.split("options:")[1].splitlines():
+        m = re.match(r"\s{2}(-[-\w]+)(?:,\s+--[-\w]+)?(?:\s\S+)?(?:\s{2,}(.*))?$", line)
+        if m:
+            current = m.group(1)
+            helps[current] = m.group(2) or ""
+        elif current and line.strip() and not line.strip().startswith("-"):
+            helps[current] += " " + line.strip()
+    return helps
+
+
+def test_every_option_has_a_help_text(capsys):
+    for command in (["demo"], ["autotune-report"]):
+        with pytest.raises(SystemExit):
+            cli.main(command + ["--help"])
+        helps = _option_helps(capsys.readouterr().out)
+        assert len(helps) > 3 and all(helps.values()), (command, helps)
+
+
+@pytest.mark.parametrize("script", ["privacy_engine.py", "finetune_lm.py"])
+def test_examples_help_is_whole(script):
+    """An example's --help: the description a whole sentence, every option with a help text."""
+    out = subprocess.run([sys.executable, os.path.join("examples", script), "--help"], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), check=True).stdout
+    description = out.split("\n\n")[1]
+    assert description.rstrip().endswith("."), description
+    helps = _option_helps(out)
+    assert "--steps" in helps and all(helps.values()), helps
