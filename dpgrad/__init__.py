@@ -18,7 +18,7 @@ from .registry import (
     register_norm_sampler,
 )
 
-__version__ = "0.1.0"
+from .version import __version__  # noqa: F401
 
 __all__ = [
     "CLIPPED_SUM_SAMPLERS",

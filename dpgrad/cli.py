@@ -26,7 +26,7 @@ from typing import List, Optional
 import torch
 
 from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping
-from dpgrad.models import TinyTransformer, TinyTransformerConfig, per_sample_lm_loss, synthetic_batch
+from dpgrad.models import TinyTransformer, TinyTransformerConfig, dp_sgd_step, per_sample_lm_loss, synthetic_batch
 
 
 def _doc(paragraph: int) -> str:
@@ -49,33 +49,6 @@ def number_in(kind: type, low: float, high: Optional[float] = None, low_open: bo
 
     parse.__name__ = kind.__name__  # argparse names the type in its messages
     return parse
-
-
-def dp_sgd_step(
-    model: GradSampleModuleFastGradientClipping,
-    optimizer: torch.optim.Optimizer,
-    loss_per_sample: torch.Tensor,
-    noise_multiplier: float,
-    generator: Optional[torch.Generator] = None,
-) -> torch.Tensor:
-    """One DP-SGD step from a batch's per-sample losses (B,).
-
-    ``model.clipped_backward`` (one backward pass or two, as the wrapper was built) leaves the
-    clipped summed gradient ``sum_b c_b g_b`` in ``p.grad``; Gaussian noise of std
-    ``noise_multiplier * C`` is added and the sum divided by B, as Opacus's
-    DPOptimizerFastGradientClipping does. Returns the per-sample gradient norms.
-    """
-    optimizer.zero_grad(set_to_none=True)
-    model.clipped_backward(loss_per_sample)
-    norms = model.per_sample_gradient_norms
-    std = noise_multiplier * model.max_grad_norm
-    batch_size = max(1, loss_per_sample.shape[0])
-    for p in model.parameters():
-        if p.grad is not None:
-            noise = torch.normal(0.0, std, p.grad.shape, generator=generator, device=p.device) if std > 0 else 0.0
-            p.grad.add_(noise).div_(batch_size)
-    optimizer.step()
-    return norms
 
 
 def demo(argv: List[str]) -> int:

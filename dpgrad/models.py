@@ -3,15 +3,20 @@
 Built only from layers dpgrad has samplers for (nn.Embedding, nn.Linear, nn.LayerNorm or
 nn.RMSNorm) plus parameter-free attention, with random weights: nothing is downloaded. The
 config also describes GPT-2- and Llama-shaped models (dpgrad/presets.py) for the autotune report.
+``dp_sgd_step`` is the DP-SGD step the demo and the report take with it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping
 
 
 @dataclass(frozen=True)
@@ -123,3 +128,30 @@ def synthetic_batch(cfg: TinyTransformerConfig, batch_size: int, seq_len: int, g
     lengths = torch.randint(seq_len // 2, seq_len + 1, (batch_size,), generator=generator)
     ids[torch.arange(seq_len).unsqueeze(0) >= lengths.unsqueeze(1)] = cfg.padding_idx
     return ids
+
+
+def dp_sgd_step(
+    model: GradSampleModuleFastGradientClipping,
+    optimizer: torch.optim.Optimizer,
+    loss_per_sample: torch.Tensor,
+    noise_multiplier: float,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """One DP-SGD step from a batch's per-sample losses (B,).
+
+    ``model.clipped_backward`` (one backward pass or two, as the wrapper was built) leaves the
+    clipped summed gradient ``sum_b c_b g_b`` in ``p.grad``; Gaussian noise of std
+    ``noise_multiplier * C`` is added and the sum divided by B, as Opacus's
+    DPOptimizerFastGradientClipping does. Returns the per-sample gradient norms.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    model.clipped_backward(loss_per_sample)
+    norms = model.per_sample_gradient_norms
+    std = noise_multiplier * model.max_grad_norm
+    batch_size = max(1, loss_per_sample.shape[0])
+    for p in model.parameters():
+        if p.grad is not None:
+            noise = torch.normal(0.0, std, p.grad.shape, generator=generator, device=p.device) if std > 0 else 0.0
+            p.grad.add_(noise).div_(batch_size)
+    optimizer.step()
+    return norms

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import datetime
 import os
-import subprocess
 import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Dict, List, Optional, TextIO
 
 import torch
@@ -24,8 +22,9 @@ import torch.nn as nn
 
 from dpgrad import backend, registry
 from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping
-from dpgrad.models import synthetic_batch
+from dpgrad.models import dp_sgd_step, synthetic_batch
 from dpgrad.presets import DTYPES, build_model
+from dpgrad.results import git_commit
 from dpgrad.tuning import get_tuner, store, tune_mode
 from dpgrad.tuning.tuner import ENV_VAR as TUNE_ENV_VAR
 
@@ -108,19 +107,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def git_commit() -> Optional[str]:
-    """``git describe --always --dirty`` of this checkout; None for an installed copy or no git."""
-    root = Path(__file__).resolve().parents[1]
-    if not (root / ".git").exists():  # an installed copy: the commit would be someone else's
-        return None
-    try:
-        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=root, capture_output=True,
-                             text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return (out.stdout.strip() or None) if out.returncode == 0 else None
-
-
 def _backend_in_use(device: torch.device, dtype: torch.dtype) -> str:
     try:
         name = backend.ops_for(torch.empty(1, device=device, dtype=dtype)).NAME
@@ -153,8 +139,6 @@ def _run(settings: ReportSettings, device: torch.device, dtype: torch.dtype, pro
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(0)
     ids = synthetic_batch(built.batch_config(), settings.batch_size, settings.seq_len, generator=gen).to(device)
-
-    from dpgrad.cli import dp_sgd_step  # here: the CLI imports this module when it runs
 
     tuner = get_tuner()
     progress = Progress(len(layers), progress_stream)

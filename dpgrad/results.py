@@ -22,10 +22,13 @@ import importlib.util
 import json
 import platform
 import re
+import subprocess
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
+
+from dpgrad.version import __version__
 
 SCHEMA = "dpgrad-bench/1"
 # Metric name -> unit. Times are medians (and p20, p80) of synchronised runs, except
@@ -61,9 +64,16 @@ def quick_mode() -> bool:
 
 
 def git_commit() -> Optional[str]:
-    from dpgrad.report import git_commit as commit
-
-    return commit()
+    """``git describe --always --dirty`` of this checkout; None for an installed copy or no git."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():  # an installed copy: the commit would be someone else's
+        return None
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=root, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
 
 
 def _cpu_name() -> str:
@@ -83,7 +93,6 @@ def machine_info() -> Dict[str, object]:
     for name in versions:
         if importlib.util.find_spec(name) is not None:
             versions[name] = getattr(__import__(name), "__version__", None)
-    from dpgrad import __version__
 
     return {
         "device": gpu or f"cpu: {_cpu_name()} x {torch.get_num_threads()} threads",

@@ -96,3 +96,55 @@ def test_every_wrapper_test_module_runs_on_both_backends():
     unplaced = modules - set(listed) - BACKEND_INDEPENDENT
     assert not unplaced, f"add {sorted(unplaced)} to the Makefile's BACKEND_TESTS (or to BACKEND_INDEPENDENT here)"
     assert not set(listed) & BACKEND_INDEPENDENT
+
+
+def _package_imports() -> dict:
+    """{module: the package's modules it imports}, for every module of dpgrad (kernels/ as
+    dpgrad.kernels), imports inside functions included. ``from P import name`` counts as an
+    import of P.name where that is a module, else of P."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1]
+    files = {}
+    for base, package in ((root / "dpgrad", "dpgrad"), (root / "kernels", "dpgrad.kernels")):
+        for path in base.rglob("*.py"):
+            parts = [package] + [p for p in path.relative_to(base).with_suffix("").parts if p != "__init__"]
+            files[".".join(parts)] = path
+    graph = {}
+    for module, path in files.items():
+        here = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        graph[module] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(here[:len(here) - node.level + 1] + ([node.module] if node.module else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            else:
+                continue
+            graph[module].update(t for t in targets if t in files and t != module)
+    return graph
+
+
+def test_the_package_has_no_import_cycles():
+    graph = _package_imports()
+    assert "dpgrad.report" in graph["dpgrad.cli"]  # the walk sees imports inside functions
+    cycles, state, stack = [], {}, []
+
+    def visit(module):
+        state[module] = "open"
+        stack.append(module)
+        for target in sorted(graph[module]):
+            if state.get(target) == "open":
+                cycles.append(" -> ".join(stack[stack.index(target):] + [target]))
+            elif target not in state:
+                visit(target)
+        stack.pop()
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    assert not cycles, cycles

@@ -32,6 +32,8 @@ import zlib
 
 import torch
 
+from dpgrad.version import __version__
+
 try:  # POSIX only; without it concurrent writers may lose each other's entries, never corrupt
     import fcntl
 except ImportError:  # pragma: no cover - Windows
@@ -110,10 +112,8 @@ def versions() -> dict:
     """Versions a stored timing depends on: ``{"dpgrad", "torch", "triton"}`` (triton ``None``
     when not installed). Triton's is read from package metadata, so Triton is not imported.
     """
-    import dpgrad  # here, not at module top: dpgrad/__init__ may still be importing this module
-
     return {
-        "dpgrad": getattr(dpgrad, "__version__", None) or _dist_version(["dpgrad"]),
+        "dpgrad": __version__,
         "torch": torch.__version__,
         "triton": _dist_version(_TRITON_DISTS),
     }
