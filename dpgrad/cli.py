@@ -132,6 +132,9 @@ def autotune_report(argv: List[str]) -> int:
     parser.add_argument("--json", metavar="PATH|-", help="also write the report as JSON ('-': stdout, no table)")
     parser.add_argument("--markdown", metavar="PATH|-", help="also write a Markdown table ('-': stdout, no table)")
     parser.add_argument("--no-opacus", action="store_true", help="do not time Opacus's samplers for the speedup")
+    parser.add_argument("--retune", action="store_true",
+                        help="measure every layer shape of this model again and replace its stored choice "
+                             "(the store's other entries stay)")
     parser.add_argument("--hf-config", metavar="KEY=VALUE", action="append", default=[],
                         help="override a config field of an hf: model, e.g. num_hidden_layers=2 (repeatable)")
     args = parser.parse_args(argv)
@@ -167,7 +170,7 @@ def autotune_report(argv: List[str]) -> int:
         parser.error(str(exc))
     settings = report.ReportSettings(model=model, batch_size=args.batch_size, seq_len=seq_len,
                                      dtype=args.dtype or ("bf16" if on_cuda else "fp32"), device=args.device,
-                                     opacus=not args.no_opacus, hf_config=hf_config)
+                                     opacus=not args.no_opacus, hf_config=hf_config, retune=args.retune)
     try:
         result = report.run_report(settings)
     except ValueError as exc:  # an hf: model whose maximum length is known only once built

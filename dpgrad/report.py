@@ -46,6 +46,7 @@ class ReportSettings:
     device: str = "cpu"
     opacus: bool = True  # time Opacus's eager sampler on each layer's inputs
     hf_config: Dict[str, object] = field(default_factory=dict)  # config overrides for hf: models
+    retune: bool = False  # measure every shape again, replacing its stored entry
 
 
 class Progress:
@@ -149,9 +150,15 @@ def _run(settings: ReportSettings, device: torch.device, dtype: torch.dtype, pro
     with _tuning_on_unless_set():
         mode = tune_mode()
         start = time.perf_counter()
-        with tuner.recording(settings.opacus, on_layer) as rec:
-            dp_sgd_step(model, optimizer, built.per_sample_loss(model, ids), noise_multiplier=1.0)
-            _sync(device)
+        if settings.retune:
+            tuner.forget()  # this process's decisions too
+        tuner.retune, retune_before = settings.retune, tuner.retune
+        try:
+            with tuner.recording(settings.opacus, on_layer) as rec:
+                dp_sgd_step(model, optimizer, built.per_sample_loss(model, ids), noise_multiplier=1.0)
+                _sync(device)
+        finally:
+            tuner.retune = retune_before
         tuning_s = time.perf_counter() - start
         untuned = len(layers) - len({id(layer) for layer, _, _ in rec.layers})
         if untuned > 0:
@@ -178,7 +185,8 @@ def _run(settings: ReportSettings, device: torch.device, dtype: torch.dtype, pro
         "model": {"name": settings.model, "parameters": sum(p.numel() for p in built.module.parameters()),
                   "trainable_layers": len(layers)},
         "settings": {"batch_size": settings.batch_size, "seq_len": settings.seq_len, "dtype": settings.dtype,
-                     "tune_mode": mode, "device": str(device), "opacus": settings.opacus},
+                     "tune_mode": mode, "device": str(device), "opacus": settings.opacus,
+                     "retune": settings.retune},
         "backend": _backend_in_use(device, dtype),
         "notice": notice,
         "store": str(store.store_path(dev_name)),

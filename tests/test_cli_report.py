@@ -96,7 +96,7 @@ def test_json_has_the_documented_keys_and_a_row_per_layer(tiny):
         assert key in data, key
     assert data["schema"] == 1 and data["backend"] == "eager" and data["step_ms"] > 0
     assert data["settings"] == {"batch_size": 2, "seq_len": 16, "dtype": "fp32", "tune_mode": "on",
-                                "device": "cpu", "opacus": True}
+                                "device": "cpu", "opacus": True, "retune": False}
     assert data["model"]["name"] == "tiny" and data["model"]["trainable_layers"] == len(TINY_LAYERS)
     assert data["model"]["parameters"] == sum(p.numel() for p in TinyTransformer().parameters())
     assert [r["name"] for r in data["rows"]] == TINY_LAYERS
@@ -336,3 +336,33 @@ def test_examples_help_is_whole(script):
     assert description.rstrip().endswith("."), description
     helps = _option_helps(out)
     assert "--steps" in helps and all(helps.values()), helps
+
+
+def test_retune_measures_the_model_again_and_replaces_its_entries(tmp_path, monkeypatch):
+    """--retune: the stored choices of the model's shapes are measured again (the timings of
+    this run decide) and replaced in the store; without it the store decides."""
+    from dpgrad.tuning import Tuner, tuner as tuner_module
+
+    def timer_of(ms):
+        def timer(fn, device, name=""):
+            fn()
+            return ms.get(name, 1.0)
+        return timer
+
+    settings = report.ReportSettings(batch_size=2, seq_len=8, opacus=False)
+    with _clean_env(tmp_path, DPGRAD_TUNE="on"), clipped_from_norms():
+        monkeypatch.setattr(tuner_module, "_TUNER", Tuner(timer=timer_of({"eager-sort": 1.0, "eager-gram": 9.0})))
+        report.run_report(settings, io.StringIO())
+        faster_gram = timer_of({"eager-sort": 9.0, "eager-gram": 1.0})
+        monkeypatch.setattr(tuner_module, "_TUNER", Tuner(timer=faster_gram))
+        kept = report.run_report(settings, io.StringIO())
+        monkeypatch.setattr(tuner_module, "_TUNER", Tuner(timer=faster_gram))
+        retuned = report.run_report(report.ReportSettings(batch_size=2, seq_len=8, opacus=False, retune=True),
+                                    io.StringIO())
+        monkeypatch.setattr(tuner_module, "_TUNER", Tuner(timer=faster_gram))
+        after = report.run_report(settings, io.StringIO())
+    embedding = lambda data: {(r["choice"], r["source"]) for r in data["rows"] if r["kind"] == "embedding_norm"}  # noqa: E731,E501
+    assert embedding(kept) == {("eager-sort", "store")}
+    assert embedding(retuned) == {("eager-gram", "measured")} and retuned["settings"]["retune"]
+    assert embedding(after) == {("eager-gram", "store")}
+    assert get_tuner().retune is False

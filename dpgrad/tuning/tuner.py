@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import functools
 import os
+import statistics
 import time
 import types
 import warnings
@@ -35,6 +36,11 @@ ENV_VAR = "DPGRAD_TUNE"
 MODES = ("off", "cached", "on")
 # Candidates predicted this many times slower than the best prediction are not timed.
 PRUNE_FACTOR = 8.0
+# A close call is timed again: when the runner-up took less than this factor of the fastest's
+# time, one noisy timing could have decided it. Each candidate within the factor then runs
+# RECHECK_RUNS more times and keeps the median of its runs, and their spread.
+RECHECK_FACTOR = 3.0
+RECHECK_RUNS = 3
 # Relative per-sample tolerance of a candidate's result against the eager reference.
 NORM_RTOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 GRAD_RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -88,6 +94,8 @@ class Decision:
     skipped: Dict[str, str] = field(default_factory=dict)  # candidate -> why it was not timed
     config: Optional[Dict[str, object]] = None
     stored_at: Optional[str] = None  # source "store": when the stored timings were taken
+    # Candidates timed again (a close call): (slowest - fastest) / median of their runs.
+    spread: Dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -114,6 +122,9 @@ class Tuner:
         self._chosen: Dict[tuple, Candidate] = {}
         self._stores: Dict[str, store.TuneStore] = {}
         self._recordings: List[Recording] = []
+        # When set, stored choices are not used: every new shape key is measured again and
+        # its stored entry replaced (``dpgrad autotune-report --retune``).
+        self.retune = False
 
     def select(self, kind: str, inputs: tuple, layer: Optional[torch.nn.Module] = None) -> Candidate:
         """The candidate to run ``kind`` on ``inputs`` (tuning the shape key if it is new)."""
@@ -241,13 +252,17 @@ class Tuner:
         if len(candidates) == 1:
             decision.choice, decision.source = candidates[0].name, "only candidate"
             return decision
-        stored = self._store(shape).get(key) if mode != "off" else None
-        if stored is not None and stored["choice"] in decision.estimates_ms:
+        stored = self._store(shape).get(key) if mode != "off" and not self.retune else None
+        # A stored close call that was never timed again (an older entry) is measured anew.
+        unchecked = stored is not None and mode == "on" and not stored.get("spread") and _close_call(
+            stored.get("timings_ms", {}))
+        if stored is not None and stored["choice"] in decision.estimates_ms and not unchecked:
             decision.choice, decision.source = stored["choice"], "store"
             decision.timings_ms = dict(stored.get("timings_ms", {}))
             decision.skipped = dict(stored.get("skipped", {}))
             decision.config = stored.get("config")
             decision.stored_at = stored.get("measured")
+            decision.spread = dict(stored.get("spread", {}))
             return decision
         if mode != "on" or shape.B == 0:
             decision.choice, decision.source = by_estimate, "cost model"
@@ -291,6 +306,16 @@ class Tuner:
                 warnings.warn(f"dpgrad: candidate {cand.name} for {shape.kind.replace('_', ' ')}{of} failed on "
                               f"{_describe(shape)} ({type(exc).__name__}: {first[:200]}); tuning goes on "
                               "without it", RuntimeWarning, stacklevel=2)
+        if _close_call(decision.timings_ms):
+            by_name = {c.name: c for c in candidates}
+            fastest = min(decision.timings_ms.values())
+            for name, first_ms in list(decision.timings_ms.items()):
+                if first_ms >= RECHECK_FACTOR * fastest:
+                    continue
+                runs = sorted([first_ms] + [self.timer(lambda c=by_name[name]: c.run(*inputs), shape.device, name=name)
+                                            for _ in range(RECHECK_RUNS)])
+                decision.timings_ms[name] = statistics.median(runs)
+                decision.spread[name] = (runs[-1] - runs[0]) / decision.timings_ms[name]
 
     def _store(self, shape: Shape) -> store.TuneStore:
         name = _device_name(shape.device)
@@ -327,6 +352,12 @@ class Tuner:
             rec.callback(layer, decision)
 
 
+def _close_call(timings_ms: Dict[str, float]) -> bool:
+    """Whether the runner-up took less than RECHECK_FACTOR times the fastest's time."""
+    ranked = sorted(t for t in timings_ms.values() if t is not None)
+    return len(ranked) >= 2 and ranked[1] < RECHECK_FACTOR * ranked[0]
+
+
 def _fast_key(kind: str, inputs: tuple) -> tuple:
     """What a step looks a chosen candidate up by: exact shapes, dtypes, devices, the backend asked for."""
     return (kind, backend.requested(), *(
@@ -341,7 +372,7 @@ def _describe(shape: Shape) -> str:
 def _stored(decision: Decision) -> dict:
     """A decision as the tune store keeps it."""
     return {"choice": decision.choice, "timings_ms": decision.timings_ms, "skipped": decision.skipped,
-            "config": decision.config, "shape": decision.shape,
+            "spread": decision.spread, "config": decision.config, "shape": decision.shape,
             "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
