@@ -6,7 +6,9 @@ the p20/p50/p80 of ``step_time`` or ``time``) or hands in metrics of its own (GP
 times from ``triton.testing.do_bench``, peak memory, operation counts, host time), or says
 why the provider did not run (``bench.skip(reason)``: Opacus refusing tied weights, out of
 memory). At the end of a run with timing enabled, each suite's rows get their ratios to the
-same run's baselines and go to ``<suite>_<device>.json`` in ``$DPGRAD_RESULTS_DIR`` (default
+same run's baselines, and flags where their timings cannot be trusted as figures (a wide
+spread, a DP step faster than the non-private one: ``results.flag_rows``), and go to
+``<suite>_<device>.json`` in ``$DPGRAD_RESULTS_DIR`` (default
 benchmarks/results). Runs with ``--benchmark-disable`` (the test suite's quick pass:
 collection and one round) write nothing.
 
@@ -170,6 +172,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             by_suite.setdefault(row.suite, []).append(result)
     for suite, rows in by_suite.items():
         DERIVE[suite](rows)
+        results.flag_rows(suite, rows)
         settings[suite] = {"quick": QUICK, "timer": "triton.testing.do_bench (GPU kernels), else pytest-benchmark "
                            "rounds of a synchronised call", "dtype": sorted({str(r["shape"].get("dtype")) for r in rows})}
         settings[suite].update(SETTINGS.get(suite, {}))

@@ -39,7 +39,11 @@ _SCRIPT = r"""
 (function () {
   const COLORS = ["#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377", "#bbbbbb"];
   const SVG = "http://www.w3.org/2000/svg";
-  const p50 = (row, name) => (row.status === "ok" && row.metrics[name]) ? row.metrics[name].p50 : null;
+  // A flagged row's timings are not figures: only its counts are shown.
+  const COUNTS = new Set(["ops", "syncs", "cuda_syncs", "launches", "hooked_layers", "extra_ops_per_layer", "extra_syncs"]);
+  const flagged = row => Boolean(row.flags && row.flags.length);
+  const p50 = (row, name) => (row.status === "ok" && row.metrics[name] && (!flagged(row) || COUNTS.has(name)))
+    ? row.metrics[name].p50 : null;
   const shapeKey = (s, keys) => keys.map(k => s[k]).join(" | ");
 
   function el(tag, attrs, parent) {
@@ -197,7 +201,8 @@ _SCRIPT = r"""
       for (const [name, m] of lines) {
         const tr = document.createElement("tr");
         const shape = Object.entries(r.shape).map(([k, v]) => k + "=" + v).join(", ");
-        for (const v of [d.suite, r.benchmark, shape, r.provider, r.status, name || "",
+        const status = flagged(r) ? r.status + " (flagged: " + r.flags.join("; ") + ")" : r.status;
+        for (const v of [d.suite, r.benchmark, shape, r.provider, status, name || "",
                          m ? m.p20.toPrecision(4) : "", m ? m.p50.toPrecision(4) : "", m ? m.p80.toPrecision(4) : "",
                          m ? m.unit : ""]) cell(tr, v);
         table.appendChild(tr);
@@ -249,6 +254,18 @@ _SCRIPT = r"""
           "no peak-memory figures for this machine (measured on CUDA only)");
     drawn += 3;
     hostOverhead(section, mine, i);
+    const bad = mine.flatMap(d => d.results).filter(flagged);
+    if (bad.length) {
+      const list = document.createElement("ul");
+      list.className = "flags";
+      for (const r of bad) {
+        const li = document.createElement("li");
+        li.textContent = "flagged, not shown as figures: " + r.provider + " (" +
+          Object.entries(r.shape).map(([k, v]) => k + "=" + v).join(", ") + "): " + r.flags.join("; ");
+        list.appendChild(li);
+      }
+      section.appendChild(list);
+    }
   }
   rawTable(document.getElementById("raw-figures"), docs);
   machines(document.getElementById("machine-info"), docs);

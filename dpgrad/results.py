@@ -56,6 +56,50 @@ UNITS = {
 }
 
 
+# A row whose time spreads wider than this (p80 - p20 over the median) is flagged.
+WIDE_SPREAD = 0.5
+# Figures that do not depend on timing: shown whatever a row's flags.
+COUNTS = ("ops", "syncs", "cuda_syncs", "launches", "hooked_layers", "extra_ops_per_layer", "extra_syncs")
+IMPOSSIBLE = "impossible: faster than the non-private step of the same run, which does less work"
+
+
+def flag_rows(suite: str, rows: List[dict]) -> None:
+    """Give each row ``flags``: why its timings are not to be shown as figures (a wide spread
+    of its time; a DP step faster than the non-private step of the same case). Their ratios
+    are left in the file and shown as flagged, not as figures."""
+    for r in rows:
+        flags = []
+        if r.get("status") == "ok":
+            metrics = r["metrics"]
+            t = metrics.get("step_time") or metrics.get("time")
+            if t and t["p50"] > 0 and (t["p80"] - t["p20"]) / t["p50"] > WIDE_SPREAD:
+                flags.append(f"wide spread: p20 to p80 of its time is {(t['p80'] - t['p20']) / t['p50']:.0%} "
+                             "of the median")
+            if r["provider"] != "non-private":
+                faster = metrics.get("throughput_over_non_private", {}).get("p50", 0) > 1 or \
+                    metrics.get("step_time_over_non_private", {}).get("p50", 1) < 1
+                if faster:
+                    flags.append(IMPOSSIBLE)
+        r["flags"] = flags
+
+
+def warm_up(run, min_rounds: int = 2, max_rounds: int = 10, tolerance: float = 0.1) -> int:
+    """Run ``run`` (a synchronised step) until two rounds in a row take times within
+    ``tolerance`` of each other, at least ``min_rounds`` and at most ``max_rounds`` times:
+    first steps pay for allocation, compilation and caches. Returns the rounds run."""
+    import time
+
+    last = None
+    for rounds in range(1, max_rounds + 1):
+        start = time.perf_counter()
+        run()
+        took = time.perf_counter() - start
+        if rounds >= min_rounds and last is not None and abs(took - last) <= tolerance * max(took, last):
+            return rounds
+        last = took
+    return max_rounds
+
+
 def quick_mode() -> bool:
     """Whether the benchmark suites run at their small sizes: ``DPGRAD_BENCH_QUICK=1``, or no CUDA."""
     import os
@@ -152,7 +196,8 @@ def write(directory: Path, suite: str, results: List[dict], settings: Dict[str, 
 
 
 def load(paths: Iterable[Path]) -> List[dict]:
-    """Read results files; raises ValueError naming a file that is not one."""
+    """Read results files (flagging the rows of one written before rows were flagged); raises
+    ValueError naming a file that is not one."""
     docs = []
     for path in paths:
         path = Path(path)
@@ -163,6 +208,8 @@ def load(paths: Iterable[Path]) -> List[dict]:
         if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
             raise ValueError(f"{path}: not a dpgrad results file (schema {SCHEMA!r}); write it with the benchmarks")
         doc["path"] = str(path)
+        if any("flags" not in row for row in doc["results"]):
+            flag_rows(doc["suite"], doc["results"])  # a file written before rows were flagged
         docs.append(doc)
     return docs
 
@@ -220,8 +267,20 @@ def _p50(row: Optional[dict], name: str) -> Optional[float]:
     return row["metrics"][name]["p50"]
 
 
-def _ratio(value: Optional[float]) -> str:
+def _ratio(value: Optional[float], row: Optional[dict] = None) -> str:
+    if value is not None and row and row.get("flags"):
+        return "flagged"
     return "-" if value is None else f"{value:.2f}"
+
+
+def _flag_notes(results: List[dict]) -> List[str]:
+    """A line per flagged row, under its table."""
+    notes = []
+    for r in results:
+        if r.get("flags"):
+            shape = ", ".join(f"{k}={v}" for k, v in r["shape"].items())
+            notes.append(f"flagged: {r['provider']} ({shape}): {'; '.join(r['flags'])}")
+    return [""] + notes if notes else []
 
 
 def _dp_step_table(results: List[dict]) -> List[str]:
@@ -241,9 +300,9 @@ def _dp_step_table(results: List[dict]) -> List[str]:
         single_ms, opacus_ms = _p50(single, "step_time"), _p50(rows.get("opacus-ghost"), "step_time")
         vs_opacus = single_ms / opacus_ms if single_ms and opacus_ms else None
         lines.append(f"| {model} | {batch} | {seq_len} | {dtype} | " + " | ".join(cells)
-                     + f" | {_ratio(vs_opacus)} | {_ratio(_p50(single, 'throughput_over_non_private'))}"
+                     + f" | {_ratio(vs_opacus, single)} | {_ratio(_p50(single, 'throughput_over_non_private'), single)}"
                      + f" | {_ratio(_p50(single, 'peak_memory_over_non_private'))} |")
-    return lines
+    return lines + _flag_notes(results)
 
 
 def _kernels_table(results: List[dict]) -> List[str]:
@@ -287,8 +346,8 @@ def _host_overhead_table(results: List[dict]) -> List[str]:
             f"| {num(row, 'extra_ops_per_layer', '.1f')} | {num(row, 'syncs', '.0f')} "
             f"| {num(row, 'extra_syncs', '+.0f')} | {_fmt_ms(row['metrics'].get('host_time'))} "
             f"| {'-' if per_layer is None else f'{per_layer:.3f} ms'} | {_fmt_ms(row['metrics'].get('step_time'))} "
-            f"| {_ratio(_p50(row, 'step_time_over_non_private'))} |")
-    return lines
+            f"| {_ratio(_p50(row, 'step_time_over_non_private'), row)} |")
+    return lines + _flag_notes(results)
 
 
 _TABLES = {"dp_step": _dp_step_table, "kernels": _kernels_table, "host_overhead": _host_overhead_table}

@@ -233,3 +233,34 @@ def test_quick_suite_writes_results_files(tmp_path):
     speedup = providers["dpgrad"]["metrics"]["speedup_over_opacus"]["p50"]
     assert speedup == pytest.approx(providers["opacus"]["metrics"]["time"]["p50"] / providers["dpgrad"]["metrics"]["time"]["p50"])
     assert re.fullmatch(r"kernels_(cpu|[a-z0-9-]+)\.json", path.name)
+
+
+def test_implausible_and_noisy_rows_are_flagged_not_shown_as_figures():
+    """A DP step faster than its non-private baseline (a cold or disturbed baseline), or a time
+    whose p20-p80 spans more than half its median, is flagged in the results, and the README's
+    tables and the dashboard show the flag instead of the figure."""
+    dshape = dict(model="hf-gpt2", batch=8, seq_len=1024, dtype="bf16")
+    rows = [
+        _row("dp_step", dshape, "non-private", step_time=100.0, throughput_over_non_private=1.0),
+        _row("dp_step", dshape, "dpgrad-single", step_time=90.0, throughput_over_non_private=100.0 / 90.0),
+        _row("dp_step", dshape, "dpgrad-double", throughput_over_non_private=0.5),
+    ]
+    rows[2]["metrics"]["step_time"] = results.metric("step_time", 200.0, 120.0, 260.0)
+    results.flag_rows("dp_step", rows)
+    assert rows[0]["flags"] == [] and rows[1]["flags"] == [results.IMPOSSIBLE]
+    assert rows[2]["flags"] == ["wide spread: p20 to p80 of its time is 70% of the median"]
+
+    host = [_row("host_overhead", dict(model="m", batch=8, seq_len=64, dtype="fp32"), p, step_time=t,
+                 step_time_over_non_private=r) for p, t, r in (("non-private", 20.0, 1.0), ("dpgrad-single", 18.0, 0.9))]
+    results.flag_rows("host_overhead", host)
+    assert host[1]["flags"] == [results.IMPOSSIBLE]
+
+    docs = [{"schema": results.SCHEMA, "suite": "dp_step", "machine": _machine("cpu: test cpu x 2 threads"),
+             "settings": {}, "results": rows},
+            {"schema": results.SCHEMA, "suite": "host_overhead", "machine": _machine("cpu: test cpu x 2 threads"),
+             "settings": {}, "results": host}]
+    table = results.markdown(docs)
+    assert "| - | flagged | - |" in table and "1.11" not in table and "| flagged |" in table.split("host_overhead")[1]
+    assert "flagged: dpgrad-single (model=hf-gpt2, batch=8, seq_len=1024, dtype=bf16): impossible" in table
+    page = dashboard.render(docs)
+    assert "impossible: faster than the non-private step" in page and "flagged, not shown as figures" in page
