@@ -132,6 +132,8 @@ def autotune_report(argv: List[str]) -> int:
     parser.add_argument("--json", metavar="PATH|-", help="also write the report as JSON ('-': stdout, no table)")
     parser.add_argument("--markdown", metavar="PATH|-", help="also write a Markdown table ('-': stdout, no table)")
     parser.add_argument("--no-opacus", action="store_true", help="do not time Opacus's samplers for the speedup")
+    parser.add_argument("--full", action="store_true",
+                        help="the full table: every candidate's time, the config and the memory estimate")
     parser.add_argument("--retune", action="store_true",
                         help="measure every layer shape of this model again and replace its stored choice "
                              "(the store's other entries stay)")
@@ -178,7 +180,7 @@ def autotune_report(argv: List[str]) -> int:
     outputs = {"json": (args.json, lambda r: json.dumps(r, indent=2) + "\n"),
                "markdown": (args.markdown, report.format_markdown)}
     if "-" not in (args.json, args.markdown):
-        sys.stdout.write(report.format_table(result))
+        sys.stdout.write(report.format_table(result, full=args.full))
     elif result["notice"]:
         print(result["notice"], file=sys.stderr)
     for name, (path, render) in outputs.items():

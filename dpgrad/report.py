@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import textwrap
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -303,18 +304,48 @@ FOOTER = ("candidates: ms measured in this run, 'stored' ms from the tune store 
           "extra mem: cost-model estimate for the chosen candidate.")
 
 
-def format_table(report: dict) -> str:
-    """The report as aligned plain text (what the CLI prints)."""
-    table = [COLUMNS] + [_cells(r) for r in report["rows"]]
-    widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
+# The compact table (the CLI's default): what was chosen and how it compares, within 120
+# columns; the full one (``full=True``) adds every candidate's time, the config and memory.
+COMPACT = ["layer", "shape", "kind", "choice", "ms", "Opacus ms", "speedup", "source"]
+SHORT_KIND = {"linear_norm": "norm", "linear_grad_sample": "grad sample", "linear_clipped_sum": "clipped sum",
+              "embedding_norm": "emb norm", "embedding_grad_sample": "emb grad sample"}
+SHORT_SOURCE = {"measured": "tuned", "store": "stored", "cost model": "cost model", "only candidate": "only one",
+                "cost model (no candidate passed)": "none passed", "eager after a failure": "fallback"}
+LAYER_WIDTH = 36
+
+
+def _compact_cells(row: dict) -> List[str]:
+    name = row["name"] if len(row["name"]) <= LAYER_WIDTH else "..." + row["name"][-(LAYER_WIDTH - 3):]
+    if row["kind"] is None:
+        return [name, row["shape"], "-", row["choice"][:38], "-", "-", "-", "-"]
+    ms = f"{row['chosen_ms']:.3f}" if row["chosen_ms"] is not None else "-"
+    opacus = f"{row['opacus_ms']:.3f}" if row["opacus_ms"] is not None else "-"
+    speedup = f"{row['speedup']:.2f}x" if row["speedup"] is not None else "n/a"
+    return [name, row["shape"], SHORT_KIND.get(row["kind"], row["kind"]), row["choice"], ms, opacus, speedup,
+            SHORT_SOURCE.get(row["source"], row["source"])]
+
+
+def format_table(report: dict, full: bool = False) -> str:
+    """The report as aligned plain text (what the CLI prints): compact (within 120 columns:
+    what was chosen, its time and Opacus's), or ``full`` (every candidate, config, memory)."""
+    columns, cells = (COLUMNS, _cells) if full else (COMPACT, _compact_cells)
+    table = [columns] + [cells(r) for r in report["rows"]]
+    widths = [max(len(row[i]) for row in table) for i in range(len(columns))]
     lines = _header_lines(report) + [""]
     for i, row in enumerate(table):
         lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
     lines += ["", f"one tuned DP step: {report['step_ms']:.1f} ms (the first, tuning step: "
-                  f"{report['tuning_s']:.1f} s)", FOOTER]
+                  f"{report['tuning_s']:.1f} s)", FOOTER if full else COMPACT_FOOTER]
+    if not full:  # prose wrapped to the table's 120 columns
+        lines = [wrapped for line in lines for wrapped in (textwrap.wrap(line, 120) if len(line) > 120 else [line])]
     return "\n".join(lines) + "\n"
+
+
+COMPACT_FOOTER = ("ms: the chosen candidate's time in this run; speedup = Opacus ms / ms, on the same inputs. "
+                  "source: tuned in this run, stored (the tune store), cost model, only one candidate, none "
+                  "passed, fallback (after a failure). --full: every candidate's time, the config, the memory.")
 
 
 def format_markdown(report: dict) -> str:

@@ -77,10 +77,11 @@ def test_table_has_a_row_per_trainable_layer(tiny):
     assert tiny["code"] == 0
     rows = table_rows(tiny["out"])
     assert [r[0] for r in rows] == TINY_LAYERS
-    types = {r[0]: r[1] for r in rows}
+    types = {r["name"]: r["type"] for r in tiny["json"]["rows"]}
     assert types["tok"] == "Embedding" and types["blocks.0.up"] == "Linear" and types["ln_f"] == "LayerNorm"
-    assert {r[2] for r in rows if r[0] == "blocks.1.up"} == {"128x512"}
-    assert all("eager (no kernel choice)" in " ".join(r) for r in rows if r[1] == "LayerNorm")
+    assert {r[1] for r in rows if r[0] == "blocks.1.up"} == {"128x512"}
+    assert all("eager (no kernel choice)" in " ".join(r) for r in rows if types[r[0]] == "LayerNorm")
+    assert max(len(line) for line in tiny["out"].splitlines()) <= 120
 
 
 def test_cpu_notice_and_header(tiny):
@@ -171,7 +172,7 @@ def test_an_explicit_tune_mode_is_kept(tmp_path):
                           and r["chosen_timed_by"] == "report" for r in linear)
     assert all(r["chosen_ms"] > 0 and r["chosen_timed_by"] == "report" for r in linear)
     assert all(r["speedup"] is None and "no-opacus" in r["opacus_note"] for r in linear)
-    assert re.search(r"eager-(direct|gram) ~\d", report.format_table(data))  # the untimed one: its estimate
+    assert re.search(r"eager-(direct|gram) ~\d", report.format_table(data, full=True))  # the untimed one
 
 
 @pytest.mark.parametrize("args, message", [
@@ -289,7 +290,7 @@ def test_a_doctored_store_does_not_change_the_displayed_speedup(tmp_path, monkey
     assert {r["speedup"] for r in first["rows"] if r["kind"] == "linear_norm"} == {3.0}  # 3.0 / eager-gram's 1.0
     tuned = [r for r in second["rows"] if r["kind"] is not None]
     assert all(r["source"] == "store" and r["timings_from"].startswith("store, 20") for r in tuned)
-    table = report.format_table(second)
+    table = report.format_table(second, full=True)
     assert "eager-sort 0.800, eager-gram stored 0.020" in table, table  # the embeddings' row
 
 
@@ -366,3 +367,15 @@ def test_retune_measures_the_model_again_and_replaces_its_entries(tmp_path, monk
     assert embedding(retuned) == {("eager-gram", "measured")} and retuned["settings"]["retune"]
     assert embedding(after) == {("eager-gram", "store")}
     assert get_tuner().retune is False
+
+
+def test_the_default_table_fits_120_columns_and_full_has_every_candidate(tmp_path):
+    """Hugging Face GPT-2's long layer names included; --full adds candidates, config, memory."""
+    with _clean_env(tmp_path, DPGRAD_TUNE="on"):
+        data = report.run_report(report.ReportSettings(model="hf:gpt2", batch_size=2, seq_len=8, opacus=False,
+                                                       hf_config={"n_layer": 1, "n_embd": 32, "n_head": 2}),
+                                 io.StringIO())
+    compact, full = report.format_table(data), report.format_table(data, full=True)
+    rows = [line for line in compact.splitlines() if line.startswith("transformer")]
+    assert rows and max(len(line) for line in compact.splitlines()) <= 120
+    assert "candidates (ms)" in full and "candidates (ms)" not in compact
