@@ -81,6 +81,12 @@ def flag_rows(suite: str, rows: List[dict]) -> None:
                 if faster:
                     flags.append(IMPOSSIBLE)
         r["flags"] = flags
+    for case in by_case(rows).values():  # a ratio to a flagged baseline is no figure either
+        base = case.get("non-private")
+        if base is not None and base["flags"]:
+            for name, r in case.items():
+                if name != "non-private" and r.get("status") == "ok":
+                    r["flags"].append("its non-private baseline is flagged")
 
 
 def warm_up(run, min_rounds: int = 2, max_rounds: int = 10, tolerance: float = 0.1) -> int:

@@ -254,6 +254,11 @@ def test_implausible_and_noisy_rows_are_flagged_not_shown_as_figures():
                  step_time_over_non_private=r) for p, t, r in (("non-private", 20.0, 1.0), ("dpgrad-single", 18.0, 0.9))]
     results.flag_rows("host_overhead", host)
     assert host[1]["flags"] == [results.IMPOSSIBLE]
+    noisy_base = [_row("dp_step", dshape, "non-private"), _row("dp_step", dshape, "dpgrad-single", step_time=120.0,
+                                                                throughput_over_non_private=0.8)]
+    noisy_base[0]["metrics"]["step_time"] = results.metric("step_time", 100.0, 50.0, 160.0)
+    results.flag_rows("dp_step", noisy_base)
+    assert noisy_base[1]["flags"] == ["its non-private baseline is flagged"]
 
     docs = [{"schema": results.SCHEMA, "suite": "dp_step", "machine": _machine("cpu: test cpu x 2 threads"),
              "settings": {}, "results": rows},
