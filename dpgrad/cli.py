@@ -203,6 +203,8 @@ def dashboard(argv: List[str]) -> int:
     parser.add_argument("--records", help="write the flat records (JSON) to this file ('-': stdout)")
     parser.add_argument("--markdown", action="store_true", help="print the README's results tables")
     parser.add_argument("--update-readme", metavar="README", help="put the results tables into this README")
+    parser.add_argument("--summary", nargs="?", const="", metavar="REPORT_JSON",
+                        help="end with a short summary (with an autotune report's JSON: its choices too)")
     args = parser.parse_args(argv)
     if not (args.output or args.records or args.markdown or args.update_readme):
         parser.error("say what to write: -o report.html, --records FILE, --markdown or --update-readme README")
@@ -232,6 +234,15 @@ def dashboard(argv: List[str]) -> int:
         with open(args.update_readme, "w", encoding="utf-8") as f:
             f.write(text)
         print(f"updated the results in {args.update_readme}", file=sys.stderr)
+    if args.summary is not None:
+        autotune = None
+        if args.summary:
+            try:
+                autotune = json.loads(Path(args.summary).read_text())
+            except (OSError, ValueError) as exc:
+                parser.error(f"--summary {args.summary}: not an autotune report's JSON ({exc})")
+        sys.stderr.flush()
+        sys.stdout.write(results.summary(docs, autotune, args.output))
     return 0
 
 

@@ -22,6 +22,7 @@ import importlib.util
 import json
 import platform
 import re
+import statistics
 import subprocess
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence
@@ -370,3 +371,38 @@ def readme_with_results(readme: str, docs: Iterable[dict]) -> str:
         raise ValueError(f"the README has no results block: put {README_START!r} and {README_END!r} "
                          "where the tables go")
     return readme[: start + len(README_START)] + "\n\n" + markdown(docs) + "\n" + readme[end:]
+
+
+def summary(docs: List[dict], report: Optional[dict] = None, page: Optional[str] = None) -> str:
+    """A few lines to end a run with: the machine, the autotune report's model and how often
+    each algorithm was chosen, the headline ratios of the DP-step suite (dpgrad single over
+    non-private, flagged ones said so) and where the dashboard is."""
+    lines = ["summary"]
+    machines = sorted({d["machine"]["device"] for d in docs})
+    if report is not None:
+        chosen: Dict[str, int] = {}
+        for row in report["rows"]:
+            chosen[row["choice"]] = chosen.get(row["choice"], 0) + 1
+        counts = ", ".join(f"{name} x{n}" for name, n in sorted(chosen.items(), key=lambda kv: -kv[1]))
+        speedups = sorted(r["speedup"] for r in report["rows"] if r.get("speedup"))
+        median = f"; median speedup over Opacus's samplers {statistics.median(speedups):.2f}x" if speedups else ""
+        lines.append(f"  autotune report: {report['model']['name']} on {report['device']} ({report['backend']} "
+                     f"backend), {report['model']['trainable_layers']} trainable layers: {counts}{median}")
+    lines.append(f"  benchmarks on: {'; '.join(machines) if machines else 'no results'}")
+    for doc in docs:
+        if doc["suite"] != "dp_step":
+            continue
+        ratios = []
+        for case in by_case(doc["results"], ("model", "batch", "seq_len", "dtype")).items():
+            (model, batch, seq_len, dtype), rows = case
+            single = rows.get("dpgrad-single")
+            value = _p50(single, "throughput_over_non_private")
+            if value is not None:
+                ratios.append(f"{model} B={batch} T={seq_len} {_ratio(value, single)}")
+        if ratios:
+            lines.append(f"  dpgrad single throughput / non-private ({doc['machine']['device']}): " + ", ".join(ratios))
+    if page:
+        lines.append(f"  dashboard: {page}")
+    import textwrap
+
+    return "\n".join(textwrap.fill(line, 120, subsequent_indent="    ") for line in lines) + "\n"

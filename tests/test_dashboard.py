@@ -269,3 +269,18 @@ def test_implausible_and_noisy_rows_are_flagged_not_shown_as_figures():
     assert "flagged: dpgrad-single (model=hf-gpt2, batch=8, seq_len=1024, dtype=bf16): impossible" in table
     page = dashboard.render(docs)
     assert "impossible: faster than the non-private step" in page and "flagged, not shown as figures" in page
+
+
+def test_summary_names_the_machine_choices_ratios_and_page():
+    docs = sample_docs()
+    results.flag_rows("dp_step", docs[1]["results"])
+    report = {"model": {"name": "tiny", "trainable_layers": 3}, "device": "cpu-test", "backend": "eager",
+              "rows": [{"choice": "eager-bmm", "speedup": 2.0}, {"choice": "eager-bmm", "speedup": 3.0},
+                       {"choice": "eager-sort", "speedup": None}]}
+    text = results.summary(docs, report, "build/dashboard/index.html")
+    assert text.startswith("summary\n") and max(len(line) for line in text.splitlines()) <= 120
+    words = " ".join(text.split())
+    assert "tiny on cpu-test (eager backend), 3 trainable layers: eager-bmm x2, eager-sort x1" in words
+    assert "median speedup over Opacus's samplers 2.50x" in words
+    assert "(NVIDIA H100 80GB HBM3): hf-gpt2 B=8 T=1024 0.83" in words
+    assert text.rstrip().endswith("dashboard: build/dashboard/index.html")
