@@ -161,8 +161,8 @@ def autotune_report(argv: List[str]) -> int:
         if hf_config and not model.startswith(presets.HF_PREFIX):
             raise ValueError(f"--hf-config applies to hf: models only, not the preset {model!r}")
         seq_len = args.seq_len
-        if model in presets.PRESETS:
-            max_len = presets.PRESETS[model].max_seq_len
+        max_len = presets.max_seq_len(model)
+        if max_len is not None:
             if seq_len is None:
                 seq_len = min(1024 if on_cuda else 128, max_len)
             presets.check_seq_len(model, seq_len, max_len)

@@ -32,13 +32,17 @@ PRESETS: Dict[str, TinyTransformerConfig] = {
         vocab_size=50257, max_seq_len=1024, d_model=1024, n_heads=16, n_layers=24, d_ff=4096,
         tie_embeddings=True,
     ),
-    # Llama-3.2-1B-like: its vocabulary, width, depth and SwiGLU MLP, RMSNorm, no biases and
-    # tied embeddings; full multi-head attention (no grouped KV heads) and learned positions
-    # (no RoPE), so it is larger than the real 1.24B model.
-    "llama-1b": TinyTransformerConfig(
-        vocab_size=128256, max_seq_len=4096, d_model=2048, n_heads=32, n_layers=16, d_ff=8192,
-        norm="rms", bias=False, mlp="swiglu", tie_embeddings=True,
-    ),
+}
+
+# Presets built through Hugging Face transformers' own configs, true to the models they name:
+# name -> (model type, config fields). Llama 3.2 1B: rotary positions, 32 query heads over 8
+# key/value heads, SwiGLU, RMSNorm, no biases, tied embeddings; 1,235,814,400 parameters.
+HF_PRESETS: Dict[str, tuple] = {
+    "llama-1b": ("llama", dict(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=True,
+    )),
 }
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -51,7 +55,16 @@ def transformers_available() -> bool:
 def model_names() -> str:
     """The accepted names, for help texts and errors."""
     hf = f", {HF_PREFIX}<model_type> (e.g. hf:gpt2, hf:llama)" if transformers_available() else ""
-    return ", ".join(PRESETS) + hf
+    return ", ".join([*PRESETS, *HF_PRESETS]) + hf
+
+
+def max_seq_len(name: str) -> Optional[int]:
+    """A preset's maximum sequence length (None for hf: models: known once built)."""
+    if name in PRESETS:
+        return PRESETS[name].max_seq_len
+    if name in HF_PRESETS:
+        return HF_PRESETS[name][1]["max_position_embeddings"]
+    return None
 
 
 @dataclass
@@ -80,6 +93,13 @@ class BuiltModel:
 def check_name(name: str) -> None:
     """Raise ValueError, naming the choices, unless ``name`` is a model ``build_model`` makes."""
     if name in PRESETS:
+        return
+    if name in HF_PRESETS:
+        if not transformers_available():
+            raise ValueError(
+                f"model {name!r} is built through Hugging Face transformers' config of the model, which is not "
+                f"installed: pip install transformers, or use a built-in preset ({', '.join(PRESETS)})"
+            )
         return
     if name.startswith(HF_PREFIX):
         if not transformers_available():
@@ -129,13 +149,18 @@ def build_model(
         with device:
             module = TinyTransformer(cfg).to(dtype)
         return BuiltModel(name, module, cfg.vocab_size, cfg.max_seq_len, cfg.padding_idx, hf=False)
-    return _build_hf(name, device, dtype, seq_len, hf_overrides)
+    if name in HF_PRESETS:
+        if hf_overrides:
+            raise ValueError(f"config overrides {sorted(hf_overrides)} apply to hf: models only, "
+                             f"not to the preset {name!r}")
+        model_type, fields = HF_PRESETS[name]
+        return _build_hf(name, device, dtype, seq_len, fields, model_type)
+    return _build_hf(name, device, dtype, seq_len, hf_overrides, name[len(HF_PREFIX):])
 
 
-def _build_hf(name, device, dtype, seq_len, overrides) -> BuiltModel:
+def _build_hf(name, device, dtype, seq_len, overrides, model_type) -> BuiltModel:
     import transformers
 
-    model_type = name[len(HF_PREFIX):]
     if model_type not in transformers.CONFIG_MAPPING:
         raise ValueError(
             f"model {name!r}: transformers {transformers.__version__} has no model type {model_type!r}; "
@@ -153,5 +178,5 @@ def _build_hf(name, device, dtype, seq_len, overrides) -> BuiltModel:
     return BuiltModel(name, module, config.vocab_size, max_len, pad, hf=True)
 
 
-__all__ = ["DTYPES", "HF_PREFIX", "PRESETS", "BuiltModel", "build_model", "check_name", "check_seq_len",
-           "model_names", "transformers_available"]
+__all__ = ["DTYPES", "HF_PREFIX", "HF_PRESETS", "PRESETS", "BuiltModel", "build_model", "check_name",
+           "check_seq_len", "max_seq_len", "model_names", "transformers_available"]

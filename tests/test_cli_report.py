@@ -219,9 +219,21 @@ def test_presets_build_to_their_documented_sizes(name):
     cfg = PRESETS[name]
     assert sum(p.numel() for p in built.module.parameters()) == _expected_parameters(cfg)
     assert (built.module.head.weight is built.module.tok.weight) == (name != "tiny")
-    if name == "llama-1b":
-        assert isinstance(built.module.ln_f, torch.nn.RMSNorm) and built.module.blocks[0].up.bias is None
-        assert built.module.blocks[0].gate.out_features == 8192
+
+
+def test_llama_1b_is_llama_3_2_1b():
+    """Built through transformers' LlamaConfig: rotary positions (no position embedding), 8
+    key/value heads, tied embeddings, and Llama 3.2 1B's published 1,235,814,400 parameters."""
+    pytest.importorskip("transformers")
+    built = build_model("llama-1b", "meta")
+    module = built.module
+    assert sum(p.numel() for p in module.parameters()) == 1_235_814_400
+    attention = module.model.layers[0].self_attn
+    assert attention.k_proj.out_features == 8 * 64 and attention.q_proj.out_features == 32 * 64
+    assert module.lm_head.weight is module.model.embed_tokens.weight
+    assert not any(isinstance(m, torch.nn.Embedding) and m.num_embeddings == built.max_seq_len
+                   for m in module.modules())  # rotary: no learned positions
+    assert built.hf and built.max_seq_len == 131072 and built.vocab_size == 128256
 
 
 @pytest.mark.parametrize("name, published", [("gpt2-small", 124_439_808), ("gpt2-medium", 354_823_168)])
