@@ -35,9 +35,9 @@ import torch.nn as nn
 from torch.func import functional_call, grad, vmap
 
 import dpgrad
-from dpgrad import results
-from dpgrad.models import TinyTransformerConfig, synthetic_batch
-from dpgrad.presets import DTYPES, build_model
+from dpgrad.tools import results
+from dpgrad.tools.models import TinyTransformerConfig, synthetic_batch
+from dpgrad.tools.presets import DTYPES, build_model
 
 opacus = pytest.importorskip("opacus")
 from opacus.grad_sample import GradSampleModule as OpacusGSM  # noqa: E402

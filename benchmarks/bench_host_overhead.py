@@ -41,7 +41,7 @@ import pytest
 import torch
 
 from dispatch_counts import MODELS, PROVIDERS, WARMUP_STEPS, build_model, count, cuda_syncs, make_step
-from dpgrad import results
+from dpgrad.tools import results
 
 CUDA = torch.cuda.is_available()
 QUICK = results.quick_mode()

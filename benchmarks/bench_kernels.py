@@ -22,7 +22,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpgrad import backend, results
+from dpgrad import backend
+from dpgrad.tools import results
 
 opacus = pytest.importorskip("opacus")
 from opacus.grad_sample.embedding_norm_sample import compute_embedding_norm_sample  # noqa: E402

@@ -1,4 +1,4 @@
-"""Collects the suites' measurements into results files (``dpgrad.results``) and summarises them.
+"""Collects the suites' measurements into results files (``dpgrad.tools.results``) and summarises them.
 
 Each benchmark test asks for the ``bench`` fixture and says what it measures (``suite``,
 ``benchmark``, ``shape``, ``provider``); it times with pytest-benchmark (whose rounds give
@@ -24,7 +24,7 @@ from typing import Dict, List, Optional
 
 import pytest
 
-from dpgrad import results
+from dpgrad.tools import results
 
 RESULTS = Path(os.environ.get("DPGRAD_RESULTS_DIR") or Path(__file__).parent / "results")
 QUICK = results.quick_mode()

@@ -31,8 +31,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dpgrad
 from bench_dp_step import LORA_TARGETS, BenchModel, _hf
-from dpgrad.models import TinyTransformerConfig, synthetic_batch
-from dpgrad.presets import DTYPES
+from dpgrad.tools.models import TinyTransformerConfig, synthetic_batch
+from dpgrad.tools.presets import DTYPES
 
 aten = torch.ops.aten
 

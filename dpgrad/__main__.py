@@ -1,5 +1,5 @@
 import sys
 
-from dpgrad.cli import main
+from dpgrad.tools.cli import main
 
 sys.exit(main())

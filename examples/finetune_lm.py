@@ -28,8 +28,8 @@ from opacus import PrivacyEngine
 from torch.utils.data import DataLoader, TensorDataset
 
 import dpgrad.opacus
-from dpgrad.cli import number_in
-from dpgrad.models import TinyTransformerConfig, synthetic_batch
+from dpgrad.tools.cli import number_in
+from dpgrad.tools.models import TinyTransformerConfig, synthetic_batch
 
 PAD = 0
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -13,8 +13,8 @@ from opacus import PrivacyEngine
 from torch.utils.data import DataLoader, TensorDataset
 
 import dpgrad.opacus
-from dpgrad.cli import number_in
-from dpgrad.models import TinyTransformer, TinyTransformerConfig, synthetic_batch
+from dpgrad.tools.cli import number_in
+from dpgrad.tools.models import TinyTransformer, TinyTransformerConfig, synthetic_batch
 
 
 def main(steps: int = 20) -> float:

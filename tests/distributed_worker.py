@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dpgrad
 import dpgrad.loss
-from dpgrad.models import TinyTransformer, TinyTransformerConfig, per_sample_lm_loss
+from dpgrad.tools.models import TinyTransformer, TinyTransformerConfig, per_sample_lm_loss
 
 CFG = TinyTransformerConfig(vocab_size=31, max_seq_len=8, d_model=16, n_heads=2, n_layers=1, d_ff=24,
                             tie_embeddings=True)

@@ -18,10 +18,10 @@ import sys
 import pytest
 import torch
 
-from dpgrad import cli, report
+from dpgrad.tools import cli, report
 from mixed_net import clipped_from_norms
-from dpgrad.models import TinyTransformer
-from dpgrad.presets import PRESETS, build_model
+from dpgrad.tools.models import TinyTransformer
+from dpgrad.tools.presets import PRESETS, build_model
 from dpgrad.tuning import CANDIDATES, get_tuner
 
 ARGS = ["autotune-report", "--model", "tiny", "--batch-size", "2", "--seq-len", "16"]

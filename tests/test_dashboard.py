@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from dpgrad import cli, dashboard, results
+from dpgrad.tools import cli, dashboard, results
 
 REPO = Path(__file__).parents[1]
 COMMITTED = sorted((REPO / "benchmarks" / "results").glob("*.json"))

@@ -25,7 +25,7 @@ from opacus.utils.fast_gradient_clipping_utils import (  # noqa: E402
 )
 
 import dpgrad  # noqa: E402
-from dpgrad.models import TinyTransformer, TinyTransformerConfig  # noqa: E402
+from dpgrad.tools.models import TinyTransformer, TinyTransformerConfig  # noqa: E402
 
 pytestmark = pytest.mark.opacus
 

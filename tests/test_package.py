@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dpgrad import cli
+from dpgrad.tools import cli
 
 
 def _run_elsewhere(code: str, tmp_path) -> str:
@@ -130,7 +130,7 @@ def _package_imports() -> dict:
 
 def test_the_package_has_no_import_cycles():
     graph = _package_imports()
-    assert "dpgrad.report" in graph["dpgrad.cli"]  # the walk sees imports inside functions
+    assert "dpgrad.tools.report" in graph["dpgrad.tools.cli"]  # the walk sees imports inside functions
     cycles, state, stack = [], {}, []
 
     def visit(module):
@@ -148,3 +148,13 @@ def test_the_package_has_no_import_cycles():
         if module not in state:
             visit(module)
     assert not cycles, cycles
+
+
+def test_nothing_in_the_library_imports_the_tools():
+    """dpgrad.tools (CLI, report, results, dashboard, presets, demo model) uses the library;
+    the library never imports it (dpgrad.__main__ is the command line's entry)."""
+    graph = _package_imports()
+    assert any(t.startswith("dpgrad.tools.") for t in graph["dpgrad.tools.cli"])
+    library = {m: sorted(t for t in targets if t.startswith("dpgrad.tools"))
+               for m, targets in graph.items() if not m.startswith("dpgrad.tools") and m != "dpgrad.__main__"}
+    assert not {m: t for m, t in library.items() if t}

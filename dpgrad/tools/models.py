@@ -2,7 +2,7 @@
 
 Built only from layers dpgrad has samplers for (nn.Embedding, nn.Linear, nn.LayerNorm or
 nn.RMSNorm) plus parameter-free attention, with random weights: nothing is downloaded. The
-config also describes GPT-2- and Llama-shaped models (dpgrad/presets.py) for the autotune report.
+config also describes the GPT-2-shaped presets (dpgrad/tools/presets.py) of the autotune report.
 ``dp_sgd_step`` is the DP-SGD step the demo and the report take with it.
 """
 

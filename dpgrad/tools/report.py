@@ -1,6 +1,6 @@
 """The autotune report: one DP-SGD step of a model, and what the autotuner chose per layer.
 
-``run_report`` builds a preset model (dpgrad/presets.py), wraps it in
+``run_report`` builds a preset model (dpgrad/tools/presets.py), wraps it in
 ``GradSampleModuleFastGradientClipping`` (ghost clipping), runs one two-pass DP step on a
 synthetic batch while the tuner records its decision for every layer (timing Opacus's own
 sampler on the same inputs), then a second, tuned step whose time is ``step_ms``. The result
@@ -23,9 +23,9 @@ import torch.nn as nn
 
 from dpgrad import backend, registry
 from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping
-from dpgrad.models import dp_sgd_step, synthetic_batch
-from dpgrad.presets import DTYPES, build_model
-from dpgrad.results import git_commit
+from dpgrad.tools.models import dp_sgd_step, synthetic_batch
+from dpgrad.tools.presets import DTYPES, build_model
+from dpgrad.tools.results import git_commit
 from dpgrad.tuning import get_tuner, store, tune_mode
 from dpgrad.tuning.tuner import ENV_VAR as TUNE_ENV_VAR
 

@@ -116,7 +116,7 @@ def quick_mode() -> bool:
 
 def git_commit() -> Optional[str]:
     """``git describe --always --dirty`` of this checkout; None for an installed copy or no git."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     if not (root / ".git").exists():  # an installed copy: the commit would be someone else's
         return None
     try:

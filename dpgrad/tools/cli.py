@@ -1,8 +1,8 @@
 """The ``dpgrad`` command line (also ``python -m dpgrad``).
 
 ``dpgrad autotune-report``: one DP step of a built-in model, and per layer what the autotuner
-chose, the time of every candidate, the speedup over Opacus and the extra memory. The default
-command.
+chose, its time and Opacus's on the same inputs, and the speedup (--full: every candidate's
+time, the config and the extra memory). The default command.
 
 ``dpgrad demo``: a short DP-SGD training run of the built-in transformer with ghost clipping
 (one backward pass per step unless --backward double), printing the loss and per-sample
@@ -10,8 +10,8 @@ gradient-norm statistics of every step.
 
 ``dpgrad dashboard RESULTS... -o report.html``: one self-contained HTML page of charts and
 tables from benchmark results files (benchmarks/results/*.json); ``--records`` writes them as
-flat records for dashboard tools, ``--markdown`` prints the README's results tables and
-``--update-readme`` puts them into a README.
+flat records for dashboard tools, ``--markdown`` prints the README's results tables,
+``--update-readme`` puts them into a README and ``--summary`` ends with a short summary.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import List, Optional
 import torch
 
 from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping
-from dpgrad.models import TinyTransformer, TinyTransformerConfig, dp_sgd_step, per_sample_lm_loss, synthetic_batch
+from dpgrad.tools.models import TinyTransformer, TinyTransformerConfig, dp_sgd_step, per_sample_lm_loss, synthetic_batch
 
 
 def _doc(paragraph: int) -> str:
@@ -115,7 +115,7 @@ saying what to pass instead.
 
 
 def autotune_report(argv: List[str]) -> int:
-    from dpgrad import presets, report  # here: torch-heavy, and `dpgrad demo` does not need them
+    from dpgrad.tools import presets, report  # here: torch-heavy, and `dpgrad demo` does not need them
 
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(
@@ -194,8 +194,8 @@ def autotune_report(argv: List[str]) -> int:
 
 
 def dashboard(argv: List[str]) -> int:
-    from dpgrad import dashboard as page
-    from dpgrad import results
+    from dpgrad.tools import dashboard as page
+    from dpgrad.tools import results
 
     parser = argparse.ArgumentParser(prog="dpgrad dashboard", description=_doc(3))
     parser.add_argument("results", nargs="+", help="results files written by the benchmarks")

@@ -277,7 +277,7 @@ _SCRIPT = r"""
 
 
 def render(docs: List[dict]) -> str:
-    """The dashboard page for results files loaded by ``dpgrad.results.load``."""
+    """The dashboard page for results files loaded by ``dpgrad.tools.results.load``."""
     # "</" would end the script element early; JSON allows the escaped form.
     data = json.dumps(docs).replace("</", "<\\/")
     sources = ", ".join(html.escape(d.get("path", d["suite"])) for d in docs)

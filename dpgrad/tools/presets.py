@@ -3,7 +3,7 @@
 ``build_model(name, device, dtype)`` gives a model for a preset name (``PRESETS``) or, when
 Hugging Face ``transformers`` is installed, ``hf:<model_type>`` (``hf:gpt2``, ``hf:llama``):
 that architecture's default config with random weights. Nothing is downloaded either way.
-Every preset is a :class:`dpgrad.models.TinyTransformer`; as in the models they are shaped
+Every preset is a :class:`dpgrad.tools.models.TinyTransformer`; as in the models they are shaped
 after, the output layer shares the token embedding's weight (except the demo's ``tiny``).
 """
 
@@ -16,7 +16,7 @@ from typing import Any, Dict, Optional
 import torch
 import torch.nn as nn
 
-from dpgrad.models import TinyTransformer, TinyTransformerConfig, per_sample_lm_loss
+from dpgrad.tools.models import TinyTransformer, TinyTransformerConfig, per_sample_lm_loss
 
 HF_PREFIX = "hf:"
 
@@ -85,7 +85,7 @@ class BuiltModel:
         return per_sample_lm_loss(logits, ids, self.padding_idx)
 
     def batch_config(self) -> TinyTransformerConfig:
-        """A config with this model's vocabulary, for ``dpgrad.models.synthetic_batch``."""
+        """A config with this model's vocabulary, for ``dpgrad.tools.models.synthetic_batch``."""
         return TinyTransformerConfig(vocab_size=self.vocab_size, max_seq_len=self.max_seq_len,
                                      padding_idx=self.padding_idx, d_model=1, n_heads=1)
 
