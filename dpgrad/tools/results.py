@@ -405,4 +405,5 @@ def summary(docs: List[dict], report: Optional[dict] = None, page: Optional[str]
         lines.append(f"  dashboard: {page}")
     import textwrap
 
-    return "\n".join(textwrap.fill(line, 120, subsequent_indent="    ") for line in lines) + "\n"
+    return "\n".join(textwrap.fill(line, 120, subsequent_indent="    ", break_on_hyphens=False)
+                     for line in lines) + "\n"
