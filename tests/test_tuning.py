@@ -236,7 +236,8 @@ def test_a_kernel_that_fails_in_a_step_falls_back_for_good(tune_on, monkeypatch)
     x = torch.randn(4, 6, 10, generator=torch.Generator().manual_seed(1))
     expected = _reference_norms(model, x)
     assert_norms_close(_norms_step(wrapped, x), expected, "norms, Triton kernel working")
-    assert tuner_module.get_tuner()._decisions and calls == ["triton-outer-product", "eager-bmm"]
+    assert tuner_module.get_tuner()._decisions and calls[:2] == ["triton-outer-product", "eager-bmm"]
+    timed = len(calls)
 
     failures = []
 
@@ -268,7 +269,7 @@ def test_a_kernel_that_fails_in_a_step_falls_back_for_good(tune_on, monkeypatch)
     (decision,) = fresh._decisions.values()
     assert decision.source == "store" and decision.choice == "eager-bmm"
     assert decision.skipped["triton-outer-product"].startswith("failed in a step: RuntimeError: PassManager")
-    assert len(failures) == 1 and len(calls) == 2
+    assert len(failures) == 1 and len(calls) == timed
 
 
 def test_a_failing_kernel_raises_under_forced_triton(tune_on, monkeypatch):
@@ -398,3 +399,18 @@ def test_a_stored_close_call_never_timed_again_is_measured_anew(tune_on):
     again = Tuner(timer=fixed_timer({"eager-direct": 4.7, "eager-gram": 5.1}, calls))
     assert again.select("linear_norm", inputs).name == "eager-direct"
     assert next(iter(again._decisions.values())).source == "measured" and calls
+
+
+def test_a_timing_far_from_its_estimate_is_timed_again(tune_on):
+    """Not a close call (200 ms against 5), but 200 ms is 10x further from eager-direct's
+    cost-model estimate than eager-gram's time from its own: it is timed again, and wins."""
+    first = {"eager-direct": 200.0}
+
+    def timer(fn, device, name=""):
+        fn()
+        return first.pop(name) if name in first else {"eager-direct": 1.0, "eager-gram": 5.0}[name]
+
+    tuner = Tuner(timer=timer)
+    assert tuner.select("linear_norm", linear_inputs(B=4, T=16, d=64, p=64)).name == "eager-direct"
+    (decision,) = tuner._decisions.values()
+    assert decision.timings_ms == {"eager-direct": 1.0, "eager-gram": 5.0} and set(decision.spread) == {"eager-direct"}

@@ -41,6 +41,9 @@ PRUNE_FACTOR = 8.0
 # RECHECK_RUNS more times and keeps the median of its runs, and their spread.
 RECHECK_FACTOR = 3.0
 RECHECK_RUNS = 3
+# A candidate whose time over its cost-model estimate is this many times the fastest
+# candidate's is timed again too, however slow it looked: one disturbed run can make it so.
+OUTLIER_FACTOR = 10.0
 # Relative per-sample tolerance of a candidate's result against the eager reference.
 NORM_RTOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 GRAD_RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -306,16 +309,31 @@ class Tuner:
                 warnings.warn(f"dpgrad: candidate {cand.name} for {shape.kind.replace('_', ' ')}{of} failed on "
                               f"{_describe(shape)} ({type(exc).__name__}: {first[:200]}); tuning goes on "
                               "without it", RuntimeWarning, stacklevel=2)
-        if _close_call(decision.timings_ms):
-            by_name = {c.name: c for c in candidates}
-            fastest = min(decision.timings_ms.values())
-            for name, first_ms in list(decision.timings_ms.items()):
-                if first_ms >= RECHECK_FACTOR * fastest:
-                    continue
-                runs = sorted([first_ms] + [self.timer(lambda c=by_name[name]: c.run(*inputs), shape.device, name=name)
-                                            for _ in range(RECHECK_RUNS)])
-                decision.timings_ms[name] = statistics.median(runs)
-                decision.spread[name] = (runs[-1] - runs[0]) / decision.timings_ms[name]
+        by_name = {c.name: c for c in candidates}
+        for name in self._suspects(decision):
+            runs = sorted([decision.timings_ms[name]] + [
+                self.timer(lambda c=by_name[name]: c.run(*inputs), shape.device, name=name)
+                for _ in range(RECHECK_RUNS)])
+            decision.timings_ms[name] = statistics.median(runs)
+            decision.spread[name] = (runs[-1] - runs[0]) / decision.timings_ms[name]
+
+    @staticmethod
+    def _suspects(decision: Decision) -> List[str]:
+        """The timed candidates one noisy run could have misplaced: all within RECHECK_FACTOR
+        of the fastest when the call is close, and any whose time over its cost-model estimate
+        is OUTLIER_FACTOR times the fastest's."""
+        timings = decision.timings_ms
+        if len(timings) < 2:
+            return []
+        fastest = min(timings, key=timings.get)
+        close = _close_call(timings)
+
+        def over_estimate(name):
+            return timings[name] / max(decision.estimates_ms.get(name, 0.0), 1e-12)
+
+        return [name for name in timings
+                if (close and timings[name] < RECHECK_FACTOR * timings[fastest])
+                or over_estimate(name) >= OUTLIER_FACTOR * over_estimate(fastest)]
 
     def _store(self, shape: Shape) -> store.TuneStore:
         name = _device_name(shape.device)
