@@ -44,7 +44,8 @@ from torch.autograd.profiler import record_function
 
 from dpgrad import registry
 from dpgrad.autograd_graph import ForwardEdges
-from dpgrad.backend import guarded, name_layers
+from dpgrad.backend import name_layers
+from dpgrad.kernels import reference
 from dpgrad.samplers import ft_compute_per_sample_gradient, prepare_layer
 from dpgrad.samplers.functorch import _first_tensor
 from dpgrad.samplers.groups import Coefficients, GradSampleGroup, Group, Record, SamplerGroup, group_records
@@ -226,9 +227,9 @@ class BackwardPath:
         broadcasting makes of it, and each sample gets its own gradient, exact where the output
         meets the batch by broadcasting (added to the token embeddings). None otherwise (then
         ``_check_batch`` decides)."""
-        if not self.batch_first or self._forward_batch is None or self._forward_batch == 1:
+        if not isinstance(layer, nn.Embedding) or not self.batch_first or layer in self._functorch_layers:
             return None
-        if not isinstance(layer, nn.Embedding) or layer in self._functorch_layers:
+        if self._forward_batch is None or self._forward_batch == 1:
             return None
         x = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
         if x is None or x.dim() < 2 or x.shape[0] != 1:
@@ -579,10 +580,8 @@ class ClippingPath(BackwardPath):
             uses = factors[p]
             for i in range(len(uses)):
                 for j in range(i + 1, len(uses)):
-                    floats = tuple(t for t in (*uses[i], *uses[j]) if t.is_floating_point())
-                    cross = guarded(f"the cross term of parameter '{self._param_names.get(p)}'", None, floats,
-                                    lambda ops, i=i, j=j: ops.outer_sum_inner(*uses[i], *uses[j]))
-                    sq = sq + 2 * cross.to(sq.dtype)
+                    # torch's own kernels on every backend (triton_ops re-exports reference's).
+                    sq = sq + 2 * reference.outer_sum_inner(*uses[i], *uses[j]).to(sq.dtype)
             # Rounding can take the square of an exact zero (opposite uses) slightly below it.
             combined.append(sq.clamp_min(0).sqrt())
             out_params.append(p)
