@@ -120,11 +120,21 @@ def describe(tensors) -> str:
                      if isinstance(t, torch.Tensor))
 
 
+def first_line(exc: BaseException) -> str:
+    """``Type: first line of the message``: a compiler's error can run to pages."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:300]
+
+
+def of_layer(layer) -> str:
+    """" of layer 'name' (Type)" for messages, or nothing without a layer."""
+    return "" if layer is None else f" of layer {layer_name(layer)}"
+
+
 def kernel_failed(what: str, layer, where: str, exc: BaseException, instead: str) -> None:
     """A Triton kernel doing ``what`` for ``layer`` on ``where`` (its shapes) raised ``exc``:
     raise under a forced ``triton`` backend, else warn that ``instead`` does the work."""
-    error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
-    of = "" if layer is None else f" of layer {layer_name(layer)}"
+    error, of = first_line(exc), of_layer(layer)
     if requested() == "triton":
         raise RuntimeError(
             f"the Triton kernel for {what}{of} failed on {where}: {error}. "

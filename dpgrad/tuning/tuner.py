@@ -304,11 +304,9 @@ class Tuner:
                                                             name=cand.name)
             except Exception as exc:  # a candidate that cannot run here is skipped, not fatal
                 decision.skipped[cand.name] = f"failed: {type(exc).__name__}: {exc}"[:300]
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-                of = "" if layer is None else f" of layer {backend.layer_name(layer)}"
-                warnings.warn(f"dpgrad: candidate {cand.name} for {shape.kind.replace('_', ' ')}{of} failed on "
-                              f"{_describe(shape)} ({type(exc).__name__}: {first[:200]}); tuning goes on "
-                              "without it", RuntimeWarning, stacklevel=2)
+                warnings.warn(f"dpgrad: candidate {cand.name} for {shape.kind.replace('_', ' ')}"
+                              f"{backend.of_layer(layer)} failed on {_describe(shape)} ({backend.first_line(exc)}); "
+                              "tuning goes on without it", RuntimeWarning, stacklevel=2)
         by_name = {c.name: c for c in candidates}
         for name in self._suspects(decision):
             runs = sorted([decision.timings_ms[name]] + [
