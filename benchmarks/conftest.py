@@ -172,7 +172,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             by_suite.setdefault(row.suite, []).append(result)
     for suite, rows in by_suite.items():
         DERIVE[suite](rows)
-        results.flag_rows(suite, rows)
+        results.flag_rows(rows)
         settings[suite] = {"quick": QUICK, "timer": "triton.testing.do_bench (GPU kernels), else pytest-benchmark "
                            "rounds of a synchronised call", "dtype": sorted({str(r["shape"].get("dtype")) for r in rows})}
         settings[suite].update(SETTINGS.get(suite, {}))

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .reference import EMBEDDING_GRAD_SAMPLE_WARN_ELEMENTS, embedding_grad_sample_warning
-from .triton_common import launch, cdiv, check_dtypes, configs, empty, min_block
+from .triton_common import cdiv, check_dtypes, configs, empty, launch, min_block
 
 CONFIGS = configs(
     [dict(BD=bd, BR=br) for bd in (64, 128, 256) for br in (4, 16)],

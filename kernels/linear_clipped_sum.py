@@ -17,7 +17,7 @@ import triton.language as tl
 
 from .linear_grad_sample import CONFIGS as _PER_SAMPLE_CONFIGS
 from .linear_grad_sample import sample_tile, tile_offsets
-from .triton_common import launch, INTERPRET, cdiv, check_dtypes, empty
+from .triton_common import INTERPRET, cdiv, check_dtypes, empty, launch
 
 # The same tiles as the per-sample kernel (tuned separately: the loop over samples differs).
 CONFIGS = _PER_SAMPLE_CONFIGS

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .linear_token_sum import token_sum
 from .reference import LinearPerSample
-from .triton_common import launch, INTERPRET, cdiv, check_dtypes, configs, dot_fp32, empty, min_block, placeholder
+from .triton_common import INTERPRET, cdiv, check_dtypes, configs, dot_fp32, empty, launch, min_block, placeholder
 
 CONFIGS = configs(
     [dict(BP=bp, BD=bd, BT=bt) for bp, bd in ((64, 64), (128, 64), (64, 128), (128, 128)) for bt in (32, 64)],

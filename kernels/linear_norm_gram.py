@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import launch, INTERPRET, cdiv, check_dtypes, configs, dot_fp32, min_block
+from .triton_common import INTERPRET, cdiv, check_dtypes, configs, dot_fp32, launch, min_block
 
 CONFIGS = configs(
     [dict(BT=bt, BK=bk) for bt in (32, 64, 128) for bk in (32, 64)],

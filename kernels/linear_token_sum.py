@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import launch, cdiv, check_dtypes, configs, empty, min_block, placeholder
+from .triton_common import cdiv, check_dtypes, configs, empty, launch, min_block, placeholder
 
 CONFIGS = configs(
     [dict(BN=bn, BT=bt) for bn in (128, 256, 512) for bt in (8, 32)],

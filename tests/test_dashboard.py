@@ -246,18 +246,18 @@ def test_implausible_and_noisy_rows_are_flagged_not_shown_as_figures():
         _row("dp_step", dshape, "dpgrad-double", throughput_over_non_private=0.5),
     ]
     rows[2]["metrics"]["step_time"] = results.metric("step_time", 200.0, 120.0, 260.0)
-    results.flag_rows("dp_step", rows)
+    results.flag_rows(rows)
     assert rows[0]["flags"] == [] and rows[1]["flags"] == [results.IMPOSSIBLE]
     assert rows[2]["flags"] == ["wide spread: p20 to p80 of its time is 70% of the median"]
 
     host = [_row("host_overhead", dict(model="m", batch=8, seq_len=64, dtype="fp32"), p, step_time=t,
                  step_time_over_non_private=r) for p, t, r in (("non-private", 20.0, 1.0), ("dpgrad-single", 18.0, 0.9))]
-    results.flag_rows("host_overhead", host)
+    results.flag_rows(host)
     assert host[1]["flags"] == [results.IMPOSSIBLE]
     noisy_base = [_row("dp_step", dshape, "non-private"), _row("dp_step", dshape, "dpgrad-single", step_time=120.0,
                                                                 throughput_over_non_private=0.8)]
     noisy_base[0]["metrics"]["step_time"] = results.metric("step_time", 100.0, 50.0, 160.0)
-    results.flag_rows("dp_step", noisy_base)
+    results.flag_rows(noisy_base)
     assert noisy_base[1]["flags"] == ["its non-private baseline is flagged"]
 
     docs = [{"schema": results.SCHEMA, "suite": "dp_step", "machine": _machine("cpu: test cpu x 2 threads"),
@@ -273,7 +273,7 @@ def test_implausible_and_noisy_rows_are_flagged_not_shown_as_figures():
 
 def test_summary_names_the_machine_choices_ratios_and_page():
     docs = sample_docs()
-    results.flag_rows("dp_step", docs[1]["results"])
+    results.flag_rows(docs[1]["results"])
     report = {"model": {"name": "tiny", "trainable_layers": 3}, "device": "cpu-test", "backend": "eager",
               "rows": [{"choice": "eager-bmm", "speedup": 2.0}, {"choice": "eager-bmm", "speedup": 3.0},
                        {"choice": "eager-sort", "speedup": None}]}

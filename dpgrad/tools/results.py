@@ -24,6 +24,8 @@ import platform
 import re
 import statistics
 import subprocess
+import textwrap
+import time
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence
 
@@ -64,7 +66,7 @@ COUNTS = ("ops", "syncs", "cuda_syncs", "launches", "hooked_layers", "extra_ops_
 IMPOSSIBLE = "impossible: faster than the non-private step of the same run, which does less work"
 
 
-def flag_rows(suite: str, rows: List[dict]) -> None:
+def flag_rows(rows: List[dict]) -> None:
     """Give each row ``flags``: why its timings are not to be shown as figures (a wide spread
     of its time; a DP step faster than the non-private step of the same case). Their ratios
     are left in the file and shown as flagged, not as figures."""
@@ -94,8 +96,6 @@ def warm_up(run, min_rounds: int = 2, max_rounds: int = 10, tolerance: float = 0
     """Run ``run`` (a synchronised step) until two rounds in a row take times within
     ``tolerance`` of each other, at least ``min_rounds`` and at most ``max_rounds`` times:
     first steps pay for allocation, compilation and caches. Returns the rounds run."""
-    import time
-
     last = None
     for rounds in range(1, max_rounds + 1):
         start = time.perf_counter()
@@ -216,7 +216,7 @@ def load(paths: Iterable[Path]) -> List[dict]:
             raise ValueError(f"{path}: not a dpgrad results file (schema {SCHEMA!r}); write it with the benchmarks")
         doc["path"] = str(path)
         if any("flags" not in row for row in doc["results"]):
-            flag_rows(doc["suite"], doc["results"])  # a file written before rows were flagged
+            flag_rows(doc["results"])  # a file written before rows were flagged
         docs.append(doc)
     return docs
 
@@ -403,7 +403,5 @@ def summary(docs: List[dict], report: Optional[dict] = None, page: Optional[str]
             lines.append(f"  dpgrad single throughput / non-private ({doc['machine']['device']}): " + ", ".join(ratios))
     if page:
         lines.append(f"  dashboard: {page}")
-    import textwrap
-
     return "\n".join(textwrap.fill(line, 120, subsequent_indent="    ", break_on_hyphens=False)
                      for line in lines) + "\n"
