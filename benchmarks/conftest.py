@@ -149,9 +149,28 @@ def _derive_host_overhead(rows: List[dict]) -> None:
                                                              m["step_time"]["p50"] / b["step_time"]["p50"])
 
 
-DERIVE = {"dp_step": _derive_dp_step, "kernels": _derive_kernels, "host_overhead": _derive_host_overhead}
+def _derive_fsdp_memory(rows: List[dict]) -> None:
+    """Each FSDP2 row's memory over the DDP row of the same step and world size."""
+    for case in results.by_case(rows).values():
+        for name, r in case.items():
+            ddp = case.get(name.replace("fsdp2-", "ddp-", 1))
+            if not name.startswith("fsdp2-") or ddp is None or "ok" not in (r["status"], ddp["status"]) or \
+                    r["status"] != ddp["status"]:
+                continue
+            for what in ("peak_memory", "state_memory"):
+                r["metrics"][f"{what}_over_ddp"] = results.metric(
+                    f"{what}_over_ddp", r["metrics"][what]["p50"] / ddp["metrics"][what]["p50"])
+
+
+DERIVE = {"dp_step": _derive_dp_step, "kernels": _derive_kernels, "host_overhead": _derive_host_overhead,
+          "fsdp_memory": _derive_fsdp_memory}
 # What a suite's results file says about how it measured, beside the timer.
-SETTINGS = {"host_overhead": {
+SETTINGS = {"fsdp_memory": {
+    "timer": "perf_counter around rank 0's steps (CPU, gloo)",
+    "memory": "largest over the ranks: parameters, gradients and optimizer state live at a step's start plus "
+              "the most the step allocates at once (torch.profiler, profile_memory); DDP's bucket buffers not "
+              "counted",
+}, "host_overhead": {
     "timer": "pytest-benchmark rounds of a synchronised step (step_time)",
     "counts": "one step after two warm-up steps: aten operations dispatched (TorchDispatchMode, views included) "
               "and those that wait for the device; on CUDA also the sync debug mode's reports and the profiler's "

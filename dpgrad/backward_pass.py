@@ -65,11 +65,13 @@ MAX_PLANS = 64
 class FinishPlan:
     """How a clipped pass's records are served: ``groups``, (what makes the group from its
     records, the records' indices in the pass); ``by_norm``, the indices of the records clipped
-    from their norms; ``combined``, whether a parameter has several rows to combine (known after
-    the first pass of the plan)."""
+    from their norms; ``shards``, each group's FSDP2 parameter group (None for a model not
+    sharded); ``combined``, whether a parameter has several rows to combine (known after the
+    first pass of the plan)."""
 
     groups: List[Tuple[Callable[[List[Record]], Group], Tuple[int, ...]]]
     by_norm: Tuple[int, ...]
+    shards: Tuple[Optional[int], ...]
     combined: Optional[bool] = None
 
 
@@ -134,6 +136,7 @@ class BackwardPath:
     """
 
     GRAD_SAMPLERS = registry.GRAD_SAMPLERS
+    _sharded = None  # the model's FSDP2 parameter groups (dpgrad.fsdp.ShardedParameters)
 
     def _init_path(self) -> None:
         self._forward_batch: Optional[int] = None
@@ -177,6 +180,12 @@ class BackwardPath:
             self._own_params[layer] = tuple(layer.parameters(recurse=whole))
             handles.append(layer.register_forward_hook(self._on_layer_forward))
         name_layers(self._layer_names)
+        # One parameter, looked up at each forward pass: a model whose parameters were replaced
+        # after wrapping (sharded by fully_shard then) would get per-sample state on others.
+        self._probe = None
+        if self._sharded is None:
+            self._probe = next(((layer, n, p) for layer in self._layer_names
+                                for n, p in layer.named_parameters(recurse=False)), None)
         covered = {p for params in self._own_params.values() for p in params}
         # Parameters no hook sees (skipped layers and their children): no per-sample values.
         self._unhooked = {p for p in self._module.parameters() if p not in covered}
@@ -191,6 +200,7 @@ class BackwardPath:
             # A backward pass that raised (in any hook, not only ours) never reached its
             # end-of-pass callback; its partial per-sample state must not leak into this step.
             self._abort_pass()
+        self._check_probe()
         self._forward_batch = None
         self._forward_seen = set()
         self._edges.begin_forward()
@@ -198,6 +208,18 @@ class BackwardPath:
 
     def _on_begin_forward(self) -> None:
         """What a wrapper resets at each forward pass."""
+
+    def _check_probe(self) -> None:
+        if self._probe is None:
+            return
+        layer, name, p = self._probe
+        if layer._parameters.get(name) is not p:
+            raise RuntimeError(
+                f"parameter '{self._layer_names[layer]}.{name}' is no longer the one this wrapper "
+                "hooked: the model's parameters were replaced after wrapping (sharded by "
+                "fully_shard, or assigned anew), and per-sample state would land on parameters "
+                "nothing reads. Shard or change the model first, then wrap it."
+            )
 
     def _on_layer_forward(self, layer: nn.Module, inputs, output) -> Optional[torch.Tensor]:
         if not (self.hooks_enabled and layer.training and torch.is_grad_enabled()):
@@ -399,6 +421,7 @@ class ClippingPath(BackwardPath):
     def _init_clipping(self) -> None:
         self._norm_pass: Optional[str] = None  # NORMS_ONLY or KEEP_FOR_CLIPPING in clipped_backward
         self._kept: Optional[List[Group]] = None  # the groups a single backward sums next
+        self._kept_shards: Tuple[Optional[int], ...] = ()  # their FSDP2 parameter groups
         self._finite: Optional[FiniteCheck] = None
         self._pass_norm: Optional[torch.Tensor] = None  # (B,) total norm of the last pass
 
@@ -472,7 +495,10 @@ class ClippingPath(BackwardPath):
             ps, rows = group.norms()
             params += ps
             pieces += rows
+        if self._sharded is not None:  # the samplers saw FSDP's unsharded copies
+            params = self._sharded.canonical(params)
         self._kept = groups if self._norm_pass == KEEP_FOR_CLIPPING else None
+        self._kept_shards = plan.shards
         if not params:
             return [], None
         rows = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).view(len(params), -1)
@@ -534,11 +560,31 @@ class ClippingPath(BackwardPath):
             else:
                 alone.append(i)
         per_sample = partial(GradSampleGroup, sampler_for=self._grad_sampler)
-        groups = group_records(records, by_norm, lambda layer: registry.NORM_GROUPS.get(type(layer)), SamplerGroup)
-        groups += group_records(records, alone, self._grad_sample_group, per_sample)
-        if summed:
-            groups.append((per_sample, tuple(summed)))
-        return FinishPlan(groups, tuple(by_norm))
+        groups, shards = [], []
+        # On a sharded model no group spans two FSDP2 parameter groups: their clipped sums are
+        # reduce-scattered one parameter group at a time.
+        for shard, at in self._by_shard(records, by_norm):
+            made = group_records(records, at, lambda layer: registry.NORM_GROUPS.get(type(layer)), SamplerGroup)
+            groups += made
+            shards += [shard] * len(made)
+        for shard, at in self._by_shard(records, alone):
+            made = group_records(records, at, self._grad_sample_group, per_sample)
+            groups += made
+            shards += [shard] * len(made)
+        for shard, at in self._by_shard(records, summed):
+            groups.append((per_sample, tuple(at)))
+            shards.append(shard)
+        return FinishPlan(groups, tuple(by_norm), tuple(shards))
+
+    def _by_shard(self, records: List[Record], at: List[int]) -> List[Tuple[Optional[int], List[int]]]:
+        """``at`` split by the FSDP2 parameter group of each record's layer, in order of first
+        appearance: (group, indices); one part (None, at) for a model not sharded."""
+        if self._sharded is None:
+            return [(None, at)] if at else []
+        parts: Dict[int, List[int]] = {}
+        for i in at:
+            parts.setdefault(self._sharded.group_of[records[i][0]], []).append(i)
+        return list(parts.items())
 
     def _small_grad_sample(self, rec: Record) -> bool:
         """Whether a layer's per-sample gradients (fp32) take a small fraction of the memory of
@@ -568,6 +614,8 @@ class ClippingPath(BackwardPath):
             mine = [p for p in self._layer_params(layer) if p in self._shared and len(index.get(p, ())) > 1]
             if mine:
                 found = self.FACTOR_SAMPLERS[type(layer)](layer, activations, backprops)
+                if self._sharded is not None:
+                    found = self._sharded.canonical_keys(found)
                 for p in mine:
                     factors.setdefault(p, []).append(found[p])
         once = [i for p, rows_of in index.items() if len(rows_of) == 1 for i in rows_of]
@@ -602,15 +650,49 @@ class ClippingPath(BackwardPath):
         """``sum_b c_b g_b`` of every parameter of the kept groups, freeing each group as it
         is summed. ``coef`` (B,): the clipping coefficients of the samples' own losses."""
         groups, self._kept = self._kept or [], None
-        if self.loss_reduction == "mean":
-            coef = coef * coef.shape[0]  # the records' backprops are those of the mean
-        coefs = Coefficients(coef)
         sums: Dict[nn.Parameter, torch.Tensor] = {}
         with region("dpgrad.clipped_sums"):
-            while groups:
-                for p, s in groups.pop().clipped_sums(coefs):
-                    sums[p] = s if p not in sums else sums[p] + s
+            self._sum_groups(groups, self._coefficients(coef), sums)
         return sums
+
+    def _coefficients(self, coef: torch.Tensor) -> Coefficients:
+        if self.loss_reduction == "mean":
+            coef = coef * coef.shape[0]  # the records' backprops are those of the mean
+        return Coefficients(coef)
+
+    def _sum_groups(self, groups: List[Group], coefs: Coefficients, sums: Dict[nn.Parameter, torch.Tensor]) -> None:
+        """Add the clipped sums of ``groups`` to ``sums``, emptying the list (each group lets go
+        of its inputs as it is summed)."""
+        while groups:
+            found = groups.pop().clipped_sums(coefs)
+            params = [p for p, _ in found]
+            if self._sharded is not None:
+                params = self._sharded.canonical(params)
+            for p, (_, s) in zip(params, found):
+                sums[p] = s if p not in sums else sums[p] + s
+
+    def _reduce_scatter_clipped(self, coef: torch.Tensor) -> None:
+        """On a model sharded by FSDP2: the clipped sums of one FSDP2 parameter group at a time,
+        each handed to FSDP's reduce-scatter before the next is computed (``dpgrad.fsdp``), so
+        that no more than one group's full gradients exist at once. The host waits for the
+        norms' finite check once the first group's sums are queued, before any reaches FSDP."""
+        groups, self._kept = self._kept or [], None
+        by_shard: Dict[int, List[Group]] = {}
+        for group, shard in zip(groups, self._kept_shards):
+            by_shard.setdefault(shard, []).append(group)
+        del groups
+        coefs = self._coefficients(coef)
+        checked = False
+        with region("dpgrad.clipped_sums"):
+            for shard in list(by_shard):
+                sums: Dict[nn.Parameter, torch.Tensor] = {}
+                self._sum_groups(by_shard.pop(shard), coefs, sums)
+                if not checked:
+                    self._wait_finite()
+                    checked = True
+                self._sharded.reduce_scatter(shard, sums)
+        self._wait_finite()
+        self._sharded.finish_backward()
 
 
 def _feature_dims(layer: nn.Module) -> int:

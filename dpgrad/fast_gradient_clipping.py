@@ -19,6 +19,8 @@ Opacus), or, with ``single_backward=True``, each layer's clipped gradient comes 
 inputs and backprops the norm pass kept ("book-keeping"): the clipped sums of the groups of
 ``dpgrad.backward_pass``, which holds the hooks, the records and the finish step; this module
 is Opacus's interface around it.
+
+A model sharded by FSDP2 (``fully_shard``) is taken in both modes: see ``dpgrad.fsdp``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch.nn as nn
 
 from dpgrad import registry
 from dpgrad.backward_pass import KEEP_FOR_CLIPPING, NORMS_ONLY, ClippingPath
+from dpgrad.fsdp import ShardedParameters
 from dpgrad.grad_sample_module import GradSampleModule
 
 
@@ -38,7 +41,9 @@ class GradSampleModuleFastGradientClipping(ClippingPath, GradSampleModule):
 
     Same constructor, methods and per-parameter fields as Opacus 1.6's
     ``GradSampleModuleFastGradientClipping``; see ``GradSampleModule`` for the common
-    arguments.
+    arguments. ``m`` may be sharded by FSDP2 (``fully_shard`` on its blocks and its root,
+    before wrapping): ``p._norm_sample`` is then on the sharded parameters, and the clipped
+    gradients reach their shards through FSDP's reduce-scatter (``dpgrad.fsdp``).
 
     Args:
         max_grad_norm: the clipping bound C of ``get_clipping_coef``.
@@ -53,6 +58,7 @@ class GradSampleModuleFastGradientClipping(ClippingPath, GradSampleModule):
 
     NORM_SAMPLERS = registry.NORM_SAMPLERS
     CLIPPED_SUM_SAMPLERS = registry.CLIPPED_SUM_SAMPLERS
+    SHARDED_MODELS = True
 
     def __init__(
         self,
@@ -96,9 +102,13 @@ class GradSampleModuleFastGradientClipping(ClippingPath, GradSampleModule):
     def _check_layers(self, m: nn.Module, force_functorch: bool) -> None:
         # Parameters a ghost-clipped layer shares: their uses' factors are kept for the cross
         # terms. Found here for tied weights, in the forward pass for a layer called twice.
-        self._shared = self._shared_ghost_parameters(m, force_functorch)
+        hooked = dict(self._layers_to_hook(m))
+        whole = {layer: force_functorch or type(layer) not in self.GRAD_SAMPLERS for layer in hooked.values()}
+        self._shared = self._shared_ghost_parameters(hooked, whole)
+        # A model sharded by FSDP2: its parameter groups, checked before the model is touched.
+        self._sharded = ShardedParameters.of(m, hooked, whole, {p: n for n, p in m.named_parameters()})
 
-    def _shared_ghost_parameters(self, m: nn.Module, force_functorch: bool) -> set:
+    def _shared_ghost_parameters(self, hooked: Dict[str, nn.Module], whole: Dict[nn.Module, bool]) -> set:
         """Trainable parameters that several hooked layers use, at least one ghost-clipped.
 
         Raises, before the model is touched, where a shared parameter's norm cannot be exact:
@@ -106,10 +116,8 @@ class GradSampleModuleFastGradientClipping(ClippingPath, GradSampleModule):
         sampler.
         """
         owners: Dict[nn.Parameter, Dict[str, bool]] = {}
-        hooked = dict(self._layers_to_hook(m))
         for name, layer in hooked.items():
-            whole = force_functorch or type(layer) not in self.GRAD_SAMPLERS
-            for p in layer.parameters(recurse=whole):
+            for p in layer.parameters(recurse=whole[layer]):
                 if p.requires_grad:
                     owners.setdefault(p, {})[name] = self._uses_norm_sampler(layer)
         shared = set()
@@ -204,6 +212,10 @@ class GradSampleModuleFastGradientClipping(ClippingPath, GradSampleModule):
                 "the norm pass reached no hooked layer (hooks disabled after the forward pass?): "
                 "nothing to clip"
             )
+        if self._sharded is not None:
+            with torch.no_grad():
+                self._reduce_scatter_clipped(coef)
+            return
         with torch.no_grad():
             held = [self._clipped_sums(coef)]
         self._wait_finite()

@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from dpgrad import registry
 from dpgrad.backward_pass import BackwardPath, own_trainable
+from dpgrad.fsdp import sharded_modules
 
 logger = logging.getLogger(__name__)
 
@@ -45,24 +46,21 @@ def _refuse_wrapped(m: nn.Module) -> None:
 
 def _refuse_sharded(m: nn.Module) -> None:
     """Raise before touching ``m`` if FSDP (``fully_shard``) shards it or a submodule."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch built without distributed support
-        return
-    for name, sub in m.named_modules():
-        if isinstance(sub, FSDPModule):
-            raise NotImplementedError(
-                f"{'layer ' + repr(name) if name else 'the model'} is sharded by FSDP (fully_shard), "
-                "which dpgrad does not support: FSDP swaps each parameter for an unsharded copy "
-                "during forward and backward, so per-sample state would land on the copies. "
-                "Use torch.nn.parallel.DistributedDataParallel."
-            )
+    for name, _ in sharded_modules(m)[:1]:
+        raise NotImplementedError(
+            f"{'layer ' + repr(name) if name else 'the model'} is sharded by FSDP (fully_shard), "
+            "which GradSampleModule does not support: FSDP swaps each parameter for an unsharded "
+            "copy during forward and backward, so per-sample gradients would land on the copies. "
+            "Use dpgrad.GradSampleModuleFastGradientClipping (ghost clipping, which supports "
+            "FSDP2), or torch.nn.parallel.DistributedDataParallel."
+        )
 
 
 class GradSampleModule(BackwardPath, nn.Module):
     """Wraps a module so that each trainable parameter gets ``p.grad_sample`` after backward.
 
     Same constructor, methods and per-parameter fields as Opacus 1.6's ``GradSampleModule``.
+    A model sharded by FSDP2 is refused (the ghost-clipping wrapper takes it).
 
     Args:
         m: the module to wrap.
@@ -74,6 +72,8 @@ class GradSampleModule(BackwardPath, nn.Module):
         check_finite: raise, naming the layer, when a per-sample gradient (or norm) is not
             finite. dpgrad's own keyword; pass False to turn the check off.
     """
+
+    SHARDED_MODELS = False  # whether a model sharded by FSDP2 (fully_shard) is taken
 
     def __init__(
         self,
@@ -88,7 +88,8 @@ class GradSampleModule(BackwardPath, nn.Module):
         if loss_reduction not in ("sum", "mean"):
             raise ValueError(f"loss_reduction = {loss_reduction!r}: only 'sum' and 'mean' are supported")
         _refuse_wrapped(m)
-        _refuse_sharded(m)
+        if not self.SHARDED_MODELS:
+            _refuse_sharded(m)
         registry.resolve(m)
         errors = self.validate(m, strict=strict)
         self._check_layers(m, force_functorch)

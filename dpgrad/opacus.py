@@ -34,6 +34,7 @@ from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processe
 
 from dpgrad import registry
 from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping
+from dpgrad.fsdp import sharded_modules
 from dpgrad.grad_sample_module import GradSampleModule
 from dpgrad.loss import DPLossFastGradientClipping
 
@@ -199,21 +200,17 @@ class DPOptimizerFastGradientClipping(_OpacusDPOptimizerFastGradientClipping):
 
 
 # ---------------------------------------------------------------------- make_private
-def _is_distributed(module: nn.Module) -> bool:
-    """True for a model in ``DistributedDataParallel`` (torch's or Opacus's); raises for FSDP."""
+def _distribution(module: nn.Module) -> Optional[str]:
+    """How ``module`` is trained over several processes: "ddp" (torch's or Opacus's
+    ``DistributedDataParallel``), "fsdp" (sharded by FSDP2's ``fully_shard``), or None."""
     from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    try:
-        from torch.distributed._composable.fsdp import FSDPModule
-    except ImportError:  # torch built without distributed support
-        FSDPModule = ()
-    if FSDPModule and isinstance(module, FSDPModule):
-        raise ValueError(
-            "dpgrad.opacus.make_private got a model sharded by FSDP, which dpgrad does not "
-            "support: wrap it in torch.nn.parallel.DistributedDataParallel instead"
-        )
-    return isinstance(module, (DPDDP, DDP))
+    if isinstance(module, (DPDDP, DDP)):
+        return "ddp"
+    if sharded_modules(module):
+        return "fsdp"
+    return None
 
 
 def _check_optimizer_params(module: nn.Module, optimizer) -> None:
@@ -301,6 +298,14 @@ def make_private(
     computes no parameter gradients, so DistributedDataParallel reduces nothing until the
     clipped gradients exist.
 
+    A ``module`` sharded by FSDP2 (``fully_shard`` on its blocks and its root) is trained
+    the same way under ``grad_sample_mode="ghost"`` (``dpgrad.fsdp``): the clipped sums reach
+    the sharded gradients through FSDP's reduce-scatter, and Opacus's
+    ``FSDPOptimizerFastGradientClipping`` adds the noise: each rank draws it for the whole
+    parameter and adds its own shard's slice, so every coordinate gets noise once, from the
+    rank that holds it (with generators seeded alike on every rank, exactly the one-process
+    noise).
+
     Args:
         privacy_engine: an ``opacus.PrivacyEngine``.
         module, optimizer, data_loader, noise_multiplier, max_grad_norm, batch_first,
@@ -322,7 +327,7 @@ def make_private(
         ``(module, optimizer, data_loader)`` otherwise.
 
     Raises:
-        ValueError: for FSDP-sharded modules, clipping other than "flat", several clipping
+        ValueError: for FSDP-sharded modules under another mode than "ghost", clipping other than "flat", several clipping
             bounds, an unknown ``grad_sample_mode``, ``single_backward`` without "ghost", or
             optimizer parameters that are not the module's.
 
@@ -369,7 +374,13 @@ def make_private(
         )
     if noise_generator is not None and privacy_engine.secure_mode:
         raise ValueError("Passing seed is prohibited in secure mode")
-    distributed = _is_distributed(module)
+    distribution = _distribution(module)
+    distributed = distribution is not None
+    if distribution == "fsdp" and grad_sample_mode != "ghost":
+        raise ValueError(
+            f"the module is sharded by FSDP2 (fully_shard), which dpgrad clips under "
+            f"grad_sample_mode='ghost' only, not {grad_sample_mode!r}"
+        )
     _check_optimizer_params(module, optimizer)
 
     privacy_engine.validate(module=module, optimizer=None, data_loader=None)
@@ -405,7 +416,8 @@ def make_private(
         noise_generator=noise_generator,
         distributed=distributed,
         clipping=clipping,
-        grad_sample_mode="ghost" if grad_sample_mode == "ghost" else "hooks",
+        # Under FSDP2, Opacus's FSDP optimizer: each rank adds the noise of its own shard.
+        grad_sample_mode="ghost_fsdp" if distribution == "fsdp" else "ghost" if grad_sample_mode == "ghost" else "hooks",
         **kwargs,
     )
     if type(optimizer) is _OpacusDPOptimizerFastGradientClipping:

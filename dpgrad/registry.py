@@ -31,6 +31,8 @@ from typing import Callable, Dict, List, Sequence, Tuple, Type, Union
 
 import torch.nn as nn
 
+from dpgrad.fsdp import fsdp_module_class
+
 Sampler = Callable
 GRAD_SAMPLERS: Dict[Type[nn.Module], Sampler] = {}
 NORM_SAMPLERS: Dict[Type[nn.Module], Sampler] = {}
@@ -38,6 +40,7 @@ CLIPPED_SUM_SAMPLERS: Dict[Type[nn.Module], Sampler] = {}
 FACTOR_SAMPLERS: Dict[Type[nn.Module], Sampler] = {}
 NORM_GROUPS: Dict[Type[nn.Module], type] = {}
 GRAD_SAMPLE_GROUPS: Dict[Type[nn.Module], type] = {}
+TABLES = (GRAD_SAMPLERS, NORM_SAMPLERS, CLIPPED_SUM_SAMPLERS, FACTOR_SAMPLERS, NORM_GROUPS, GRAD_SAMPLE_GROUPS)
 
 # Changes whenever a table does: what is planned from the tables (a backward pass's finish
 # plan, dpgrad.backward_pass) is planned again.
@@ -74,13 +77,30 @@ def _register(table: Dict[Type[nn.Module], Sampler], target: Target):
 
 
 def resolve(model: nn.Module) -> None:
-    """Enter the classes registered by dotted path that ``model`` uses in the tables."""
+    """Enter in the tables the classes registered by dotted path that ``model`` uses, and the
+    classes FSDP2's ``fully_shard`` made of registered ones (``FSDPLinear`` from ``Linear``)."""
     global version
     for cls in {type(m) for m in model.modules()}:
-        for table, fn in _BY_PATH.get(class_path(cls), ()):
-            if cls not in table:
-                table[cls] = fn
+        origin = _unsharded_class(cls)
+        for table, fn in _BY_PATH.get(class_path(origin), ()):
+            if origin not in table:
+                table[origin] = fn
                 version += 1
+        if origin is not cls:
+            for table in TABLES:
+                if origin in table and cls not in table:
+                    table[cls] = table[origin]
+                    version += 1
+
+
+def _unsharded_class(cls: type) -> type:
+    """The class ``fully_shard`` derived ``cls`` from (it makes ``FSDP<Name>(FSDPModule,
+    <Name>)`` of a module it shards), else ``cls``."""
+    sharded = fsdp_module_class()
+    bases = cls.__bases__
+    if sharded is not None and len(bases) == 2 and bases[0] is sharded:
+        return bases[1]
+    return cls
 
 
 def register_grad_sampler(target_class_or_classes: Target):

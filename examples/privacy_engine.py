@@ -20,9 +20,15 @@ from dpgrad.tools.models import TinyTransformer, TinyTransformerConfig, syntheti
 def main(steps: int = 20) -> float:
     torch.manual_seed(0)
     cfg = TinyTransformerConfig()
+    return train(TinyTransformer(cfg), cfg, steps)
+
+
+def train(model: torch.nn.Module, cfg: TinyTransformerConfig, steps: int, device=torch.device("cpu"),
+          verbose: bool = True) -> float:
+    """``steps`` DP steps of ``model`` (a TinyTransformer of ``cfg``, on ``device``, sharded or
+    not) on synthetic sequences; prints the loss and epsilon every 5 steps if ``verbose``."""
     ids = synthetic_batch(cfg, 1024, 33, generator=torch.Generator().manual_seed(0))
     loader = DataLoader(TensorDataset(ids[:, :-1].contiguous(), ids[:, 1:].contiguous()), batch_size=64)
-    model = TinyTransformer(cfg)
     engine = PrivacyEngine()
     model, optimizer, criterion, loader = dpgrad.opacus.make_private(
         engine,
@@ -37,14 +43,15 @@ def main(steps: int = 20) -> float:
     step = 0
     while step < steps:
         for x, y in loader:
+            x, y = x.to(device), y.to(device)
             optimizer.zero_grad()
             logits = model(x)
             # shape= makes the privacy unit one sequence, not one token.
-            loss = criterion(logits.reshape(-1, cfg.vocab_size), y.reshape(-1), shape=logits.shape[:2])
+            loss = criterion(logits.reshape(-1, cfg.vocab_size).float(), y.reshape(-1), shape=logits.shape[:2])
             loss.backward()  # one pass: norms, then each layer's clipped gradient
             optimizer.step()
             step += 1
-            if step % 5 == 0 or step == steps:
+            if verbose and (step % 5 == 0 or step == steps):
                 print(f"step {step:3d}  loss {loss.item():.4f}  epsilon {engine.get_epsilon(1e-5):.2f}")
             if step == steps:
                 break

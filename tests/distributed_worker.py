@@ -6,7 +6,6 @@ memory that disappears with the process.
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import torch
@@ -124,7 +123,7 @@ def privacy_engine_step(rank: int, world: int, single: bool, noise: float) -> di
 
 
 def fsdp_refused(rank: int, world: int) -> str:
-    """The error of wrapping a model sharded by FSDP2, and whether the model was left as it was."""
+    """The error of GradSampleModule on a model sharded by FSDP2, and whether the model was left as it was."""
     from torch.distributed.fsdp import fully_shard
 
     net = model()
@@ -135,7 +134,7 @@ def fsdp_refused(rank: int, world: int) -> str:
 
     before = hooks()
     try:
-        dpgrad.GradSampleModuleFastGradientClipping(net)
+        dpgrad.GradSampleModule(net)
     except NotImplementedError as err:
         return f"{err} (untouched: {hooks() == before})"
     return "no error"
@@ -149,19 +148,4 @@ SCENARIOS = {
 }
 
 
-def run(rank: int, world: int, port: int, jobs: list, queue) -> None:
-    """Run each (name, kwargs) job on this rank; put (rank, [results]) or (rank, traceback)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        out = [SCENARIOS[name](rank, world, **kwargs) for name, kwargs in jobs]
-        queue.put((rank, out))
-    except BaseException:
-        import traceback
-
-        queue.put((rank, traceback.format_exc()))
-    finally:
-        dist.destroy_process_group()
-
-
-__all__ = ["C", "CFG", "global_ids", "lm_step", "model", "np", "run", "share"]
+__all__ = ["C", "CFG", "SCENARIOS", "global_ids", "lm_step", "model", "np", "share"]

@@ -340,7 +340,7 @@ def test_every_option_has_a_help_text(capsys):
         assert len(helps) > 3 and all(helps.values()), (command, helps)
 
 
-@pytest.mark.parametrize("script", ["privacy_engine.py", "finetune_lm.py"])
+@pytest.mark.parametrize("script", ["privacy_engine.py", "finetune_lm.py", "fsdp_privacy_engine.py"])
 def test_examples_help_is_whole(script):
     """An example's --help: the description a whole sentence, every option with a help text."""
     out = subprocess.run([sys.executable, os.path.join("examples", script), "--help"], capture_output=True, text=True,

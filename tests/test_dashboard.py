@@ -284,3 +284,22 @@ def test_summary_names_the_machine_choices_ratios_and_page():
     assert "median speedup over Opacus's samplers 2.50x" in words
     assert "(NVIDIA H100 80GB HBM3): hf-gpt2 B=8 T=1024 0.83" in words
     assert text.rstrip().endswith("dashboard: build/dashboard/index.html")
+
+
+def test_fsdp_memory_table_shows_bytes_and_ratios_to_ddp_even_when_timing_is_flagged():
+    """Memory does not depend on timing: a row flagged for its time still shows its bytes
+    and its ratios to DDP, in the README's table and the dashboard."""
+    shape = dict(model="tiny", world=2, batch=4, seq_len=64, dtype="fp32")
+    rows = [_row("fsdp_memory", shape, "ddp-dpgrad-single", peak_memory=140e6, state_memory=84e6),
+            _row("fsdp_memory", shape, "fsdp2-dpgrad-single", peak_memory=88e6, state_memory=42e6,
+                 peak_memory_over_ddp=88 / 140, state_memory_over_ddp=0.5)]
+    rows[1]["metrics"]["step_time"] = results.metric("step_time", 300.0, 100.0, 500.0)
+    results.flag_rows(rows)
+    assert rows[1]["flags"] and not rows[0]["flags"]
+    doc = {"schema": results.SCHEMA, "suite": "fsdp_memory", "machine": _machine("cpu: test cpu x 2 threads"),
+           "settings": {}, "results": rows}
+    table = results.markdown([doc])
+    assert "| tiny | 2 | fsdp2-dpgrad-single | 88.0 MB | 42.0 MB | 0.63 | 0.50 |" in table, table
+    assert "| tiny | 2 | ddp-dpgrad-single | 140.0 MB | 84.0 MB | - | - |" in table, table
+    counts = re.search(r'<script type="application/json" id="counts">(.*?)</script>', dashboard.render([doc]))
+    assert {"peak_memory", "peak_memory_over_ddp", "state_memory"} <= set(json.loads(counts.group(1)))

@@ -6,21 +6,21 @@
   Opacus's protocol (a plain first pass) it reduces the unclipped ones instead.
 - ``dpgrad.opacus.make_private`` on the DDP model with Opacus's distributed optimizer takes
   the one-process step, noise included: the noise is drawn once, on rank 0.
-- A model sharded by FSDP2 is refused, untouched, with the alternative named.
+- A model sharded by FSDP2 is refused by GradSampleModule, untouched, with the alternatives
+  named (tests/test_fsdp.py: the ghost-clipping wrapper takes it).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 import dpgrad
 import distributed_worker as W
+from dpgrad.tools.ranks import spawn
 from per_sample_reference import assert_norms_close, assert_tensor_close
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed")
@@ -30,28 +30,6 @@ ORDERS = ["dpgrad(ddp)", "ddp(dpgrad)"]
 OPACUS = importlib.util.find_spec("opacus") is not None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(jobs: list) -> list:
-    """Each rank's results of ``jobs``, [rank][job]."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=W.run, args=(rank, WORLD, port, jobs, queue)) for rank in range(WORLD)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    for rank, out in results.items():
-        assert not isinstance(out, str), f"rank {rank} failed:\n{out}"
-    return [results[r] for r in range(WORLD)]
-
-
 @pytest.fixture(scope="module")
 def ranks():
     jobs = [("clipped_gradients", dict(single=s, order=o)) for s in MODES.values() for o in ORDERS]
@@ -59,7 +37,7 @@ def ranks():
     jobs += [("fsdp_refused", {})]
     if OPACUS:
         jobs += [("privacy_engine_step", dict(single=s, noise=n)) for s in MODES.values() for n in (0.0, 1.0)]
-    return jobs, _run(jobs)
+    return jobs, spawn(WORLD, jobs, "distributed_worker")
 
 
 def _result(ranks, name, **kwargs):

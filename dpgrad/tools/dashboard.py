@@ -19,6 +19,8 @@ import html
 import json
 from typing import List
 
+from dpgrad.tools.results import COUNTS
+
 TITLE = "dpgrad benchmarks"
 
 _STYLE = """
@@ -39,8 +41,8 @@ _SCRIPT = r"""
 (function () {
   const COLORS = ["#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377", "#bbbbbb"];
   const SVG = "http://www.w3.org/2000/svg";
-  // A flagged row's timings are not figures: only its counts are shown.
-  const COUNTS = new Set(["ops", "syncs", "cuda_syncs", "launches", "hooked_layers", "extra_ops_per_layer", "extra_syncs"]);
+  // A flagged row's timings are not figures: only its counts (and bytes) are shown.
+  const COUNTS = new Set(JSON.parse(document.getElementById("counts").textContent));
   const flagged = row => Boolean(row.flags && row.flags.length);
   const p50 = (row, name) => (row.status === "ok" && row.metrics[name] && (!flagged(row) || COUNTS.has(name)))
     ? row.metrics[name].p50 : null;
@@ -292,6 +294,7 @@ end); ratios are to the baselines of the same run.</p>
 <h2>Raw figures</h2><div id="raw-figures"></div>
 <h2>Machines</h2><div id="machine-info"></div>
 <script type="application/json" id="data">{data}</script>
+<script type="application/json" id="counts">{json.dumps(list(COUNTS))}</script>
 <script>{_SCRIPT}</script>
 </body></html>
 """

@@ -1,0 +1,200 @@
+"""What each process of tests/test_fsdp.py runs (spawned; gloo on CPU), and the same steps in
+one process for the references.
+
+A model is sharded as FSDP2 users write it (``fully_shard`` on each block, then on the root),
+then wrapped by dpgrad. Every scenario returns plain numpy arrays (tensors sent through a
+queue would live in shared memory that disappears with the process).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+import dpgrad
+from dpgrad.tools.models import TinyTransformer, TinyTransformerConfig
+
+# LayerNorm, an Embedding with padding_idx 0, the output layer tied to the token embedding.
+CFG = TinyTransformerConfig(vocab_size=31, max_seq_len=8, d_model=16, n_heads=2, n_layers=2, d_ff=24,
+                            tie_embeddings=True)
+LORA_CFG = TinyTransformerConfig(vocab_size=31, max_seq_len=8, d_model=16, n_heads=2, n_layers=2, d_ff=24)
+C = {"transformer": 0.3, "lora": 0.02}  # below every per-sample norm: each sample has its own factor
+GLOBAL_BATCH = 6  # shared by 2 or 3 ranks
+MICRO_BATCHES = 2
+
+
+def model(kind: str) -> nn.Module:
+    """The same weights in every process: "transformer" (every parameter trains) or "lora"
+    (peft LoRA adapters, random B, on a frozen TinyTransformer)."""
+    torch.manual_seed(0)
+    if kind == "transformer":
+        return TinyTransformer(CFG)
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(TinyTransformer(LORA_CFG),
+                          LoraConfig(r=4, target_modules=["qkv", "down"], init_lora_weights=False))
+
+
+def blocks(net: nn.Module) -> nn.ModuleList:
+    return net.base_model.model.blocks if hasattr(net, "base_model") else net.blocks
+
+
+def shard(net: nn.Module, precision: str = "fp32", leaves: bool = False) -> nn.Module:
+    """FSDP2 as its users write it: each block, then the root (which keeps the embeddings, the
+    final norm and the output layer). With ``leaves``, the position embedding and the final
+    norm are sharded on their own first (fully_shard makes them FSDPEmbedding, FSDPLayerNorm)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if precision == "bf16" else MixedPrecisionPolicy()
+    if leaves:
+        fully_shard(net.pos, mp_policy=policy)
+        fully_shard(net.ln_f, mp_policy=policy)
+    for block in blocks(net):
+        fully_shard(block, mp_policy=policy)
+    fully_shard(net, mp_policy=policy)
+    return net
+
+
+def batches() -> torch.Tensor:
+    """(MICRO_BATCHES, GLOBAL_BATCH, T) token ids; the last positions of every other sequence
+    are padding (id 0), which the token embedding gives no gradient."""
+    ids = torch.randint(1, CFG.vocab_size, (MICRO_BATCHES, GLOBAL_BATCH, CFG.max_seq_len),
+                        generator=torch.Generator().manual_seed(1))
+    ids[:, ::2, -3:] = CFG.padding_idx
+    return ids
+
+
+def share(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's rows of a global batch: rank r takes rows r, r + world, ..."""
+    return x[rank::world]
+
+
+def lm_step(wrapped: nn.Module, criterion, ids: torch.Tensor) -> None:
+    """Forward and clipped backward of next-token losses, one per sequence."""
+    logits = wrapped(ids[:, :-1])
+    criterion(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1), shape=logits.shape[:2]).backward()
+
+
+def _full(t: torch.Tensor) -> np.ndarray:
+    full = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return full.detach().double().numpy()
+
+
+def clipped_gradients(rank: int, world: int, kind: str, single: bool, reduction: str,
+                      precision: str = "fp32", leaves: bool = False, no_sync: bool = False,
+                      sharded: bool = True) -> dict:
+    """The gathered gradient after the clipped backward of MICRO_BATCHES micro-batches
+    (accumulated), and this rank's per-sample norms of each. With ``no_sync``, FSDP reduces
+    only the last micro-batch's gradients (``set_requires_gradient_sync``), with the sum of
+    the unsharded gradients of all."""
+    net = model(kind)
+    if sharded:
+        shard(net, precision, leaves)
+    elif precision == "bf16":
+        net = net.to(torch.bfloat16)
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(net, max_grad_norm=C[kind], single_backward=single,
+                                                         loss_reduction=reduction)
+    criterion = dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss(reduction=reduction), reduction)
+    norms = []
+    for i, ids in enumerate(batches()):
+        if sharded and no_sync:
+            net.set_requires_gradient_sync(i == MICRO_BATCHES - 1)
+        lm_step(wrapped, criterion, share(ids, rank, world))
+        norms.append(wrapped.per_sample_gradient_norms.detach().double().numpy())
+    grads = {n: _full(p.grad) for n, p in net.named_parameters() if p.requires_grad}
+    return {"grads": grads, "norms": np.stack(norms)}
+
+
+def noisy_step(rank: int, world: int, kind: str, single: bool, sharded: bool = True) -> dict:
+    """One step of ``dpgrad.opacus.make_private`` (noise multiplier 1, SGD with lr 1, a
+    generator seeded alike everywhere), each rank on its share of the batch: the gathered
+    parameters after it."""
+    import dpgrad.opacus
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    net = model(kind)
+    if sharded:
+        shard(net)
+    data = TensorDataset(batches()[0])
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False) if sharded else None
+    wrapped, optimizer, criterion, loader = dpgrad.opacus.make_private(
+        PrivacyEngine(), module=net, optimizer=torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=1.0),
+        data_loader=DataLoader(data, batch_size=len(data) // world, sampler=sampler),
+        criterion=nn.CrossEntropyLoss(), noise_multiplier=1.0, max_grad_norm=C[kind], poisson_sampling=False,
+        single_backward=single, noise_generator=torch.Generator().manual_seed(7),
+    )
+    (batch,) = next(iter(loader))
+    assert torch.equal(batch, share(batches()[0], rank, world))
+    optimizer.zero_grad()
+    lm_step(wrapped, criterion, batch)
+    optimizer.step()
+    return {"params": {n: _full(p) for n, p in net.named_parameters() if p.requires_grad},
+            "optimizer": type(optimizer).__name__}
+
+
+def refusal(rank: int, world: int, case: str) -> str:
+    """The error of a model dpgrad cannot clip exactly under FSDP2 (or "no error")."""
+    from torch.distributed.fsdp import fully_shard
+
+    net = model("transformer")
+    try:
+        if case == "tied apart":  # the token embedding sharded alone, the tied output layer by the root
+            fully_shard(net.tok)
+            fully_shard(net)
+            dpgrad.GradSampleModuleFastGradientClipping(net)
+        elif case == "grad sample module":
+            dpgrad.GradSampleModule(shard(net))
+        elif case == "sharded after wrapping":
+            wrapped = dpgrad.GradSampleModuleFastGradientClipping(net)
+            shard(net)
+            wrapped(batches()[0][:, :-1])
+        elif case == "blocks only":
+            for block in net.blocks:
+                fully_shard(block)
+            dpgrad.GradSampleModuleFastGradientClipping(net)
+    except (NotImplementedError, RuntimeError, ValueError) as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def held_gradients(rank: int, world: int) -> dict:
+    """Single backward: at each reduce-scatter, the bytes of full (unsharded) clipped gradients
+    handed to FSDP and whether FSDP had freed them when it returned; each parameter group's
+    bytes and the model's; whether every unsharded copy's gradient is freed at the end."""
+    net = shard(model("transformer"))
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(net, max_grad_norm=C["transformer"], single_backward=True)
+    sharded = wrapped._sharded
+    calls = []
+    reduce_scatter = sharded.reduce_scatter
+
+    def counted(group, sums):
+        held = sum(s.numel() * s.element_size() for s in sums.values())
+        reduce_scatter(group, sums)
+        # Reduced and freed now, before the next group's sums exist.
+        freed = all(fp._unsharded_param.grad is None for fp in sharded._groups[group][1].fsdp_params)
+        calls.append((group, held, freed))
+
+    sharded.reduce_scatter = counted
+    criterion = dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss())
+    lm_step(wrapped, criterion, share(batches()[0], rank, world))
+    copies = [fp._unsharded_param for _, group in sharded._groups for fp in group.fsdp_params]
+    groups = [sum(fp.sharded_param.numel() * fp.sharded_param.element_size() for fp in group.fsdp_params)
+              for _, group in sharded._groups]
+    return {"calls": calls, "groups": groups, "freed": all(c.grad is None for c in copies),
+            "model": sum(p.numel() * p.element_size() for p in net.parameters())}
+
+
+SCENARIOS = {"held_gradients": held_gradients, "clipped_gradients": clipped_gradients, "noisy_step": noisy_step, "refusal": refusal}
+
+
+def one_process(name: str, **kwargs) -> Optional[dict]:
+    """A scenario in this process on the whole batch, with nothing sharded (the reference)."""
+    return SCENARIOS[name](0, 1, sharded=False, **kwargs)
+
+
+__all__ = ["SCENARIOS", "one_process"]

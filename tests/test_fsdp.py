@@ -1,0 +1,171 @@
+"""Ghost clipping on models sharded by FSDP2, 2 and 3 processes on gloo (CPU), against one
+process on the global batch.
+
+- Every rank's gathered gradient, after the clipped backward of two micro-batches
+  (accumulated), is the one-process clipped sum over FSDP's averaging (divided by the world
+  size), fp32 rel 1e-5; each rank's per-sample norms are the one-process norms of its samples.
+  Both modes, both reductions; a small transformer with LayerNorm, a padded Embedding and tied
+  embeddings, and a peft LoRA model; bf16 parameters with fp32 reduction at bf16 tolerance;
+  layers sharded on their own; micro-batches accumulated unreduced
+  (``set_requires_gradient_sync(False)``) and reduced once.
+- ``dpgrad.opacus.make_private`` on the sharded model takes the one-process noisy step: the
+  noise is added once.
+- Single backward hands FSDP one parameter group's gradients at a time, and FSDP frees them.
+- What cannot be exact is refused, naming the layer and what to do.
+
+With every sampler on the Triton kernels (the Makefile's second pass), the two-rank
+transformer cases in both modes run; the rest of the matrix adds nothing backend-specific.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import fsdp_worker as F
+from dpgrad.tools.ranks import spawn
+from per_sample_reference import assert_norms_close, assert_tensor_close
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed")
+# The Makefile's pass with every sampler on the Triton kernels (the interpreter on a CPU) takes
+# the two-rank transformer cases in both modes: what FSDP2 adds is the same on every backend.
+BACKEND_PASS = os.environ.get("DPGRAD_BACKEND") == "triton"
+whole_matrix = pytest.mark.skipif(BACKEND_PASS, reason="the Triton pass takes the two-rank transformer cases")
+MODES = {"single": True, "double": False}
+KINDS = ["transformer"] + (["lora"] if importlib.util.find_spec("peft") and not BACKEND_PASS else [])
+OPACUS = importlib.util.find_spec("opacus") is not None
+BF16_RTOL = 1e-2
+CLIPPED = [dict(kind=k, single=s, reduction=r) for k in KINDS for s in MODES.values()
+           for r in (("mean",) if BACKEND_PASS else ("mean", "sum"))]
+BF16 = [dict(kind="transformer", single=s, reduction="mean", precision="bf16") for s in MODES.values()]
+LEAVES = [dict(kind="transformer", single=s, reduction="mean", leaves=True) for s in MODES.values()]
+NO_SYNC = [dict(kind=k, single=s, reduction="mean", no_sync=True) for k in KINDS for s in MODES.values()]
+REFUSALS = ["tied apart", "grad sample module", "sharded after wrapping", "blocks only"]
+
+
+@pytest.fixture(scope="module")
+def two():
+    jobs = [("clipped_gradients", kw) for kw in CLIPPED]
+    if BACKEND_PASS:
+        return jobs, spawn(2, jobs, "fsdp_worker")
+    jobs += [("clipped_gradients", kw) for kw in BF16 + LEAVES + NO_SYNC]
+    jobs += [("held_gradients", {})] + [("refusal", dict(case=c)) for c in REFUSALS]
+    if OPACUS:
+        jobs += [("noisy_step", dict(kind=k, single=s)) for k in KINDS for s in MODES.values()]
+    return jobs, spawn(2, jobs, "fsdp_worker")
+
+
+@pytest.fixture(scope="module")
+def three():
+    jobs = [("clipped_gradients", kw) for kw in CLIPPED]
+    return jobs, spawn(3, jobs, "fsdp_worker")
+
+
+def _results(ranks, name, **kwargs):
+    jobs, results = ranks
+    i = jobs.index((name, kwargs))
+    return [out[i] for out in results]
+
+
+def _check_clipped(ranks, kw, rtol=1e-5):
+    world = len(ranks[1])
+    ref = F.one_process("clipped_gradients", **kw)
+    if kw.get("precision") != "bf16":
+        assert (ref["norms"] > F.C[kw["kind"]]).all(), "every sample should be clipped"
+    for rank, got in enumerate(_results(ranks, "clipped_gradients", **kw)):
+        assert_norms_close(torch.from_numpy(got["norms"]), torch.from_numpy(ref["norms"][:, rank::world]),
+                           f"rank {rank} norms", rtol=rtol)
+        assert set(got["grads"]) == set(ref["grads"])
+        for n, expected in ref["grads"].items():
+            assert np.abs(expected).max() > 0, n
+            assert_tensor_close(torch.from_numpy(got["grads"][n]), torch.from_numpy(expected) / world,
+                                f"rank {rank} {n}", rtol=rtol)
+
+
+@pytest.mark.parametrize("kw", CLIPPED, ids=lambda kw: "-".join(str(v) for v in kw.values()))
+def test_two_ranks_take_the_one_process_clipped_sum(two, kw):
+    _check_clipped(two, kw)
+
+
+@whole_matrix
+@pytest.mark.parametrize("kw", CLIPPED, ids=lambda kw: "-".join(str(v) for v in kw.values()))
+def test_three_ranks_take_the_one_process_clipped_sum(three, kw):
+    _check_clipped(three, kw)
+
+
+@whole_matrix
+@pytest.mark.parametrize("kw", BF16, ids=lambda kw: "single" if kw["single"] else "double")
+def test_bf16_parameters_fp32_reduction(two, kw):
+    """MixedPrecisionPolicy(bf16 parameters, fp32 reduce) against one process in bf16."""
+    _check_clipped(two, kw, rtol=BF16_RTOL)
+
+
+@whole_matrix
+@pytest.mark.parametrize("kw", LEAVES, ids=lambda kw: "single" if kw["single"] else "double")
+def test_layers_sharded_on_their_own(two, kw):
+    """An Embedding and a LayerNorm sharded alone (fully_shard makes them FSDPEmbedding and
+    FSDPLayerNorm) are clipped by their classes' samplers."""
+    _check_clipped(two, kw)
+
+
+@whole_matrix
+@pytest.mark.parametrize("kw", NO_SYNC, ids=lambda kw: f"{kw['kind']}-{'single' if kw['single'] else 'double'}")
+def test_accumulation_reduced_once(two, kw):
+    """Micro-batches under set_requires_gradient_sync(False), then one that reduces them all."""
+    _check_clipped(two, kw)
+
+
+@whole_matrix
+def test_single_backward_holds_one_group_of_gradients_at_a_time(two):
+    for rank, got in enumerate(_results(two, "held_gradients")):
+        groups = [g for g, _, _ in got["calls"]]
+        assert sorted(groups) == list(range(len(got["groups"]))), f"rank {rank}: each group once, {groups}"
+        for group, held, freed in got["calls"]:
+            assert held == got["groups"][group], f"rank {rank}: group {group} held {held} bytes"
+            assert freed, f"rank {rank}: group {group}'s gradients outlived its reduce-scatter"
+        assert max(held for _, held, _ in got["calls"]) < got["model"] / 2
+        assert got["freed"], f"rank {rank}: an unsharded copy kept its gradient"
+
+
+@whole_matrix
+@pytest.mark.skipif(not OPACUS, reason="needs opacus")
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_make_private_adds_the_noise_once(two, kind, mode):
+    """Every rank seeds its generator alike; each adds its shard's slice of the noise, so the
+    step is the one-process step with that generator, noise included. The one-process step
+    takes Opacus's optimizer, whose draws (parameter by parameter) the FSDP optimizer repeats."""
+    import dpgrad.opacus
+    from opacus.optimizers import DPOptimizerFastGradientClipping
+
+    original = dpgrad.opacus.DPOptimizerFastGradientClipping
+    dpgrad.opacus.DPOptimizerFastGradientClipping = DPOptimizerFastGradientClipping
+    try:
+        ref = F.one_process("noisy_step", kind=kind, single=MODES[mode])
+    finally:
+        dpgrad.opacus.DPOptimizerFastGradientClipping = original
+    assert ref["optimizer"] == "DPOptimizerFastGradientClipping"
+    start = {n: p.detach().double().numpy() for n, p in F.model(kind).named_parameters() if p.requires_grad}
+    for rank, got in enumerate(_results(two, "noisy_step", kind=kind, single=MODES[mode])):
+        assert got["optimizer"] == "FSDPOptimizerFastGradientClipping"
+        for n, expected in ref["params"].items():
+            update = torch.from_numpy(expected - start[n])
+            assert update.abs().max() > 0, n
+            assert_tensor_close(torch.from_numpy(got["params"][n] - start[n]), update, f"rank {rank} {n}")
+
+
+@whole_matrix
+@pytest.mark.parametrize("case, words", [
+    ("tied apart", ["'head.weight' and 'tok.weight' were one tied parameter", "on 'the root' and on 'tok'",
+                    "one fully_shard call"]),
+    ("grad sample module", ["sharded by FSDP", "GradSampleModuleFastGradientClipping"]),
+    ("sharded after wrapping", ["replaced after wrapping", "Shard or change the model first"]),
+    ("blocks only", ["not sharded by any fully_shard call", "fully_shard(model)"]),
+])
+def test_what_cannot_be_exact_is_refused(two, case, words):
+    for message in _results(two, "refusal", case=case):
+        assert all(w in message for w in words), message
