@@ -21,17 +21,24 @@ from dpgrad.tools.models import TinyTransformer, TinyTransformerConfig
 CFG = TinyTransformerConfig(vocab_size=31, max_seq_len=8, d_model=16, n_heads=2, n_layers=2, d_ff=24,
                             tie_embeddings=True)
 LORA_CFG = TinyTransformerConfig(vocab_size=31, max_seq_len=8, d_model=16, n_heads=2, n_layers=2, d_ff=24)
-C = {"transformer": 0.3, "lora": 0.02}  # below every per-sample norm: each sample has its own factor
+C = {"transformer": 0.3, "lora": 0.02, "gpt2": 0.3}  # below every per-sample norm: each sample has its own factor
 GLOBAL_BATCH = 6  # shared by 2 or 3 ranks
 MICRO_BATCHES = 2
 
 
 def model(kind: str) -> nn.Module:
-    """The same weights in every process: "transformer" (every parameter trains) or "lora"
-    (peft LoRA adapters, random B, on a frozen TinyTransformer)."""
+    """The same weights in every process: "transformer" (every parameter trains), "lora"
+    (peft LoRA adapters, random B, on a frozen TinyTransformer) or "gpt2" (Hugging Face GPT-2:
+    Conv1D layers, tied embeddings, default position ids; no dropout)."""
     torch.manual_seed(0)
     if kind == "transformer":
         return TinyTransformer(CFG)
+    if kind == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        return GPT2LMHeadModel(GPT2Config(vocab_size=CFG.vocab_size, n_positions=CFG.max_seq_len, n_embd=16,
+                                          n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                          bos_token_id=1, eos_token_id=1))
     from peft import LoraConfig, get_peft_model
 
     return get_peft_model(TinyTransformer(LORA_CFG),
@@ -39,6 +46,8 @@ def model(kind: str) -> nn.Module:
 
 
 def blocks(net: nn.Module) -> nn.ModuleList:
+    if hasattr(net, "transformer"):  # GPT-2
+        return net.transformer.h
     return net.base_model.model.blocks if hasattr(net, "base_model") else net.blocks
 
 
@@ -75,7 +84,8 @@ def share(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 def lm_step(wrapped: nn.Module, criterion, ids: torch.Tensor) -> None:
     """Forward and clipped backward of next-token losses, one per sequence."""
-    logits = wrapped(ids[:, :-1])
+    out = wrapped(ids[:, :-1])
+    logits = getattr(out, "logits", out)  # a Hugging Face model's output
     criterion(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1), shape=logits.shape[:2]).backward()
 
 

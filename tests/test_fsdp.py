@@ -6,7 +6,7 @@ process on the global batch.
   size), fp32 rel 1e-5; each rank's per-sample norms are the one-process norms of its samples.
   Both modes, both reductions; a small transformer with LayerNorm, a padded Embedding and tied
   embeddings, and a peft LoRA model; bf16 parameters with fp32 reduction at bf16 tolerance;
-  layers sharded on their own; micro-batches accumulated unreduced
+  layers sharded on their own; Hugging Face GPT-2; micro-batches accumulated unreduced
   (``set_requires_gradient_sync(False)``) and reduced once.
 - ``dpgrad.opacus.make_private`` on the sharded model takes the one-process noisy step: the
   noise is added once.
@@ -43,6 +43,8 @@ CLIPPED = [dict(kind=k, single=s, reduction=r) for k in KINDS for s in MODES.val
            for r in (("mean",) if BACKEND_PASS else ("mean", "sum"))]
 BF16 = [dict(kind="transformer", single=s, reduction="mean", precision="bf16") for s in MODES.values()]
 LEAVES = [dict(kind="transformer", single=s, reduction="mean", leaves=True) for s in MODES.values()]
+HF = [dict(kind="gpt2", single=s, reduction="mean") for s in MODES.values()] \
+    if importlib.util.find_spec("transformers") else []
 NO_SYNC = [dict(kind=k, single=s, reduction="mean", no_sync=True) for k in KINDS for s in MODES.values()]
 REFUSALS = ["tied apart", "grad sample module", "sharded after wrapping", "blocks only"]
 
@@ -52,7 +54,7 @@ def two():
     jobs = [("clipped_gradients", kw) for kw in CLIPPED]
     if BACKEND_PASS:
         return jobs, spawn(2, jobs, "fsdp_worker")
-    jobs += [("clipped_gradients", kw) for kw in BF16 + LEAVES + NO_SYNC]
+    jobs += [("clipped_gradients", kw) for kw in BF16 + LEAVES + NO_SYNC + HF]
     jobs += [("held_gradients", {})] + [("refusal", dict(case=c)) for c in REFUSALS]
     if OPACUS:
         jobs += [("noisy_step", dict(kind=k, single=s)) for k in KINDS for s in MODES.values()]
@@ -109,6 +111,14 @@ def test_bf16_parameters_fp32_reduction(two, kw):
 def test_layers_sharded_on_their_own(two, kw):
     """An Embedding and a LayerNorm sharded alone (fully_shard makes them FSDPEmbedding and
     FSDPLayerNorm) are clipped by their classes' samplers."""
+    _check_clipped(two, kw)
+
+
+@whole_matrix
+@pytest.mark.parametrize("kw", HF, ids=lambda kw: "single" if kw["single"] else "double")
+def test_hugging_face_gpt2(two, kw):
+    """Conv1D layers, tied embeddings and default position ids (one row, broadcast over the
+    batch), each block sharded and the root."""
     _check_clipped(two, kw)
 
 
