@@ -59,7 +59,9 @@ def shard(net: nn.Module, precision: str = "fp32", leaves: bool = False) -> nn.M
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if precision == "bf16" else MixedPrecisionPolicy()
-    if leaves:
+    if leaves and hasattr(net, "transformer"):  # GPT-2: its position embedding takes one row of ids
+        fully_shard(net.transformer.wpe, mp_policy=policy)
+    elif leaves:
         fully_shard(net.pos, mp_policy=policy)
         fully_shard(net.ln_f, mp_policy=policy)
     for block in blocks(net):
@@ -163,6 +165,15 @@ def refusal(rank: int, world: int, case: str) -> str:
             wrapped = dpgrad.GradSampleModuleFastGradientClipping(net)
             shard(net)
             wrapped(batches()[0][:, :-1])
+        elif case == "other torch":  # an FSDP2 without the final callback dpgrad drives
+            from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+            callback = FSDPState._root_post_backward_final_callback
+            del FSDPState._root_post_backward_final_callback
+            try:
+                dpgrad.GradSampleModuleFastGradientClipping(shard(net))
+            finally:
+                FSDPState._root_post_backward_final_callback = callback
         elif case == "blocks only":
             for block in net.blocks:
                 fully_shard(block)

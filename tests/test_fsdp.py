@@ -43,10 +43,10 @@ CLIPPED = [dict(kind=k, single=s, reduction=r) for k in KINDS for s in MODES.val
            for r in (("mean",) if BACKEND_PASS else ("mean", "sum"))]
 BF16 = [dict(kind="transformer", single=s, reduction="mean", precision="bf16") for s in MODES.values()]
 LEAVES = [dict(kind="transformer", single=s, reduction="mean", leaves=True) for s in MODES.values()]
-HF = [dict(kind="gpt2", single=s, reduction="mean") for s in MODES.values()] \
+HF = [dict(kind="gpt2", single=s, reduction="mean", leaves=leaves) for s in MODES.values() for leaves in (False, True)] \
     if importlib.util.find_spec("transformers") else []
 NO_SYNC = [dict(kind=k, single=s, reduction="mean", no_sync=True) for k in KINDS for s in MODES.values()]
-REFUSALS = ["tied apart", "grad sample module", "sharded after wrapping", "blocks only"]
+REFUSALS = ["tied apart", "grad sample module", "sharded after wrapping", "blocks only", "other torch"]
 
 
 @pytest.fixture(scope="module")
@@ -115,10 +115,11 @@ def test_layers_sharded_on_their_own(two, kw):
 
 
 @whole_matrix
-@pytest.mark.parametrize("kw", HF, ids=lambda kw: "single" if kw["single"] else "double")
+@pytest.mark.parametrize("kw", HF, ids=lambda kw: ("single" if kw["single"] else "double") + ("-wpe" if kw["leaves"] else ""))
 def test_hugging_face_gpt2(two, kw):
     """Conv1D layers, tied embeddings and default position ids (one row, broadcast over the
-    batch), each block sharded and the root."""
+    batch), each block sharded and the root; with "-wpe", the position embedding, which the
+    wrapper calls again on the ids expanded to the batch, sharded on its own too."""
     _check_clipped(two, kw)
 
 
@@ -175,6 +176,7 @@ def test_make_private_adds_the_noise_once(two, kind, mode):
     ("grad sample module", ["sharded by FSDP", "GradSampleModuleFastGradientClipping"]),
     ("sharded after wrapping", ["replaced after wrapping", "Shard or change the model first"]),
     ("blocks only", ["not sharded by any fully_shard call", "fully_shard(model)"]),
+    ("other torch", ["does not recognise this torch's FSDP internals", torch.__version__, "DistributedDataParallel"]),
 ])
 def test_what_cannot_be_exact_is_refused(two, case, words):
     for message in _results(two, "refusal", case=case):
