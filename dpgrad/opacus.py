@@ -315,7 +315,8 @@ def make_private(
             defaults to ``nn.CrossEntropyLoss(reduction=loss_reduction)``. Unused otherwise.
         grad_sample_mode: "ghost" (``dpgrad.GradSampleModuleFastGradientClipping``, the
             default), "hooks" (``dpgrad.GradSampleModule``) or "functorch" (the same with
-            ``force_functorch=True``).
+            ``force_functorch=True``); "ghost_fsdp", Opacus's name for ghost clipping of a
+            model sharded by FSDP2, is "ghost" on such a model.
         clipping: only "flat" (one ``max_grad_norm`` over all parameters).
         single_backward: under "ghost", one backward pass per step instead of two
             (``GradSampleModuleFastGradientClipping(single_backward=True)``).
@@ -353,6 +354,14 @@ def make_private(
             optimizer.step()
         print(engine.get_epsilon(delta=1e-5))
     """
+    distribution = _distribution(module)
+    if grad_sample_mode == "ghost_fsdp":  # Opacus's name for ghost clipping of a sharded model
+        if distribution != "fsdp":
+            raise ValueError(
+                "grad_sample_mode='ghost_fsdp' is for a model sharded by FSDP2 (fully_shard), and this "
+                "one is not: use grad_sample_mode='ghost'"
+            )
+        grad_sample_mode = "ghost"
     if grad_sample_mode not in _WRAPPERS:
         raise ValueError(
             f"grad_sample_mode={grad_sample_mode!r} is not supported by dpgrad.opacus.make_private: "
@@ -374,7 +383,6 @@ def make_private(
         )
     if noise_generator is not None and privacy_engine.secure_mode:
         raise ValueError("Passing seed is prohibited in secure mode")
-    distribution = _distribution(module)
     distributed = distribution is not None
     if distribution == "fsdp" and grad_sample_mode != "ghost":
         raise ValueError(

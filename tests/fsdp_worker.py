@@ -121,10 +121,10 @@ def clipped_gradients(rank: int, world: int, kind: str, single: bool, reduction:
     return {"grads": grads, "norms": np.stack(norms)}
 
 
-def noisy_step(rank: int, world: int, kind: str, single: bool, sharded: bool = True) -> dict:
+def noisy_step(rank: int, world: int, kind: str, single: bool, mode: str = "ghost", sharded: bool = True) -> dict:
     """One step of ``dpgrad.opacus.make_private`` (noise multiplier 1, SGD with lr 1, a
-    generator seeded alike everywhere), each rank on its share of the batch: the gathered
-    parameters after it."""
+    generator seeded alike everywhere; ``mode``, its grad_sample_mode on the sharded model),
+    each rank on its share of the batch: the gathered parameters after it."""
     import dpgrad.opacus
     from opacus import PrivacyEngine
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -139,6 +139,7 @@ def noisy_step(rank: int, world: int, kind: str, single: bool, sharded: bool = T
         data_loader=DataLoader(data, batch_size=len(data) // world, sampler=sampler),
         criterion=nn.CrossEntropyLoss(), noise_multiplier=1.0, max_grad_norm=C[kind], poisson_sampling=False,
         single_backward=single, noise_generator=torch.Generator().manual_seed(7),
+        grad_sample_mode=mode if sharded else "ghost",
     )
     (batch,) = next(iter(loader))
     assert torch.equal(batch, share(batches()[0], rank, world))

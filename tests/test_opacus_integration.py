@@ -192,6 +192,7 @@ def test_make_private_default_criterion_follows_loss_reduction():
         (dict(grad_sample_mode="ew"), "not supported"),
         (dict(wrap_model=False), "always wraps"),
         (dict(grad_sample_mode="hooks", single_backward=True), "needs grad_sample_mode='ghost'"),
+        (dict(grad_sample_mode="ghost_fsdp"), "for a model sharded by FSDP2"),
     ],
 )
 def test_make_private_refuses_what_it_does_not_support(kwargs, match):
