@@ -1,12 +1,13 @@
 """dpgrad: fast differentially private training (DP-SGD) for PyTorch.
 
 Drop-in replacements for Opacus's wrappers: ``GradSampleModule`` (per-sample gradients) and
-``GradSampleModuleFastGradientClipping`` (per-sample gradient norms, ghost clipping), and for
-its loss wrapper ``DPLossFastGradientClipping`` (one backward pass with ``single_backward=True``).
+``GradSampleModuleFastGradientClipping`` (per-sample gradient norms, ghost clipping; its
+``...FSDP`` twin for models sharded by FSDP2), and for its loss wrapper
+``DPLossFastGradientClipping`` (one backward pass with ``single_backward=True``).
 """
 
 from . import samplers  # noqa: F401  (registers the built-in samplers)
-from .fast_gradient_clipping import GradSampleModuleFastGradientClipping
+from .fast_gradient_clipping import GradSampleModuleFastGradientClipping, GradSampleModuleFastGradientClippingFSDP
 from .grad_sample_module import GradSampleModule
 from .loss import DPLossFastGradientClipping, DPTensorFastGradientClipping
 from .registry import (
@@ -28,6 +29,7 @@ __all__ = [
     "NORM_SAMPLERS",
     "GradSampleModule",
     "GradSampleModuleFastGradientClipping",
+    "GradSampleModuleFastGradientClippingFSDP",
     "register_clipped_sum_sampler",
     "register_grad_sampler",
     "register_norm_sampler",

@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from dpgrad import registry
 from dpgrad.backward_pass import KEEP_FOR_CLIPPING, NORMS_ONLY, ClippingPath
-from dpgrad.fsdp import ShardedParameters
+from dpgrad.fsdp import ShardedParameters, sharded_modules
 from dpgrad.grad_sample_module import GradSampleModule
 
 
@@ -318,3 +318,25 @@ class _ClippedGradients(torch.autograd.Function):
         sums = ctx.compute()
         ctx.compute = None
         return (None, None, *(sums.pop(p, None) for p in ctx.params))
+
+
+class GradSampleModuleFastGradientClippingFSDP(GradSampleModuleFastGradientClipping):
+    """Opacus 1.6's name and constructor for ghost clipping of a model sharded by FSDP2.
+
+    ``GradSampleModuleFastGradientClipping`` on ``m``, which must be sharded by ``fully_shard``
+    (on its blocks and its root) already, with ghost clipping always on, as in Opacus. Unlike
+    Opacus's, it takes tied parameters and ``single_backward=True``, and its norms are on
+    ``p._norm_sample`` of the sharded parameters.
+    """
+
+    def __init__(self, m: nn.Module, *, batch_first: bool = True, loss_reduction: str = "mean",
+                 strict: bool = True, max_grad_norm: float = 1, check_finite: bool = True,
+                 single_backward: bool = False):
+        if not sharded_modules(m):
+            raise ValueError(
+                "GradSampleModuleFastGradientClippingFSDP takes a model sharded by FSDP2: call "
+                "fully_shard on its blocks and its root first, or use GradSampleModuleFastGradientClipping"
+            )
+        super().__init__(m, batch_first=batch_first, loss_reduction=loss_reduction, strict=strict,
+                         max_grad_norm=max_grad_norm, use_ghost_clipping=True, check_finite=check_finite,
+                         single_backward=single_backward)

@@ -33,7 +33,7 @@ from opacus.optimizers import DPOptimizerFastGradientClipping as _OpacusDPOptimi
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
 from dpgrad import registry
-from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping
+from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping, GradSampleModuleFastGradientClippingFSDP
 from dpgrad.fsdp import sharded_modules
 from dpgrad.grad_sample_module import GradSampleModule
 from dpgrad.loss import DPLossFastGradientClipping
@@ -236,8 +236,10 @@ def _wrap(
     if isinstance(module, GradSampleModule):
         # A dpgrad wrapper is reused only if it already is what this call would build.
         ghost = cls is GradSampleModuleFastGradientClipping
+        # Opacus's name for ghost clipping of a sharded model is the same wrapper.
+        accepted = (cls, GradSampleModuleFastGradientClippingFSDP) if ghost else (cls,)
         mismatch = (
-            type(module) is not cls
+            type(module) not in accepted
             or module.batch_first != batch_first
             or module.loss_reduction != loss_reduction
             or module.force_functorch != (grad_sample_mode == "functorch")

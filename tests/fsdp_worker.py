@@ -98,18 +98,20 @@ def _full(t: torch.Tensor) -> np.ndarray:
 
 def clipped_gradients(rank: int, world: int, kind: str, single: bool, reduction: str,
                       precision: str = "fp32", leaves: bool = False, no_sync: bool = False,
-                      sharded: bool = True) -> dict:
+                      opacus_name: bool = False, sharded: bool = True) -> dict:
     """The gathered gradient after the clipped backward of MICRO_BATCHES micro-batches
     (accumulated), and this rank's per-sample norms of each. With ``no_sync``, FSDP reduces
     only the last micro-batch's gradients (``set_requires_gradient_sync``), with the sum of
-    the unsharded gradients of all."""
+    the unsharded gradients of all. With ``opacus_name``, the wrapper is built by its Opacus
+    name for sharded models (GradSampleModuleFastGradientClippingFSDP)."""
     net = model(kind)
     if sharded:
         shard(net, precision, leaves)
     elif precision == "bf16":
         net = net.to(torch.bfloat16)
-    wrapped = dpgrad.GradSampleModuleFastGradientClipping(net, max_grad_norm=C[kind], single_backward=single,
-                                                         loss_reduction=reduction)
+    wrapper = dpgrad.GradSampleModuleFastGradientClippingFSDP if opacus_name and sharded else \
+        dpgrad.GradSampleModuleFastGradientClipping
+    wrapped = wrapper(net, max_grad_norm=C[kind], single_backward=single, loss_reduction=reduction)
     criterion = dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss(reduction=reduction), reduction)
     norms = []
     for i, ids in enumerate(batches()):
@@ -175,6 +177,8 @@ def refusal(rank: int, world: int, case: str) -> str:
                 dpgrad.GradSampleModuleFastGradientClipping(shard(net))
             finally:
                 FSDPState._root_post_backward_final_callback = callback
+        elif case == "opacus name, not sharded":
+            dpgrad.GradSampleModuleFastGradientClippingFSDP(net)
         elif case == "blocks only":
             for block in net.blocks:
                 fully_shard(block)

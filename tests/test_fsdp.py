@@ -45,8 +45,10 @@ BF16 = [dict(kind="transformer", single=s, reduction="mean", precision="bf16") f
 LEAVES = [dict(kind="transformer", single=s, reduction="mean", leaves=True) for s in MODES.values()]
 HF = [dict(kind="gpt2", single=s, reduction="mean", leaves=leaves) for s in MODES.values() for leaves in (False, True)] \
     if importlib.util.find_spec("transformers") else []
+OPACUS_NAME = [dict(kind="transformer", single=s, reduction="mean", opacus_name=True) for s in MODES.values()]
 NO_SYNC = [dict(kind=k, single=s, reduction="mean", no_sync=True) for k in KINDS for s in MODES.values()]
-REFUSALS = ["tied apart", "grad sample module", "sharded after wrapping", "blocks only", "other torch"]
+REFUSALS = ["tied apart", "grad sample module", "sharded after wrapping", "blocks only", "other torch",
+            "opacus name, not sharded"]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +56,7 @@ def two():
     jobs = [("clipped_gradients", kw) for kw in CLIPPED]
     if BACKEND_PASS:
         return jobs, spawn(2, jobs, "fsdp_worker")
-    jobs += [("clipped_gradients", kw) for kw in BF16 + LEAVES + NO_SYNC + HF]
+    jobs += [("clipped_gradients", kw) for kw in BF16 + LEAVES + NO_SYNC + HF + OPACUS_NAME]
     jobs += [("held_gradients", {})] + [("refusal", dict(case=c)) for c in REFUSALS]
     if OPACUS:
         jobs += [("noisy_step", dict(kind=k, single=s)) for k in KINDS for s in MODES.values()]
@@ -125,6 +127,13 @@ def test_hugging_face_gpt2(two, kw):
 
 
 @whole_matrix
+@pytest.mark.parametrize("kw", OPACUS_NAME, ids=lambda kw: "single" if kw["single"] else "double")
+def test_opacus_name_for_the_wrapper(two, kw):
+    """dpgrad.GradSampleModuleFastGradientClippingFSDP, Opacus's class name and constructor."""
+    _check_clipped(two, kw)
+
+
+@whole_matrix
 @pytest.mark.parametrize("kw", NO_SYNC, ids=lambda kw: f"{kw['kind']}-{'single' if kw['single'] else 'double'}")
 def test_accumulation_reduced_once(two, kw):
     """Micro-batches under set_requires_gradient_sync(False), then one that reduces them all."""
@@ -181,6 +190,7 @@ def test_make_private_adds_the_noise_once(two, kind, mode):
     ("sharded after wrapping", ["replaced after wrapping", "Shard or change the model first"]),
     ("blocks only", ["not sharded by any fully_shard call", "fully_shard(model)"]),
     ("other torch", ["does not recognise this torch's FSDP internals", torch.__version__, "DistributedDataParallel"]),
+    ("opacus name, not sharded", ["takes a model sharded by FSDP2", "GradSampleModuleFastGradientClipping"]),
 ])
 def test_what_cannot_be_exact_is_refused(two, case, words):
     for message in _results(two, "refusal", case=case):
