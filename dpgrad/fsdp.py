@@ -86,9 +86,10 @@ class ShardedParameters:
         ``layers``: the hooked layers by name; ``whole[layer]``: whether the layer's per-sample
         gradients would come from torch.func. Raises, before anything is changed, for what
         cannot be exact under FSDP2: a trainable parameter no ``fully_shard`` owns, a layer
-        whose parameters two groups own, a parameter one group owns and a layer outside it
-        uses (FSDP2 does not unshard it there), and layers clipped through torch.func.
-        """
+        whose parameters two groups own, a tied parameter two ``fully_shard`` calls took
+        (untied by them), a parameter one group owns and a layer outside it uses (FSDP2 does
+        not unshard it there), layers clipped through torch.func, and FSDP2 internals other
+        than those dpgrad drives."""
         sharded = sharded_modules(model)
         if not sharded:
             return None

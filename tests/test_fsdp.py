@@ -20,7 +20,6 @@ transformer cases in both modes run; the rest of the matrix adds nothing backend
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import numpy as np
 import pytest
@@ -28,12 +27,11 @@ import torch
 
 import fsdp_worker as F
 from dpgrad.tools.ranks import spawn
-from per_sample_reference import assert_norms_close, assert_tensor_close
+from per_sample_reference import BACKEND_PASS, assert_norms_close, assert_tensor_close
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed")
 # The Makefile's pass with every sampler on the Triton kernels (the interpreter on a CPU) takes
 # the two-rank transformer cases in both modes: what FSDP2 adds is the same on every backend.
-BACKEND_PASS = os.environ.get("DPGRAD_BACKEND") == "triton"
 whole_matrix = pytest.mark.skipif(BACKEND_PASS, reason="the Triton pass takes the two-rank transformer cases")
 MODES = {"single": True, "double": False}
 KINDS = ["transformer"] + (["lora"] if importlib.util.find_spec("peft") and not BACKEND_PASS else [])

@@ -36,6 +36,7 @@ from per_sample_reference import (
     RTOL,
     assert_norms_close,
     assert_tensor_close,
+    examples,
     norms_of,
     per_sample_grads,
     total_norm,
@@ -206,7 +207,7 @@ def test_several_steps(wrapper):
 
 # ---------------------------------------------------------------------------- random models
 @settings(
-    max_examples=400,
+    max_examples=examples(400),
     deadline=None,
     derandomize=True,  # float tolerances on random data: keep CI reproducible
     suppress_health_check=[HealthCheck.too_slow],

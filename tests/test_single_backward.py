@@ -24,7 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import dpgrad
 from mixed_net import (FREEZES, NetConfig, build, clipped_from_norms, fp32_budget_used_by_autograd, make_batch,
                        model_cases, per_sample_loss)
-from per_sample_reference import RTOL, assert_norms_close, assert_tensor_close, per_sample_grads, total_norm
+from per_sample_reference import (RTOL, assert_norms_close, assert_tensor_close, examples, per_sample_grads,
+                                  total_norm)
 
 MODES = ["single", "double"]
 # The same, with every layer clipped from its norms however small its per-sample gradients.
@@ -157,7 +158,7 @@ def test_batch_second_and_without_ghost_clipping(mode):
     check_clipped_sums(build(cfg, seed=1), batches, mode, "sum", False, ghost=False)
 
 
-@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(case=model_cases(MODES + NORMS_MODES))
 def test_random_models_match_float64_reference(case):
     """Random mixed models, with one or two micro-batches; ill-conditioned draws (see
