@@ -665,10 +665,9 @@ class ClippingPath(BackwardPath):
         of its inputs as it is summed)."""
         while groups:
             found = groups.pop().clipped_sums(coefs)
-            params = [p for p, _ in found]
-            if self._sharded is not None:
-                params = self._sharded.canonical(params)
-            for p, (_, s) in zip(params, found):
+            if self._sharded is not None:  # keyed by FSDP's unsharded copies
+                found = list(zip(self._sharded.canonical(p for p, _ in found), (s for _, s in found)))
+            for p, s in found:
                 sums[p] = s if p not in sums else sums[p] + s
 
     def _reduce_scatter_clipped(self, coef: torch.Tensor) -> None:
