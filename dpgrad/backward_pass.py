@@ -561,8 +561,8 @@ class ClippingPath(BackwardPath):
                 alone.append(i)
         per_sample = partial(GradSampleGroup, sampler_for=self._grad_sampler)
         groups, shards = [], []
-        # On a sharded model no group spans two FSDP2 parameter groups: their clipped sums are
-        # reduce-scattered one parameter group at a time.
+        # On a sharded model in single-backward mode no group spans two FSDP2 parameter groups:
+        # their clipped sums are reduce-scattered one parameter group at a time.
         for shard, at in self._by_shard(records, by_norm):
             made = group_records(records, at, lambda layer: registry.NORM_GROUPS.get(type(layer)), SamplerGroup)
             groups += made
@@ -578,8 +578,9 @@ class ClippingPath(BackwardPath):
 
     def _by_shard(self, records: List[Record], at: List[int]) -> List[Tuple[Optional[int], List[int]]]:
         """``at`` split by the FSDP2 parameter group of each record's layer, in order of first
-        appearance: (group, indices); one part (None, at) for a model not sharded."""
-        if self._sharded is None:
+        appearance: (group, indices); one part (None, at) for a model not sharded, or where
+        the groups serve norms alone (double backward: FSDP's own pass makes the gradients)."""
+        if self._sharded is None or not self.single_backward:
             return [(None, at)] if at else []
         parts: Dict[int, List[int]] = {}
         for i in at:

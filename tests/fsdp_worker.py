@@ -215,7 +215,26 @@ def held_gradients(rank: int, world: int) -> dict:
             "model": sum(p.numel() * p.element_size() for p in net.parameters())}
 
 
-SCENARIOS = {"held_gradients": held_gradients, "clipped_gradients": clipped_gradients, "noisy_step": noisy_step, "refusal": refusal}
+def finish_groups(rank: int, world: int, single: bool) -> dict:
+    """The finish plan of one step on the sharded transformer: for each group of records, the
+    FSDP2 parameter groups its layers belong to."""
+    net = shard(model("transformer"))
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(net, max_grad_norm=C["transformer"], single_backward=single)
+    planned = []
+    plan = wrapped._plan
+
+    def kept(records):
+        planned.append(([layer for layer, _, _ in records], plan(records)))
+        return planned[-1][1]
+
+    wrapped._plan = kept
+    lm_step(wrapped, dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss()),
+            share(batches()[0], rank, world))
+    ((layers, made),) = planned
+    return {"groups": [sorted({wrapped._sharded.group_of[layers[i]] for i in at}) for _, at in made.groups]}
+
+
+SCENARIOS = {"held_gradients": held_gradients, "finish_groups": finish_groups, "clipped_gradients": clipped_gradients, "noisy_step": noisy_step, "refusal": refusal}
 
 
 def one_process(name: str, **kwargs) -> Optional[dict]:

@@ -56,6 +56,7 @@ def two():
         return jobs, spawn(2, jobs, "fsdp_worker")
     jobs += [("clipped_gradients", kw) for kw in BF16 + LEAVES + NO_SYNC + HF + OPACUS_NAME]
     jobs += [("held_gradients", {})] + [("refusal", dict(case=c)) for c in REFUSALS]
+    jobs += [("finish_groups", dict(single=s)) for s in MODES.values()]
     if OPACUS:
         jobs += [("noisy_step", dict(kind=k, single=s)) for k in KINDS for s in MODES.values()]
         jobs += [("noisy_step", dict(kind="transformer", single=True, mode="ghost_fsdp"))]
@@ -148,6 +149,17 @@ def test_single_backward_holds_one_group_of_gradients_at_a_time(two):
             assert freed, f"rank {rank}: group {group}'s gradients outlived its reduce-scatter"
         assert max(held for _, held, _ in got["calls"]) < got["model"] / 2
         assert got["freed"], f"rank {rank}: an unsharded copy kept its gradient"
+
+
+@whole_matrix
+def test_groups_split_by_fsdp_group_only_where_sums_are_reduce_scattered(two):
+    """Single backward: each group of the finish step within one FSDP2 parameter group.
+    Double backward (norms alone): layers of equal shapes batched across blocks as without FSDP."""
+    single = _results(two, "finish_groups", single=True)[0]["groups"]
+    double = _results(two, "finish_groups", single=False)[0]["groups"]
+    assert all(len(g) == 1 for g in single), single
+    assert any(len(g) > 1 for g in double), double
+    assert len(double) < len(single)
 
 
 @whole_matrix
