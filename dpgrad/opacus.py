@@ -330,7 +330,8 @@ def make_private(
         ``(module, optimizer, data_loader)`` otherwise.
 
     Raises:
-        ValueError: for FSDP-sharded modules under another mode than "ghost", clipping other than "flat", several clipping
+        ValueError: for a module sharded by FSDP2 under a mode other than "ghost" (or
+            "ghost_fsdp" for one that is not), clipping other than "flat", several clipping
             bounds, an unknown ``grad_sample_mode``, ``single_backward`` without "ghost", or
             optimizer parameters that are not the module's.
 
@@ -427,7 +428,8 @@ def make_private(
         distributed=distributed,
         clipping=clipping,
         # Under FSDP2, Opacus's FSDP optimizer: each rank adds the noise of its own shard.
-        grad_sample_mode="ghost_fsdp" if distribution == "fsdp" else "ghost" if grad_sample_mode == "ghost" else "hooks",
+        grad_sample_mode=("ghost_fsdp" if distribution == "fsdp" else
+                          "ghost" if grad_sample_mode == "ghost" else "hooks"),
         **kwargs,
     )
     if type(optimizer) is _OpacusDPOptimizerFastGradientClipping:

@@ -137,7 +137,8 @@ def noisy_step(rank: int, world: int, kind: str, single: bool, mode: str = "ghos
     data = TensorDataset(batches()[0])
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False) if sharded else None
     wrapped, optimizer, criterion, loader = dpgrad.opacus.make_private(
-        PrivacyEngine(), module=net, optimizer=torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=1.0),
+        PrivacyEngine(), module=net,
+        optimizer=torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=1.0),
         data_loader=DataLoader(data, batch_size=len(data) // world, sampler=sampler),
         criterion=nn.CrossEntropyLoss(), noise_multiplier=1.0, max_grad_norm=C[kind], poisson_sampling=False,
         single_backward=single, noise_generator=torch.Generator().manual_seed(7),
@@ -234,7 +235,8 @@ def finish_groups(rank: int, world: int, single: bool) -> dict:
     return {"groups": [sorted({wrapped._sharded.group_of[layers[i]] for i in at}) for _, at in made.groups]}
 
 
-SCENARIOS = {"held_gradients": held_gradients, "finish_groups": finish_groups, "clipped_gradients": clipped_gradients, "noisy_step": noisy_step, "refusal": refusal}
+SCENARIOS = {"held_gradients": held_gradients, "finish_groups": finish_groups, "clipped_gradients": clipped_gradients,
+             "noisy_step": noisy_step, "refusal": refusal}
 
 
 def one_process(name: str, **kwargs) -> Optional[dict]:
