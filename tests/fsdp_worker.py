@@ -235,7 +235,28 @@ def finish_groups(rank: int, world: int, single: bool) -> dict:
     return {"groups": [sorted({wrapped._sharded.group_of[layers[i]] for i in at}) for _, at in made.groups]}
 
 
-SCENARIOS = {"held_gradients": held_gradients, "finish_groups": finish_groups, "clipped_gradients": clipped_gradients,
+def after_non_finite(rank: int, world: int, single: bool, sharded: bool = True) -> dict:
+    """A step whose losses are not finite raises, before any gradient reaches FSDP; the
+    next step's gathered gradient (and the error) are returned."""
+    net = model("transformer")
+    if sharded:
+        shard(net)
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(net, max_grad_norm=C["transformer"], single_backward=single)
+    criterion = dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss())
+    ids = share(batches()[0], rank, world)
+    logits = wrapped(ids[:, :-1]) * float("inf")
+    try:
+        criterion(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), shape=logits.shape[:2]).backward()
+        error = "no error"
+    except FloatingPointError as err:
+        error = str(err)
+    untouched = all(p.grad is None for p in net.parameters())
+    lm_step(wrapped, criterion, ids)
+    return {"error": error, "untouched": untouched,
+            "grads": {n: _full(p.grad) for n, p in net.named_parameters() if p.requires_grad}}
+
+
+SCENARIOS = {"after_non_finite": after_non_finite, "held_gradients": held_gradients, "finish_groups": finish_groups, "clipped_gradients": clipped_gradients,
              "noisy_step": noisy_step, "refusal": refusal}
 
 

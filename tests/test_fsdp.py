@@ -10,7 +10,9 @@ process on the global batch.
   (``set_requires_gradient_sync(False)``) and reduced once.
 - ``dpgrad.opacus.make_private`` on the sharded model takes the one-process noisy step: the
   noise is added once.
-- Single backward hands FSDP one parameter group's gradients at a time, and FSDP frees them.
+- Single backward hands FSDP one parameter group's gradients at a time, and FSDP frees them;
+  only there are the finish step's groups split by FSDP parameter group.
+- A step with non-finite norms raises before any gradient reaches FSDP, and the next is right.
 - What cannot be exact is refused, naming the layer and what to do.
 
 With every sampler on the Triton kernels (the Makefile's second pass), the two-rank
@@ -57,6 +59,7 @@ def two():
     jobs += [("clipped_gradients", kw) for kw in BF16 + LEAVES + NO_SYNC + HF + OPACUS_NAME]
     jobs += [("held_gradients", {})] + [("refusal", dict(case=c)) for c in REFUSALS]
     jobs += [("finish_groups", dict(single=s)) for s in MODES.values()]
+    jobs += [("after_non_finite", dict(single=s)) for s in MODES.values()]
     if OPACUS:
         jobs += [("noisy_step", dict(kind=k, single=s)) for k in KINDS for s in MODES.values()]
         jobs += [("noisy_step", dict(kind="transformer", single=True, mode="ghost_fsdp"))]
@@ -149,6 +152,20 @@ def test_single_backward_holds_one_group_of_gradients_at_a_time(two):
             assert freed, f"rank {rank}: group {group}'s gradients outlived its reduce-scatter"
         assert max(held for _, held, _ in got["calls"]) < got["model"] / 2
         assert got["freed"], f"rank {rank}: an unsharded copy kept its gradient"
+
+
+@whole_matrix
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_non_finite_step_raises_and_the_next_one_is_right(two, mode):
+    """Non-finite norms raise before any gradient reaches FSDP; FSDP is left ready for the
+    next step, whose gradient is the one-process clipped sum of its batch."""
+    ref = F.after_non_finite(0, 1, single=MODES[mode], sharded=False)  # the whole batch in one process
+    assert "non-finite" in ref["error"]
+    for rank, got in enumerate(_results(two, "after_non_finite", single=MODES[mode])):
+        assert "non-finite per-sample gradient norms" in got["error"], got["error"]
+        assert got["untouched"], f"rank {rank}: a gradient was written"
+        for n, expected in ref["grads"].items():
+            assert_tensor_close(torch.from_numpy(got["grads"][n]), torch.from_numpy(expected) / 2, f"rank {rank} {n}")
 
 
 @whole_matrix
