@@ -20,6 +20,7 @@ where Opacus is installed (``pip install dpgrad[opacus]``).
 
 from __future__ import annotations
 
+import hashlib
 from itertools import chain
 from typing import Dict, Iterable, List, Optional, Tuple, Type
 
@@ -213,6 +214,24 @@ def _distribution(module: nn.Module) -> Optional[str]:
     return None
 
 
+def _sample_independently(data_loader) -> None:
+    """Give each rank's Poisson sampler a generator of its own.
+
+    Opacus's distributed sampler draws each rank's mask over its share of the data set from the
+    global generator when it has none (outside secure mode), and processes seeded alike (as for
+    identical initial weights, or torch's fixed default seed) draw the same masks: the same
+    positions of every rank's share are taken together, where the accountant assumes each
+    sample is taken independently. The generator is seeded from the process's seed and its
+    rank, so a seeded run stays reproducible.
+    """
+    from opacus.utils.uniform_sampler import DistributedUniformWithReplacementSampler
+
+    sampler = getattr(data_loader, "batch_sampler", None)
+    if isinstance(sampler, DistributedUniformWithReplacementSampler) and sampler.generator is None:
+        digest = hashlib.sha256(f"{torch.initial_seed()}:{sampler.rank}".encode()).digest()
+        sampler.generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
 def _check_optimizer_params(module: nn.Module, optimizer) -> None:
     model_parameters = set(module.parameters())
     for p in chain.from_iterable(group["params"] for group in optimizer.param_groups):
@@ -295,7 +314,8 @@ def make_private(
 
     A ``module`` in ``torch.nn.parallel.DistributedDataParallel`` (or Opacus's DPDDP) is
     trained distributed, as Opacus does it: dpgrad's wrapper goes around it, each process
-    draws its own share of the Poisson batches, and Opacus's distributed optimizer adds the
+    draws its own share of the Poisson batches (with a generator of its own: see
+    ``_sample_independently``), and Opacus's distributed optimizer adds the
     noise once, on rank 0, before summing over the processes. The norm pass of ghost clipping
     computes no parameter gradients, so DistributedDataParallel reduces nothing until the
     clipped gradients exist.
@@ -413,6 +433,8 @@ def make_private(
         batch_first=batch_first,
         rand_on_empty=rand_on_empty,
     )
+    if distributed and poisson_sampling:
+        _sample_independently(data_loader)
     sample_rate = 1 / len(data_loader)
     expected_batch_size = int(len(data_loader.dataset) * sample_rate)
     if distributed:  # per process, as Opacus has it

@@ -153,6 +153,23 @@ def noisy_step(rank: int, world: int, kind: str, single: bool, mode: str = "ghos
             "optimizer": type(optimizer).__name__}
 
 
+def poisson_batches(rank: int, world: int) -> list:
+    """The positions, within this rank's share of the data set, of the samples in each of the
+    Poisson batches ``dpgrad.opacus.make_private`` draws for it (every process seeded alike)."""
+    import dpgrad.opacus
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    net = shard(model("transformer"))
+    data = TensorDataset(torch.arange(64))
+    _, _, _, loader = dpgrad.opacus.make_private(
+        PrivacyEngine(), module=net, optimizer=torch.optim.SGD(net.parameters(), lr=1.0),
+        data_loader=DataLoader(data, batch_size=8), noise_multiplier=1.0, max_grad_norm=1.0)
+    loader.batch_sampler.shuffle = False  # rank r's share is then r, r + world, ...: positions are i // world
+    return [sorted((batch // world).tolist()) for (batch,) in loader]
+
+
 def refusal(rank: int, world: int, case: str) -> str:
     """The error of a model dpgrad cannot clip exactly under FSDP2 (or "no error")."""
     from torch.distributed.fsdp import fully_shard
@@ -256,7 +273,7 @@ def after_non_finite(rank: int, world: int, single: bool, sharded: bool = True) 
             "grads": {n: _full(p.grad) for n, p in net.named_parameters() if p.requires_grad}}
 
 
-SCENARIOS = {"after_non_finite": after_non_finite, "held_gradients": held_gradients, "finish_groups": finish_groups, "clipped_gradients": clipped_gradients,
+SCENARIOS = {"after_non_finite": after_non_finite, "poisson_batches": poisson_batches, "held_gradients": held_gradients, "finish_groups": finish_groups, "clipped_gradients": clipped_gradients,
              "noisy_step": noisy_step, "refusal": refusal}
 
 

@@ -9,7 +9,7 @@ process on the global batch.
   layers sharded on their own; Hugging Face GPT-2; micro-batches accumulated unreduced
   (``set_requires_gradient_sync(False)``) and reduced once.
 - ``dpgrad.opacus.make_private`` on the sharded model takes the one-process noisy step: the
-  noise is added once.
+  noise is added once; ranks seeded alike draw independent Poisson batches.
 - Single backward hands FSDP one parameter group's gradients at a time, and FSDP frees them;
   only there are the finish step's groups split by FSDP parameter group.
 - A step with non-finite norms raises before any gradient reaches FSDP, and the next is right.
@@ -62,7 +62,7 @@ def two():
     jobs += [("after_non_finite", dict(single=s)) for s in MODES.values()]
     if OPACUS:
         jobs += [("noisy_step", dict(kind=k, single=s)) for k in KINDS for s in MODES.values()]
-        jobs += [("noisy_step", dict(kind="transformer", single=True, mode="ghost_fsdp"))]
+        jobs += [("noisy_step", dict(kind="transformer", single=True, mode="ghost_fsdp")), ("poisson_batches", {})]
     return jobs, spawn(2, jobs, "fsdp_worker")
 
 
@@ -207,6 +207,17 @@ def test_make_private_adds_the_noise_once(two, kind, mode):
             update = torch.from_numpy(expected - start[n])
             assert update.abs().max() > 0, n
             assert_tensor_close(torch.from_numpy(got["params"][n] - start[n]), update, f"rank {rank} {n}")
+
+
+@whole_matrix
+@pytest.mark.skipif(not OPACUS, reason="needs opacus")
+def test_ranks_seeded_alike_sample_independently(two):
+    """Opacus's distributed Poisson sampler would draw every rank's mask from the global
+    generator, the same on ranks seeded alike: the same positions of each rank's share taken
+    together. make_private gives each rank a generator of its own."""
+    first, second = (got for got in _results(two, "poisson_batches"))
+    assert len(first) > 3 and len(second) > 3
+    assert first != second, "ranks seeded alike drew the same Poisson batches"
 
 
 @whole_matrix
