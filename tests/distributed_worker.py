@@ -42,9 +42,11 @@ def _grads(m: nn.Module) -> dict:
 
 
 def lm_step(wrapped: nn.Module, criterion, ids: torch.Tensor) -> None:
-    """Forward and clipped backward of next-token losses, one per sequence."""
-    logits = wrapped(ids[:, :-1])
-    criterion(logits.reshape(-1, CFG.vocab_size), ids[:, 1:].reshape(-1), shape=logits.shape[:2]).backward()
+    """Forward and clipped backward of next-token losses, one per sequence (fp32 logits, of a
+    Hugging Face model's output too)."""
+    out = wrapped(ids[:, :-1])
+    logits = getattr(out, "logits", out)
+    criterion(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1), shape=logits.shape[:2]).backward()
 
 
 def clipped_gradients(rank: int, world: int, single: bool, order: str) -> dict:

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 import dpgrad
+from distributed_worker import lm_step, share
 from dpgrad.tools.models import TinyTransformer, TinyTransformerConfig
 
 # LayerNorm, an Embedding with padding_idx 0, the output layer tied to the token embedding.
@@ -77,18 +78,6 @@ def batches() -> torch.Tensor:
                         generator=torch.Generator().manual_seed(1))
     ids[:, ::2, -3:] = CFG.padding_idx
     return ids
-
-
-def share(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """This rank's rows of a global batch: rank r takes rows r, r + world, ..."""
-    return x[rank::world]
-
-
-def lm_step(wrapped: nn.Module, criterion, ids: torch.Tensor) -> None:
-    """Forward and clipped backward of next-token losses, one per sequence."""
-    out = wrapped(ids[:, :-1])
-    logits = getattr(out, "logits", out)  # a Hugging Face model's output
-    criterion(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1), shape=logits.shape[:2]).backward()
 
 
 def _full(t: torch.Tensor) -> np.ndarray:
@@ -282,4 +271,4 @@ def one_process(name: str, **kwargs) -> Optional[dict]:
     return SCENARIOS[name](0, 1, sharded=False, **kwargs)
 
 
-__all__ = ["SCENARIOS", "one_process"]
+__all__ = ["SCENARIOS", "lm_step", "one_process", "share"]
