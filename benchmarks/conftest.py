@@ -154,8 +154,7 @@ def _derive_fsdp_memory(rows: List[dict]) -> None:
     for case in results.by_case(rows).values():
         for name, r in case.items():
             ddp = case.get(name.replace("fsdp2-", "ddp-", 1))
-            if not name.startswith("fsdp2-") or ddp is None or "ok" not in (r["status"], ddp["status"]) or \
-                    r["status"] != ddp["status"]:
+            if not name.startswith("fsdp2-") or ddp is None or r["status"] != "ok" or ddp["status"] != "ok":
                 continue
             for what in ("peak_memory", "state_memory"):
                 r["metrics"][f"{what}_over_ddp"] = results.metric(

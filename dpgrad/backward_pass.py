@@ -560,20 +560,20 @@ class ClippingPath(BackwardPath):
             else:
                 alone.append(i)
         per_sample = partial(GradSampleGroup, sampler_for=self._grad_sampler)
+        makers = (
+            (by_norm, lambda at: group_records(records, at, lambda layer: registry.NORM_GROUPS.get(type(layer)),
+                                               SamplerGroup)),
+            (alone, lambda at: group_records(records, at, self._grad_sample_group, per_sample)),
+            (summed, lambda at: [(per_sample, tuple(at))]),
+        )
         groups, shards = [], []
         # On a sharded model in single-backward mode no group spans two FSDP2 parameter groups:
         # their clipped sums are reduce-scattered one parameter group at a time.
-        for shard, at in self._by_shard(records, by_norm):
-            made = group_records(records, at, lambda layer: registry.NORM_GROUPS.get(type(layer)), SamplerGroup)
-            groups += made
-            shards += [shard] * len(made)
-        for shard, at in self._by_shard(records, alone):
-            made = group_records(records, at, self._grad_sample_group, per_sample)
-            groups += made
-            shards += [shard] * len(made)
-        for shard, at in self._by_shard(records, summed):
-            groups.append((per_sample, tuple(at)))
-            shards.append(shard)
+        for indices, make in makers:
+            for shard, at in self._by_shard(records, indices):
+                made = make(at)
+                groups += made
+                shards += [shard] * len(made)
         return FinishPlan(groups, tuple(by_norm), tuple(shards))
 
     def _by_shard(self, records: List[Record], at: List[int]) -> List[Tuple[Optional[int], List[int]]]:
@@ -682,14 +682,11 @@ class ClippingPath(BackwardPath):
             by_shard.setdefault(shard, []).append(group)
         del groups
         coefs = self._coefficients(coef)
-        checked = False
         with region("dpgrad.clipped_sums"):
             for shard in list(by_shard):
                 sums: Dict[nn.Parameter, torch.Tensor] = {}
                 self._sum_groups(by_shard.pop(shard), coefs, sums)
-                if not checked:
-                    self._wait_finite()
-                    checked = True
+                self._wait_finite()  # once: the check is gone after the first wait
                 self._sharded.reduce_scatter(shard, sums)
         self._wait_finite()
         self._sharded.finish_backward()

@@ -87,9 +87,8 @@ class ShardedParameters:
         gradients would come from torch.func. Raises, before anything is changed, for what
         cannot be exact under FSDP2: a trainable parameter no ``fully_shard`` owns, a layer
         whose parameters two groups own, a tied parameter two ``fully_shard`` calls took
-        (untied by them), a parameter one group owns and a layer outside it uses (FSDP2 does
-        not unshard it there), layers clipped through torch.func, and FSDP2 internals other
-        than those dpgrad drives."""
+        (untied by them), layers clipped through torch.func, and FSDP2 internals other than
+        those dpgrad drives."""
         sharded = sharded_modules(model)
         if not sharded:
             return None
@@ -148,16 +147,6 @@ class ShardedParameters:
                     f"the parameters of layer '{name}' belong to different fully_shard calls "
                     f"({sorted(groups[i][0] for i in found)}): shard each layer's parameters together"
                 )
-            for p in params:
-                info = owner[p][1]._module_info
-                if layer is not info.module and not any(layer is m for m in info.shared_modules):
-                    raise NotImplementedError(
-                        f"parameter '{param_names.get(p, '?')}' is used by layer '{name}' but sharded "
-                        f"by the fully_shard call on '{groups[owner[p][0]][0]}', which does not "
-                        "contain that layer, so FSDP2 never unshards it there (tied weights sharded "
-                        "apart). Shard the layers that share a parameter in one fully_shard call, "
-                        "e.g. leave a tied embedding and output layer to the root's."
-                    )
             group_of[layer] = found.pop()
         return cls(groups, owner, group_of, states)
 
@@ -192,7 +181,7 @@ class ShardedParameters:
             copy = fp._unsharded_param
             s = s if s.dtype == copy.dtype else s.to(copy.dtype)
             copy.grad = s if copy.grad is None else copy.grad + s
-        sums.clear()
+        sums.clear()  # FSDP alone holds them now: it frees each once it has reduced it
         fsdp_group.post_backward()
 
     def finish_backward(self) -> None:

@@ -46,7 +46,9 @@ def _refuse_wrapped(m: nn.Module) -> None:
 
 def _refuse_sharded(m: nn.Module) -> None:
     """Raise before touching ``m`` if FSDP (``fully_shard``) shards it or a submodule."""
-    for name, _ in sharded_modules(m)[:1]:
+    sharded = sharded_modules(m)
+    if sharded:
+        name = sharded[0][0]
         raise NotImplementedError(
             f"{'layer ' + repr(name) if name else 'the model'} is sharded by FSDP (fully_shard), "
             "which GradSampleModule does not support: FSDP swaps each parameter for an unsharded "
