@@ -183,19 +183,15 @@ def test_groups_split_by_fsdp_group_only_where_sums_are_reduce_scattered(two):
 @pytest.mark.skipif(not OPACUS, reason="needs opacus")
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("mode", list(MODES))
-def test_make_private_adds_the_noise_once(two, kind, mode):
+def test_make_private_adds_the_noise_once(two, kind, mode, monkeypatch):
     """Every rank seeds its generator alike; each adds its shard's slice of the noise, so the
     step is the one-process step with that generator, noise included. The one-process step
     takes Opacus's optimizer, whose draws (parameter by parameter) the FSDP optimizer repeats."""
     import dpgrad.opacus
     from opacus.optimizers import DPOptimizerFastGradientClipping
 
-    original = dpgrad.opacus.DPOptimizerFastGradientClipping
-    dpgrad.opacus.DPOptimizerFastGradientClipping = DPOptimizerFastGradientClipping
-    try:
-        ref = F.one_process("noisy_step", kind=kind, single=MODES[mode])
-    finally:
-        dpgrad.opacus.DPOptimizerFastGradientClipping = original
+    monkeypatch.setattr(dpgrad.opacus, "DPOptimizerFastGradientClipping", DPOptimizerFastGradientClipping)
+    ref = F.one_process("noisy_step", kind=kind, single=MODES[mode])
     assert ref["optimizer"] == "DPOptimizerFastGradientClipping"
     start = {n: p.detach().double().numpy() for n, p in F.model(kind).named_parameters() if p.requires_grad}
     runs = [_results(two, "noisy_step", kind=kind, single=MODES[mode])]
