@@ -9,6 +9,7 @@ Drop-in replacements for Opacus's wrappers: ``GradSampleModule`` (per-sample gra
 from . import samplers  # noqa: F401  (registers the built-in samplers)
 from .fast_gradient_clipping import GradSampleModuleFastGradientClipping, GradSampleModuleFastGradientClippingFSDP
 from .grad_sample_module import GradSampleModule
+from .guarantee import UnclippedGradientError
 from .loss import DPLossFastGradientClipping, DPTensorFastGradientClipping
 from .registry import (
     CLIPPED_SUM_SAMPLERS,
@@ -30,6 +31,7 @@ __all__ = [
     "GradSampleModule",
     "GradSampleModuleFastGradientClipping",
     "GradSampleModuleFastGradientClippingFSDP",
+    "UnclippedGradientError",
     "register_clipped_sum_sampler",
     "register_grad_sampler",
     "register_norm_sampler",

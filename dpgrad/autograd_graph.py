@@ -57,6 +57,10 @@ class ForwardEdges:
     backward passes) the lowest marked edges found by walking the graph. The list is dropped
     once a backward pass has used the forward pass, or when the next one begins: it keeps at
     most one graph's nodes (not their saved tensors, which backward frees) alive.
+
+    For the guarantee's check (``dpgrad.guarantee``) it also keeps, until the forward pass
+    ends, each hooked call (its output's node, its inputs, the parameters it covers), and,
+    as long as the edges, the nodes of the model's outputs.
     """
 
     def __init__(self):
@@ -65,17 +69,33 @@ class ForwardEdges:
         self._edges: List[GradientEdge] = []
         self._consumed = True
         self._ambiguous = False
+        self.calls: List[tuple] = []  # (layer, output node, inputs, parameters) of this forward
+        self.outputs: List[Node] = []  # the model's output nodes, once the forward has ended
+        self.output_seq = 0  # the largest sequence number among them
 
     def begin_forward(self) -> None:
         # A forward pass whose backward has not come: a loss might reach both graphs.
         self._ambiguous = bool(self._edges) and not self._consumed
         self.forward_id += 1
         self._edges = []
+        self.calls = []
+        self.outputs = []
+        self.output_seq = 0
         self._consumed = False
 
-    def add(self, out: torch.Tensor) -> None:
+    def add(self, out: torch.Tensor, layer=None, inputs=(), params=()) -> None:
         mark_output(out, self.mark, self.forward_id)
         self._edges.append(GradientEdge(out.grad_fn, out.output_nr))
+        self.calls.append((layer, out.grad_fn, inputs, params))
+
+    def marked_elsewhere(self, node: Node) -> bool:
+        """Whether ``node`` is a hooked output of another forward pass than the latest."""
+        found = node.metadata.get(self.mark)
+        return found is not None and found[0] != self.forward_id
+
+    def marked(self, node: Node) -> bool:
+        """Whether ``node`` is a hooked output of any forward pass."""
+        return self.mark in node.metadata
 
     def consumed(self, forward_id: int) -> None:
         """A hooked backward pass reached forward pass ``forward_id``."""
@@ -85,6 +105,7 @@ class ForwardEdges:
     def release(self) -> None:
         if self._consumed:
             self._edges = []
+            self.outputs = []
 
     def targets(self, root: Node) -> List[GradientEdge]:
         """The edges a norm pass from ``root`` must ask autograd for (see the module docstring)."""

@@ -1,9 +1,12 @@
 """The backward path of dpgrad's wrappers, in one place: hook -> record -> finish.
 
-Every hooked layer (a layer with trainable parameters of its own) goes through three steps:
+Every hooked layer (a layer with trainable parameters of its own, whatever its mode) goes
+through three steps:
 
 1. Forward (``_on_layer_forward``, a forward hook): keep the layer's inputs and put a gradient
-   hook on its output.
+   hook on its output. Hooks on the model itself begin each forward pass (hooking the model
+   anew if its trainable parameters or modules changed: ``_sync_with_model``) and end it
+   with the guarantee's check of its graph, when its layout is new (``dpgrad.guarantee``).
 2. Record (``_record``, that gradient hook, during backward): append ``Record(layer, inputs,
    backprops)`` to the pass. For ``GradSampleModule`` the record is the layer's per-sample
    gradients, computed there (Opacus's hooks do the same: they are what that mode keeps). For
@@ -45,6 +48,16 @@ from torch.autograd.profiler import record_function
 from dpgrad import registry
 from dpgrad.autograd_graph import ForwardEdges
 from dpgrad.backend import name_layers
+from dpgrad.guarantee import (
+    UnclippedGradientError,
+    VerifiedLayouts,
+    input_nodes,
+    nodes_of,
+    sequence_number,
+    structure_version,
+    tensors_in,
+    uncovered_uses,
+)
 from dpgrad.kernels import reference
 from dpgrad.samplers import ft_compute_per_sample_gradient, prepare_layer
 from dpgrad.samplers.functorch import _first_tensor
@@ -132,11 +145,21 @@ class BackwardPath:
     """Hooks, records and the finish step; mixed into the wrappers (``nn.Module``s).
 
     The wrapper sets ``_module``, ``batch_first``, ``loss_reduction``, ``check_finite``,
-    ``hooks_enabled``, ``_param_names`` and ``_skipped`` before ``add_hooks``.
+    ``hooks_enabled``, ``_param_names`` and ``_skipped`` before ``add_hooks``, and gives
+    ``_rescan``, which hooks the model anew after it changed.
     """
 
     GRAD_SAMPLERS = registry.GRAD_SAMPLERS
     _sharded = None  # the model's FSDP2 parameter groups (dpgrad.fsdp.ShardedParameters)
+    # What UnclippedGradientError says first.
+    _UNCLIPPED = ("these trainable parameters would get per-sample gradients (p.grad_sample) that miss "
+                  "the uses below, so clipping them would not bound each sample's contribution. "
+                  "Nothing has reached p.grad_sample from this pass.")
+    # What a copy or a pickle of a wrapper leaves out: the state of passes in flight, caches
+    # of the model's layout, and autograd nodes (which cannot be copied).
+    TRANSIENT = ("_forward_batch", "_forward_seen", "_pass_open", "_records", "_edges", "_row_indices",
+                 "_plans", "_verified", "_seen_version", "_seen_layout", "_seen_flags", "_checked",
+                 "_pass_grads")
 
     def _init_path(self) -> None:
         self._forward_batch: Optional[int] = None
@@ -146,6 +169,16 @@ class BackwardPath:
         self._edges = ForwardEdges()
         self._row_indices: Dict[tuple, torch.Tensor] = {}
         self._plans: Dict[tuple, FinishPlan] = {}
+        self._verified = VerifiedLayouts()  # graph layouts found to be clipped throughout
+        self._scan_version = getattr(self, "_scan_version", 0) + 1
+        self._seen_version = -1  # the structure_version of the last look at the model
+        self._seen_layout: tuple = ((), ())  # (modules, parameters) of the wrapper then
+        self._seen_flags: Optional[list] = None  # their requires_grad then
+        self._checked: set = set()  # the trainable parameters the guarantee's check covers
+
+    def _init_transient(self) -> None:
+        """What a copy starts with in place of ``TRANSIENT``."""
+        self._init_path()
 
     # ------------------------------------------------------------------ the layers hooked
     def _layers_to_hook(self, module: nn.Module, prefix: str = "", seen: Optional[set] = None):
@@ -165,6 +198,8 @@ class BackwardPath:
             yield from self._layers_to_hook(child, f"{prefix}.{name}" if prefix else name, seen)
 
     def _attach(self, force_functorch: bool) -> list:
+        """Hook every layer with trainable parameters of its own, and the model itself (at
+        the start of each forward pass, and at its end for the guarantee's check)."""
         self._layer_names: Dict[nn.Module, str] = {}
         self._functorch_layers: set = set()
         self._own_params: Dict[nn.Module, Tuple[nn.Parameter, ...]] = {}
@@ -186,20 +221,54 @@ class BackwardPath:
         if self._sharded is None:
             self._probe = next(((layer, n, p) for layer in self._layer_names
                                 for n, p in layer.named_parameters(recurse=False)), None)
-        covered = {p for params in self._own_params.values() for p in params}
+        # The hooked layers that hold each parameter (for messages).
+        self._owners: Dict[nn.Parameter, List[nn.Module]] = {}
+        for layer, params in self._own_params.items():
+            for p in params:
+                self._owners.setdefault(p, []).append(layer)
         # Parameters no hook sees (skipped layers and their children): no per-sample values.
-        self._unhooked = {p for p in self._module.parameters() if p not in covered}
+        self._unhooked = {p for p in self._module.parameters() if p not in self._owners}
+        # Those of layers skipped under strict=False, refused where their norms are asked for.
+        self._skipped_params = {p for name, m in self._module.named_modules() if name in self._skipped
+                                for p in m.parameters()}
+        handles.append(self._module.register_forward_pre_hook(self._on_model_call))
+        handles.append(self._module.register_forward_hook(self._on_model_output))
         return handles
+
+    def _sync_with_model(self, rescan: bool = True) -> None:
+        """Hook the model anew (``_rescan``) if its modules or parameters, or which parameters
+        train, changed since the last look: gradual unfreezing, a head added after wrapping.
+        Costs a look at each parameter's ``requires_grad``; the modules are looked at again
+        only after a module or a parameter was registered somewhere (``structure_version``)."""
+        changed = False
+        version = structure_version()
+        if version != self._seen_version:
+            layout = (tuple(self.modules()), tuple(self.parameters()))
+            if not all(_same_objects(a, b) for a, b in zip(layout, self._seen_layout)):
+                self._seen_layout, changed = layout, True
+            self._seen_version = version
+        params = self._seen_layout[1]
+        flags = [p.requires_grad for p in params]
+        if changed or flags != self._seen_flags:
+            if rescan:
+                self._rescan()
+                flags = [p.requires_grad for p in params]
+            self._seen_flags = flags
+            self._checked = {p for p, trains in zip(params, flags) if trains} - self._skipped_params
 
     def _layer_params(self, layer: nn.Module) -> List[nn.Parameter]:
         return [p for p in self._own_params[layer] if p.requires_grad]
 
     # ------------------------------------------------------------------ 1. forward
+    def _on_model_call(self, module: nn.Module, args) -> None:
+        self._begin_forward()
+
     def _begin_forward(self) -> None:
         if self._pass_open:
             # A backward pass that raised (in any hook, not only ours) never reached its
             # end-of-pass callback; its partial per-sample state must not leak into this step.
             self._abort_pass()
+        self._sync_with_model()
         self._check_probe()
         self._forward_batch = None
         self._forward_seen = set()
@@ -222,7 +291,9 @@ class BackwardPath:
             )
 
     def _on_layer_forward(self, layer: nn.Module, inputs, output) -> Optional[torch.Tensor]:
-        if not (self.hooks_enabled and layer.training and torch.is_grad_enabled()):
+        # Whatever the layer's mode: eval() changes what a layer computes (dropout), not
+        # whether its gradient must be clipped.
+        if not (self.hooks_enabled and torch.is_grad_enabled()):
             return
         out = output if isinstance(output, torch.Tensor) else _first_tensor(output)
         if out is None or not out.requires_grad:
@@ -235,11 +306,78 @@ class BackwardPath:
             # The layer again, on its input expanded to the batch: that call is the one its
             # hook records, and its output replaces this one.
             return layer(*widened)
+        if _recomputing():
+            return
         name = self._layer_names[layer]
         self._check_batch(layer, name, inputs)
         self._on_forward(layer, name, params, out)
+        self._edges.add(out, layer, inputs, params)
         # Not detached: they are only read under no_grad, and the list is emptied when read.
         out.register_hook(partial(self._record, layer, params, list(inputs), self._edges.forward_id))
+
+    def _on_model_output(self, module: nn.Module, args, output) -> None:
+        """The end of a forward pass: the guarantee's check of its graph, when its layout is
+        new (``dpgrad.guarantee``)."""
+        edges = self._edges
+        calls, edges.calls = edges.calls, []
+        edges.outputs = nodes_of(tensors_in(output))
+        if not calls or not edges.outputs:
+            return
+        edges.output_seq = max(sequence_number(node) for node in edges.outputs)
+        key = (self._scan_version, tuple(call[0] for call in calls), edges.output_seq - sequence_number(calls[0][1]))
+        if key not in self._verified:
+            self._verify(key, edges.outputs, calls, edges.marked_elsewhere)
+
+    def _verify(self, key: tuple, roots: list, calls: list, stop: Callable, in_loss: bool = False) -> None:
+        """Raise ``UnclippedGradientError`` if a trainable parameter is reached from ``roots``
+        other than through the hooked ``calls``; else remember ``key`` as clean."""
+        canonical = None
+        if self._sharded is not None:  # the graph holds FSDP's unsharded copies
+            canonical = lambda t: self._sharded.canonical((t,))[0]  # noqa: E731
+        uses = uncovered_uses(roots, [(node, input_nodes(inputs), set(params)) for _, node, inputs, params in calls],
+                              self._checked, stop=stop, canonical=canonical, visit=self._visit_node)
+        if uses:
+            raise self._unclipped(uses, {call[0] for call in calls}, in_loss)
+        self._verified.add(key)
+
+    def _visit_node(self, node) -> None:
+        """Called on every node the guarantee's check walks; a wrapper raises for nodes it
+        cannot clip through."""
+
+    def _unclipped(self, uses: list, called: set, in_loss: bool) -> UnclippedGradientError:
+        """The error for parameters reached outside their layers' hooked calls."""
+        names = {p: n for n, p in self.named_parameters()}
+        lines, done = [], set()
+        for p, node in uses:
+            if p in done:
+                continue
+            done.add(p)
+            name = self._param_names.get(p) or names.get(p, "?").removeprefix("_module.")
+            how = f"autograd node {type(node).__name__}"
+            owners = self._owners.get(p, [])
+            owner = next((layer for layer in owners if layer in called), owners[0] if owners else None)
+            layer = f"'{self._layer_names[owner]}'" if owner is not None else None
+            if in_loss:
+                why = (f"it is used in the loss, outside the model's forward pass ({how}). Compute the "
+                       "loss from the model's outputs only, or freeze the parameter")
+            elif layer is None:
+                why = (f"no layer that dpgrad hooks holds it ({how}). Make it a parameter of a layer "
+                       "of the wrapped model, or freeze it")
+            elif owner in called:
+                why = (f"it is also used outside the forward pass of its layer {layer} ({how}: e.g. "
+                       "F.linear(x, layer.weight), or an output of the layer other than its first). Use "
+                       "it through the layer itself (for a tied output layer, an nn.Linear whose "
+                       "weight is the embedding's), or freeze it")
+            elif "Compiled" in type(node).__name__:
+                why = (f"its layer {layer} ran in code that torch.compile compiled before the model "
+                       f"was wrapped, without the hooks ({how}). Wrap the model first and compile "
+                       "the wrapper, or call torch._dynamo.reset() after wrapping")
+            else:
+                why = (f"its layer {layer} ran without dpgrad's hooks ({how}): called as "
+                       "layer.forward(...) rather than layer(...), or with its hooks removed. Call "
+                       "the layer itself")
+            lines.append(f"- parameter '{name}': {why}.")
+        return UnclippedGradientError(self._UNCLIPPED + "\n" + "\n".join(lines))
 
     def _broadcast_inputs(self, layer: nn.Module, inputs) -> Optional[tuple]:
         """An Embedding's ids expanded to the forward pass's batch when it got one row of them
@@ -263,7 +401,7 @@ class BackwardPath:
     def _on_forward(self, layer: nn.Module, name: str, params: List[nn.Parameter], out: torch.Tensor) -> None:
         self._forward_seen.add(layer)
         for p in params:
-            p._forward_counter += 1
+            p._forward_counter = getattr(p, "_forward_counter", 0) + 1
 
     def _check_batch(self, layer: nn.Module, name: str, inputs) -> None:
         batch_dim = 0 if self.batch_first else 1
@@ -417,6 +555,17 @@ class ClippingPath(BackwardPath):
     """
 
     FACTOR_SAMPLERS = registry.FACTOR_SAMPLERS
+    _UNCLIPPED = ("these trainable parameters would get gradients that are not clipped per sample: the "
+                  "uses below are not in the per-sample norms, so one sample could move the summed "
+                  "gradient by more than max_grad_norm. Nothing has reached p.grad from this pass.")
+
+    TRANSIENT = BackwardPath.TRANSIENT + ("_norm_pass", "_kept", "_kept_shards", "_finite", "_pass_norm",
+                                          "_constants")
+
+    def _init_transient(self) -> None:
+        super()._init_transient()
+        self._init_clipping()
+        self._constants = {}
 
     def _init_clipping(self) -> None:
         self._norm_pass: Optional[str] = None  # NORMS_ONLY or KEEP_FOR_CLIPPING in clipped_backward
@@ -426,7 +575,7 @@ class ClippingPath(BackwardPath):
         self._pass_norm: Optional[torch.Tensor] = None  # (B,) total norm of the last pass
 
     def _on_begin_forward(self) -> None:
-        if self.hooks_enabled and self.training and torch.is_grad_enabled():
+        if self.hooks_enabled and torch.is_grad_enabled():
             for p in self.trainable_parameters:
                 p._norm_sample = None
             self._pass_norm = None
@@ -437,7 +586,20 @@ class ClippingPath(BackwardPath):
             self._check_factors({name: layer})
             self._shared.update(params)
         super()._on_forward(layer, name, params, out)
-        self._edges.add(out)
+
+    def _visit_node(self, node) -> None:
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            raise RuntimeError(REENTRANT_CHECKPOINT)
+
+    def _verify_loss(self, loss_per_sample: torch.Tensor) -> None:
+        """The guarantee's check of the graph between the loss and the model's outputs (the
+        model's own graph is checked at the end of its forward pass), when its layout is new."""
+        edges = self._edges
+        root = loss_per_sample.grad_fn
+        outputs = set(edges.outputs)
+        key = (self._scan_version, "loss", sequence_number(root) - edges.output_seq, bool(outputs))
+        if key not in self._verified:
+            self._verify(key, [root], [], lambda node: node in outputs or edges.marked(node), in_loss=True)
 
     def _keep(self, layer, activations, backprops) -> None:
         if self.single_backward and self._norm_pass is None:
@@ -690,6 +852,30 @@ class ClippingPath(BackwardPath):
                 self._sharded.reduce_scatter(shard, sums)
         self._wait_finite()
         self._sharded.finish_backward()
+
+
+REENTRANT_CHECKPOINT = (
+    "the model uses reentrant activation checkpointing (torch.utils.checkpoint with "
+    "use_reentrant=True, the default of Hugging Face's gradient_checkpointing_enable() before "
+    "transformers 5), whose recomputation runs a backward pass of its own inside dpgrad's: the "
+    "ghost-clipping wrapper cannot take the norms through it. Use non-reentrant checkpointing: "
+    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}) "
+    "(transformers 5: activation_checkpointing_enable(), non-reentrant by default), or "
+    "torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)."
+)
+
+
+def _recomputing() -> bool:
+    """Whether non-reentrant activation checkpointing is recomputing a forward pass (inside
+    the backward pass) for the tensors it saved: its layer calls are no forward pass of the
+    model, and nothing backpropagates through their outputs."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is not None and "_recomputation_hook" in getattr(top[0], "__qualname__", "")
+
+
+def _same_objects(a: tuple, b: tuple) -> bool:
+    """Whether two tuples hold the same objects (tensors compared by identity, not value)."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 def _feature_dims(layer: nn.Module) -> int:

@@ -25,13 +25,14 @@ A model sharded by FSDP2 (``fully_shard``) is taken in both modes: see ``dpgrad.
 
 from __future__ import annotations
 
+import math
 from typing import Dict
 
 import torch
 import torch.nn as nn
 
 from dpgrad import registry
-from dpgrad.backward_pass import KEEP_FOR_CLIPPING, NORMS_ONLY, ClippingPath
+from dpgrad.backward_pass import KEEP_FOR_CLIPPING, NORMS_ONLY, REENTRANT_CHECKPOINT, ClippingPath
 from dpgrad.fsdp import ShardedParameters, sharded_modules
 from dpgrad.grad_sample_module import GradSampleModule
 
@@ -73,6 +74,7 @@ class GradSampleModuleFastGradientClipping(ClippingPath, GradSampleModule):
         check_finite: bool = True,
         single_backward: bool = False,
     ):
+        clipping_bound(max_grad_norm)
         # Plain attributes, read by _check_layers before nn.Module.__init__.
         self.use_ghost_clipping = use_ghost_clipping
         self.single_backward = single_backward
@@ -89,6 +91,18 @@ class GradSampleModuleFastGradientClipping(ClippingPath, GradSampleModule):
         self._per_sample_gradient_norms = None
         self._constants: Dict[tuple, torch.Tensor] = {}
         self._init_clipping()
+
+    @property
+    def max_grad_norm(self) -> float:
+        """The clipping bound C: a finite positive number (checked when set)."""
+        return self._max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float) -> None:
+        self._max_grad_norm = clipping_bound(value)
+
+    def _on_rescan(self) -> None:
+        self.trainable_parameters = [p for _, p in self._trainable_parameters()]
 
     def _uses_norm_sampler(self, layer: nn.Module) -> bool:
         # Single backward clips a layer from its norm alone only if it can also sum it clipped.
@@ -162,7 +176,8 @@ class GradSampleModuleFastGradientClipping(ClippingPath, GradSampleModule):
         clipped gradients come from what that pass kept; otherwise a second backward pass of
         ``sum_b c_b * loss_b`` (hooks disabled) computes them. Raises ValueError for a loss
         that is not (B,) or has no graph, RuntimeError when the loss does not depend on any
-        layer this wrapper hooked in training mode.
+        layer this wrapper hooked, ``UnclippedGradientError`` when a trainable parameter would
+        get a gradient that is not clipped (``dpgrad.guarantee``).
         """
         if loss_per_sample.dim() != 1:
             raise ValueError(
@@ -176,11 +191,17 @@ class GradSampleModuleFastGradientClipping(ClippingPath, GradSampleModule):
         if not targets:
             raise RuntimeError(
                 "the loss depends on no layer this wrapper hooked: run the forward pass through "
-                "the wrapper, in training mode, with hooks enabled and gradients on"
+                "the wrapper with hooks enabled and gradients on"
             )
+        self._verify_loss(loss_per_sample)
         self._norm_pass = KEEP_FOR_CLIPPING if self.single_backward else NORMS_ONLY
         try:
-            torch.autograd.grad(reduced, targets, retain_graph=not self.single_backward, allow_unused=True)
+            try:
+                torch.autograd.grad(reduced, targets, retain_graph=not self.single_backward, allow_unused=True)
+            except RuntimeError as error:
+                if "use_reentrant=True" in str(error):
+                    raise RuntimeError(REENTRANT_CHECKPOINT) from error
+                raise
             del targets
             self._edges.release()
             coef = self.get_clipping_coef()
@@ -283,6 +304,21 @@ class GradSampleModuleFastGradientClipping(ClippingPath, GradSampleModule):
     @per_sample_gradient_norms.setter
     def per_sample_gradient_norms(self, value: torch.Tensor) -> None:
         self._per_sample_gradient_norms = value
+
+
+def clipping_bound(value, what: str = "max_grad_norm") -> float:
+    """``value`` as a float if it is a finite positive number (a clipping bound), else raise
+    ValueError: a negative bound would make the coefficients negative (gradient ascent), and a
+    NaN or infinite one would put NaN in, or take the clipping out of, every gradient."""
+    try:
+        if isinstance(value, (bool, str)) or (isinstance(value, torch.Tensor) and value.numel() != 1):
+            raise TypeError(value)
+        bound = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a finite positive number (the clipping bound C), not {value!r}") from None
+    if not math.isfinite(bound) or bound <= 0:
+        raise ValueError(f"{what} must be a finite positive number (the clipping bound C), not {bound}")
+    return bound
 
 
 def reduce_losses(loss_per_sample: torch.Tensor, loss_reduction: str) -> torch.Tensor:

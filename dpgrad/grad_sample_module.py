@@ -17,8 +17,10 @@ import torch
 import torch.nn as nn
 
 from dpgrad import registry
+from dpgrad.backend import name_layers
 from dpgrad.backward_pass import BackwardPath, own_trainable
 from dpgrad.fsdp import sharded_modules
+from dpgrad.guarantee import watch_structure
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +64,11 @@ class GradSampleModule(BackwardPath, nn.Module):
     """Wraps a module so that each trainable parameter gets ``p.grad_sample`` after backward.
 
     Same constructor, methods and per-parameter fields as Opacus 1.6's ``GradSampleModule``.
-    A model sharded by FSDP2 is refused (the ghost-clipping wrapper takes it).
+    A model sharded by FSDP2 is refused (the ghost-clipping wrapper takes it). Every layer with
+    trainable parameters is hooked whatever its mode (train or eval), and the model is hooked
+    anew at the forward pass after its trainable parameters or its modules changed; a
+    parameter reached other than through its layer's hooked calls raises
+    ``dpgrad.UnclippedGradientError`` (``dpgrad.guarantee``).
 
     Args:
         m: the module to wrap.
@@ -101,6 +107,7 @@ class GradSampleModule(BackwardPath, nn.Module):
         self.loss_reduction = loss_reduction
         self.force_functorch = force_functorch
         self.check_finite = check_finite
+        self.strict = strict
         self.hooks_enabled = False
         self.grad_accumulation_allowed = True
         self.grad_accumulation_hook = None
@@ -110,12 +117,65 @@ class GradSampleModule(BackwardPath, nn.Module):
         for _, p in self._trainable_parameters():
             p.grad_sample = None
             p._forward_counter = 0
+        watch_structure()
         self.add_hooks(loss_reduction=loss_reduction, batch_first=batch_first, force_functorch=force_functorch)
+        self._sync_with_model(rescan=False)
 
     # ------------------------------------------------------------------ module plumbing
     def forward(self, *args, **kwargs):
-        self._begin_forward()
+        # The model's own pre-hook begins the pass (also when the model is called directly).
         return self._module(*args, **kwargs)
+
+    def _rescan(self) -> None:
+        """Take the model as it is now: the layers with trainable parameters, checked and
+        hooked anew (after gradual unfreezing, or a layer added after wrapping). Raises, as at
+        construction, for a layer that cannot be clipped (leaving the hooks as they were)."""
+        m = self._module
+        if self._sharded is None and sharded_modules(m):
+            raise RuntimeError(
+                "the model was sharded by fully_shard after it was wrapped, and per-sample state "
+                "would land on parameters nothing reads. Shard the model first, then wrap it."
+            )
+        registry.resolve(m)
+        errors = self.validate(m, strict=self.strict)
+        self._check_layers(m, self.force_functorch)
+        self._param_names = {p: n for n, p in m.named_parameters()}
+        self._skipped = {e.args[1] for e in errors}
+        for _, p in self._trainable_parameters():
+            if "grad_sample" not in p.__dict__:
+                p.grad_sample = None
+            if "_forward_counter" not in p.__dict__:
+                p._forward_counter = 0
+        handles = self.__dict__.get("autograd_grad_sample_hooks")
+        if handles is not None:
+            for handle in handles:
+                handle.remove()
+            handles[:] = self._attach(self.force_functorch)
+        self._on_rescan()
+        self._plans.clear()
+        self._verified.clear()
+        self._scan_version += 1
+
+    def _on_rescan(self) -> None:
+        """What a subclass updates after ``_rescan``."""
+
+    # ------------------------------------------------------------------ copies
+    def __getstate__(self):
+        state = super().__getstate__()
+        for name in self.TRANSIENT:
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state) -> None:
+        # Runs before the model in the state is complete (a copy of the model alone copies its
+        # wrapper through the hooks): only the state's own mappings are used here.
+        super().__setstate__(state)
+        self._init_transient()
+        for p in self._param_names:
+            if p.requires_grad:
+                p.__dict__.setdefault("grad_sample", None)
+                p.__dict__.setdefault("_forward_counter", 0)
+        name_layers(self._layer_names)
 
     def __getattr__(self, item):
         try:

@@ -16,18 +16,52 @@ from typing import Optional
 
 import torch
 
-from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping, reduce_losses, weighted_backward
+from dpgrad.fast_gradient_clipping import (
+    GradSampleModuleFastGradientClipping,
+    clipping_bound,
+    reduce_losses,
+    weighted_backward,
+)
 
 REDUCTIONS = ("mean", "sum")
 
 
 def clipping_wrapper(module):
     """The ghost-clipping wrapper in ``module``: itself, or the one inside a
-    ``DistributedDataParallel`` (or any wrapper that keeps it as ``.module``)."""
+    ``DistributedDataParallel``, a ``torch.compile`` of it, or any wrapper that keeps it as
+    ``.module`` or ``._orig_mod``."""
+    found = module
+    while not isinstance(found, GradSampleModuleFastGradientClipping):
+        inner = found.__dict__.get("_modules", {}).get("_orig_mod")  # torch.compile's OptimizedModule
+        if inner is None:
+            inner = getattr(found, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            break
+        found = inner
+    if isinstance(found, GradSampleModuleFastGradientClipping):
+        return found
+    # Another wrapper with Opacus's interface (Opacus's own), possibly inside others.
     found = module
     while not hasattr(found, "get_clipping_coef") and isinstance(getattr(found, "module", None), torch.nn.Module):
         found = found.module
     return found if hasattr(found, "get_clipping_coef") else module
+
+
+def check_bounds(wrapper, optimizer) -> None:
+    """Raise ValueError unless the optimizer adds noise for the bound the module clips to: the
+    noise's scale is ``noise_multiplier * max_grad_norm`` of the optimizer, and a sample moves
+    the gradient by up to the module's ``max_grad_norm``."""
+    bound = getattr(optimizer, "max_grad_norm", None)
+    clips = getattr(wrapper, "max_grad_norm", None)
+    if bound is None or clips is None:
+        return
+    bound = clipping_bound(bound, "the optimizer's max_grad_norm")
+    if bound != clips:
+        raise ValueError(
+            f"the module clips at max_grad_norm={clips} but the optimizer adds noise for "
+            f"max_grad_norm={bound}: the noise must be scaled to the bound each sample's gradient "
+            "is clipped to. Give both the same max_grad_norm."
+        )
 
 
 class DPTensorFastGradientClipping:
@@ -99,6 +133,7 @@ class DPTensorFastGradientClipping:
     def backward(self) -> None:
         """Add ``sum_b c_b * grad(loss_b)`` to ``p.grad`` (see the module docstring)."""
         wrapper = clipping_wrapper(self.module)
+        check_bounds(wrapper, self.optimizer)
         if isinstance(wrapper, GradSampleModuleFastGradientClipping):
             wrapper.clipped_backward(self.loss_per_sample)
             return
@@ -143,6 +178,7 @@ class DPLossFastGradientClipping:
                 "the module, the optimizer, the criterion and DPLossFastGradientClipping must "
                 f"reduce the loss the same way; got {found}"
             )
+        check_bounds(wrapper, optimizer)
         self.module = module
         self.optimizer = optimizer
         self.criterion = criterion

@@ -34,7 +34,11 @@ from opacus.optimizers import DPOptimizerFastGradientClipping as _OpacusDPOptimi
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
 from dpgrad import registry
-from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping, GradSampleModuleFastGradientClippingFSDP
+from dpgrad.fast_gradient_clipping import (
+    GradSampleModuleFastGradientClipping,
+    GradSampleModuleFastGradientClippingFSDP,
+    clipping_bound,
+)
 from dpgrad.fsdp import sharded_modules
 from dpgrad.grad_sample_module import GradSampleModule
 from dpgrad.loss import DPLossFastGradientClipping
@@ -352,7 +356,8 @@ def make_private(
     Raises:
         ValueError: for a module sharded by FSDP2 under a mode other than "ghost" (or
             "ghost_fsdp" for one that is not), clipping other than "flat", several clipping
-            bounds, an unknown ``grad_sample_mode``, ``single_backward`` without "ghost", or
+            bounds, a ``max_grad_norm`` that is not a finite positive number, an unknown
+            ``grad_sample_mode``, ``single_backward`` without "ghost", or
             optimizer parameters that are not the module's.
 
     Example::
@@ -397,6 +402,7 @@ def make_private(
         )
     if isinstance(max_grad_norm, (list, tuple)):
         raise ValueError("flat clipping takes one max_grad_norm, not a list of per-layer bounds")
+    max_grad_norm = clipping_bound(max_grad_norm)
     if not wrap_model:
         raise ValueError("dpgrad always wraps the model: wrap_model=False is not supported")
     if single_backward and grad_sample_mode != "ghost":

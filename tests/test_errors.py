@@ -9,8 +9,10 @@ original module carries no trace of dpgrad and trains normally.
 from __future__ import annotations
 
 import copy
+import gc
 import re
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -614,6 +616,30 @@ def test_forward_without_backward_does_not_corrupt_the_next_step(wrapper):
     # And a discarded forward between two steps.
     wrapped(ids[:3])
     assert_step_correct(wrapped, pristine, ids, y, "mean")
+
+
+@pytest.mark.parametrize("kept", [False, True])
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_a_forward_whose_backward_never_comes_lets_go_of_its_activations(wrapper, kept):
+    """The activations a forward pass saved (here: the head's input) are freed by the next
+    forward pass at the latest, whether the caller dropped the output or keeps it (outputs
+    kept for metrics); the next step is exact."""
+    cls, kwargs = WRAPPERS[wrapper]
+    model, pristine = make()
+    wrapped = cls(model, loss_reduction="sum", **kwargs)
+    seen = []
+    handle = model.head.register_forward_hook(lambda m, inputs, out: seen.append(weakref.ref(inputs[0])))
+    x, y = batch()
+    out = wrapped(x)
+    if kept:
+        out = out.detach()  # what a caller keeps for its metrics
+    else:
+        del out
+    handle.remove()
+    wrapped(batch(seed=1)[0])  # another forward, whose output is dropped
+    gc.collect()
+    assert seen and seen[0]() is None, "the first forward's activations are still alive"
+    assert_step_correct(wrapped, pristine, x, y)
 
 
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))

@@ -310,3 +310,25 @@ def test_one_row_into_another_layer_in_a_batched_pass_is_refused():
     wrapped = dpgrad.GradSampleModuleFastGradientClipping(GlobalToken())
     with pytest.raises(ValueError, match=r"layer 'query' got an input of shape \(1, 1, 6\), with 1 along the batch"):
         wrapped(_batch()[0])
+
+
+def gpt2_checkpointed(use_reentrant: bool) -> Case:
+    case = gpt2()
+    case.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    case.model.train()
+    return case
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_gpt2_non_reentrant_checkpointing(mode):
+    """Hugging Face's non-reentrant activation checkpointing: exact in both modes (the blocks
+    are recomputed in the backward pass, the hooks record the first computation)."""
+    check(gpt2_checkpointed(use_reentrant=False), MODES[mode])
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_gpt2_reentrant_checkpointing_is_refused_with_the_fix(mode):
+    case = gpt2_checkpointed(use_reentrant=True)
+    with pytest.raises(RuntimeError, match=r"reentrant activation checkpointing .*gradient_checkpointing_kwargs="
+                                           r"\{'use_reentrant': False\}"):
+        clipped_step(case, MODES[mode], "mean", 1.0)

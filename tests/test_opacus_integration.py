@@ -193,6 +193,10 @@ def test_make_private_default_criterion_follows_loss_reduction():
         (dict(wrap_model=False), "always wraps"),
         (dict(grad_sample_mode="hooks", single_backward=True), "needs grad_sample_mode='ghost'"),
         (dict(grad_sample_mode="ghost_fsdp"), "for a model sharded by FSDP2"),
+        (dict(max_grad_norm=-1.0), "max_grad_norm must be a finite positive number"),
+        (dict(max_grad_norm=float("nan")), "max_grad_norm must be a finite positive number"),
+        (dict(max_grad_norm=float("inf"), grad_sample_mode="hooks"), "max_grad_norm must be a finite positive"),
+        (dict(max_grad_norm=0), "max_grad_norm must be a finite positive number"),
     ],
 )
 def test_make_private_refuses_what_it_does_not_support(kwargs, match):
@@ -207,6 +211,7 @@ def test_make_private_refuses_what_it_does_not_support(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         dpgrad.opacus.make_private(PrivacyEngine(accountant="rdp"), **args)
+    assert not any(m._forward_hooks for m in model.modules())  # refused before the model was touched
 
 
 def test_make_private_refuses_foreign_optimizer_parameters():

@@ -40,27 +40,24 @@ def _first_tensor(output):
     return None
 
 
-def prepare_layer(layer: nn.Module, batch_first: bool = True) -> None:
-    """Attach ``layer.ft_compute_sample_grad(params, activations, backprops) -> {name: (B, ...)}``.
+class FunctionalGradients:
+    """``(params, activations, backprops) -> {name: (B, ...)}``: per-sample gradients of one
+    layer through torch.func, on a parameter-free copy of it (so a copy or a pickle of the
+    layer takes this along without its weights). ``params`` maps the layer's parameter names to
+    tensors; gradients are returned for those that require grad."""
 
-    ``params`` maps the layer's parameter names to tensors; gradients are returned for those
-    that require grad. Raises NotImplementedError for layers with buffers.
-    """
-    if len(list(layer.buffers())) > 0:
-        raise NotImplementedError(
-            f"{type(layer).__name__} has buffers; their state is shared across samples, so "
-            "per-sample gradients are undefined"
-        )
-    stateless = _meta_copy(layer)
-    # Each sample is fed back with a batch dimension of one, where the layer expects it.
-    batch_dim = 0 if batch_first else 1
+    def __init__(self, layer: nn.Module, batch_first: bool = True):
+        self.stateless = _meta_copy(layer)
+        # Each sample is fed back with a batch dimension of one, where the layer expects it.
+        self.batch_dim = 0 if batch_first else 1
 
-    def compute(params: Dict[str, torch.Tensor], activations: List, backprops: torch.Tensor):
+    def __call__(self, params: Dict[str, torch.Tensor], activations: List, backprops: torch.Tensor):
         names = [n for n, p in params.items() if p.requires_grad]
         frozen = {n: p.detach() for n, p in params.items() if not p.requires_grad}
         if backprops.shape[0] == 0:
             # vmap over an empty batch fails in some layers' backward (nn.Embedding's).
             return {n: params[n].new_zeros((0, *params[n].shape)) for n in names}
+        stateless, batch_dim = self.stateless, self.batch_dim
 
         def sample_loss(trainable, acts, bp):
             inputs = tuple(a.unsqueeze(batch_dim) if isinstance(a, torch.Tensor) else a for a in acts)
@@ -72,7 +69,16 @@ def prepare_layer(layer: nn.Module, batch_first: bool = True) -> None:
         grads = vmap(grad(sample_loss), in_dims=in_dims)(trainable, tuple(activations), backprops)
         return dict(zip(names, grads))
 
-    layer.ft_compute_sample_grad = compute
+
+def prepare_layer(layer: nn.Module, batch_first: bool = True) -> None:
+    """Attach ``layer.ft_compute_sample_grad`` (a ``FunctionalGradients``). Raises
+    NotImplementedError for layers with buffers."""
+    if len(list(layer.buffers())) > 0:
+        raise NotImplementedError(
+            f"{type(layer).__name__} has buffers; their state is shared across samples, so "
+            "per-sample gradients are undefined"
+        )
+    layer.ft_compute_sample_grad = FunctionalGradients(layer, batch_first)
 
 
 def ft_compute_per_sample_gradient(
