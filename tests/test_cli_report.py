@@ -185,6 +185,22 @@ def test_an_explicit_tune_mode_is_kept(tmp_path):
     (["--model", "hf:gpt2", "--seq-len", "0"], "argument --seq-len: 0 is out of range"),
     (["--seq-len", "x"], "argument --seq-len: 'x' is not an integer"),
     (["--batch-size", "0"], "argument --batch-size: 0 is out of range: pass a value at least 1"),
+    (["--device", "nonsense"], "argument --device: 'nonsense' is not a torch device: pass cpu, cuda or cuda:N"),
+    (["--device", "cpu:x"], "argument --device: 'cpu:x' is not a torch device"),
+    (["--device", "meta"], "argument --device: 'meta': the report runs a model on cpu or cuda"),
+    (["--model", "hf:gpt2", "--hf-config", "no_such_field=1"], "hf:gpt2 has no config field 'no_such_field'; its "
+                                                               "size fields include n_embd"),
+    (["--model", "hf:gpt2", "--hf-config", "n_layer=-2"], "config field n_layer=-2 of hf:gpt2: a size, pass a "
+                                                          "positive integer"),
+    (["--model", "hf:gpt2", "--hf-config", "n_embd=0"], "n_embd=0 of hf:gpt2: a size"),
+    (["--model", "hf:gpt2", "--hf-config", "n_layer=two"], "n_layer='two' of hf:gpt2: a size"),
+    (["--model", "hf:gpt2", "--hf-config", "layer_norm_epsilon=big"], "layer_norm_epsilon='big' of hf:gpt2: pass a "
+                                                                      "finite number"),
+    (["--model", "hf:gpt2", "--hf-config", "n_layer=1", "--hf-config", "n_embd=30", "--hf-config", "n_head=4"],
+     "the model cannot be built with"),
+    (["--json", "/"], "--json /: cannot write there (it is a directory); give a writable file path"),
+    (["--markdown", "/no/such/dir/table.md"], "--markdown /no/such/dir/table.md: cannot write there (its directory "
+                                              "/no/such/dir does not exist)"),
 ])
 def test_bad_arguments_are_usage_errors_with_exit_code_2(args, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -391,3 +407,23 @@ def test_the_default_table_fits_120_columns_and_full_has_every_candidate(tmp_pat
     rows = [line for line in compact.splitlines() if line.startswith("transformer")]
     assert rows and max(len(line) for line in compact.splitlines()) <= 120
     assert "candidates (ms)" in full and "candidates (ms)" not in compact
+
+
+def test_an_output_that_fails_after_the_run_exits_1_without_a_traceback(tmp_path, monkeypatch, capsys):
+    """Writable when checked, gone when written (a full disk, a removed directory): the error
+    is one line on stderr and the exit status 1."""
+    target = tmp_path / "gone" / "report.json"
+    target.parent.mkdir()
+    real_run = report.run_report
+
+    def run_then_remove(settings, *args, **kwargs):
+        out = real_run(settings, *args, **kwargs)
+        target.parent.rmdir()
+        return out
+
+    monkeypatch.setattr(report, "run_report", run_then_remove)
+    with _clean_env(tmp_path):
+        code = cli.main(["autotune-report", "--model", "tiny", "--batch-size", "2", "--seq-len", "8", "--no-opacus",
+                         "--json", str(target)])
+    err = capsys.readouterr().err
+    assert code == 1 and f"dpgrad: cannot write the json report to {target}" in err and "Traceback" not in err

@@ -111,6 +111,60 @@ def test_load_refuses_other_files(tmp_path):
         results.load([other])
 
 
+def _bad(doc: dict, path: str, value) -> dict:
+    """``doc`` with the item at ``path`` ("results.0.metrics", dotted) replaced, or deleted for ``...``."""
+    doc = json.loads(json.dumps(doc))
+    *parents, last = path.split(".")
+    target = doc
+    for key in parents:
+        target = target[int(key)] if isinstance(target, list) else target[key]
+    if value is ...:
+        del target[last]
+    else:
+        target[int(last) if isinstance(target, list) else last] = value
+    return doc
+
+
+@pytest.mark.parametrize("path, value, message", [
+    ("machine", ..., "a 'machine' that is not an object with the strings device, date, commit, torch"),
+    ("machine.date", 20261124, "a 'machine' that is not an object"),
+    ("suite", "dp-step", "suite 'dp-step', not one of dp_step"),
+    ("results", {"rows": []}, "'results' that is not a list"),
+    ("results.0", "row", "results[0] that is not an object"),
+    ("results.0.provider", None, "results[0].provider that is not a string"),
+    ("results.0.shape", {"model": "hf-gpt2"}, "results[0].shape without model, batch, seq_len, dtype"),
+    ("results.0.shape.batch", [8], "results[0].shape with a value that is not a string or a number"),
+    ("results.0.metrics", [], "results[0].metrics that is not an object"),
+    ("results.0.metrics.step_time.p50", "100", "results[0].metrics.step_time without numbers p20, p50 and p80"),
+    ("results.0.metrics.step_time", 100.0, "results[0].metrics.step_time without numbers"),
+    ("results.0.flags", "noisy", "results[0].flags that is not a list of strings"),
+])
+def test_a_results_file_with_missing_or_ill_typed_fields_is_refused(tmp_path, capsys, path, value, message):
+    doc = sample_docs()[1]  # dp_step on the GPU machine
+    (bad,) = _write(tmp_path, [_bad(doc, path, value)])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        results.load([bad])
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["dashboard", str(bad), "-o", str(tmp_path / "page.html")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in err and "write it again with the benchmarks" in err
+    assert not (tmp_path / "page.html").exists()
+
+
+def test_unwritable_outputs_are_refused_before_anything_is_written(tmp_path, capsys):
+    paths = [str(p) for p in _write(tmp_path, sample_docs())]
+    (tmp_path / "file").write_text("")
+    for args, message in (
+            (["-o", str(tmp_path)], "cannot write there (it is a directory)"),
+            (["-o", str(tmp_path / "file" / "page.html")], "cannot make its directory"),
+            (["--records", str(tmp_path / "none" / "r.json")], "its directory"),
+            (["-o", str(tmp_path / "page.html"), "--summary", paths[0]], "not an autotune report's JSON (no 'model'")):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["dashboard", *paths, *args])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "page.html").exists()
+
+
 def test_cli_writes_page_records_and_tables(tmp_path, capsys):
     paths = [str(p) for p in _write(tmp_path, sample_docs())]
     out, rec = tmp_path / "report.html", tmp_path / "records.json"

@@ -7,6 +7,8 @@ does orders of magnitude fewer flops than the other.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn as nn
@@ -75,6 +77,40 @@ def test_failing_and_wrong_candidates_are_skipped(tune_on, monkeypatch):
     assert tuner.select("linear_norm", linear_inputs(B=5)).name == "eager-direct"
     (decision,) = tuner._decisions.values()
     assert decision.skipped["eager-gram"] == "wrong result against the eager reference"
+
+
+@pytest.mark.parametrize("field, value", [("timings_ms", {"eager-direct": "fast"}), ("skipped", ["eager-gram"]),
+                                          ("config", {"BLOCK_K": [64]}), ("spread", "wide")])
+def test_an_ill_typed_stored_entry_is_retuned_not_fatal(tune_on, field, value):
+    """A store entry for this very shape with a field of the wrong type: warned about and
+    measured again, and the step goes on."""
+    calls = []
+    tuner = Tuner(timer=fixed_timer({"eager-direct": 3.0, "eager-gram": 1.0}, calls))
+    tuner.select("linear_norm", linear_inputs())
+    (key,) = tuner._decisions
+    path = store.store_path(store.device_name(torch.device("cpu")), tune_on)
+    data = json.loads(path.read_text())
+    data["entries"][key][field] = value
+    path.write_text(json.dumps(data))
+    calls.clear()
+    with pytest.warns(RuntimeWarning, match=f"dropped 1 malformed entries.*'{field}' is not"):
+        chosen = Tuner(timer=fixed_timer({"eager-direct": 3.0, "eager-gram": 1.0}, calls)).select(
+            "linear_norm", linear_inputs(seed=1))
+    assert chosen.name == "eager-gram" and sorted(calls) == ["eager-direct", "eager-gram"]
+
+
+def test_the_exact_shape_table_is_bounded(tune_on, monkeypatch):
+    """A step per sequence length (variable-length batches): the table of exact shapes stays
+    bounded; the bucketed decisions are kept, so nothing is measured again."""
+    from dpgrad.tuning import tuner as tuner_module
+
+    monkeypatch.setattr(tuner_module, "MAX_CHOSEN", 4)
+    calls = []
+    tuner = Tuner(timer=fixed_timer({"eager-direct": 3.0, "eager-gram": 1.0}, calls))
+    for T in range(9, 17):  # one bucket, T <= 16
+        assert tuner.select("linear_norm", linear_inputs(T=T)).name == "eager-gram"
+        assert len(tuner._chosen) <= 4
+    assert len(tuner._decisions) == 1 and sorted(calls) == ["eager-direct", "eager-gram"]
 
 
 def test_modes(tune_on, monkeypatch):

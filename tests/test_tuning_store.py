@@ -24,7 +24,7 @@ from dpgrad.tuning.store import SCHEMA_VERSION, TuneStore, default_dir, store_pa
 DEVICE = "NVIDIA H100 80GB HBM3"
 RECORD = {
     "choice": "direct",
-    "timings_ms": {"direct": 0.12, "gram": None},
+    "timings_ms": {"direct": 0.12, "gram": 0.31},
     "config": {"BLOCK_K": 64},
     "measured": "2026-11-21T10:00:00Z",
 }
@@ -155,6 +155,8 @@ def test_records_are_copies_and_bad_records_are_refused(tmp_path):
         store.put("k", {"timings_ms": {}})
     with pytest.raises(ValueError, match="str 'choice'"):
         store.put("k", ["direct"])
+    with pytest.raises(ValueError, match="'skipped' is not an object of strings"):
+        store.put("k", dict(RECORD, skipped=["gram"]))
     with pytest.raises(TypeError, match="JSON-serialisable"):
         store.put("k", {"choice": "direct", "t": torch.tensor(1.0)})
     with pytest.raises(TypeError, match="key must be a str"):
@@ -194,8 +196,25 @@ def test_two_stores_in_one_process_merge_and_own_puts_win(tmp_path):
             "dropped 1 malformed entries",
             {"ok"},
         ),
+        (
+            json.dumps(_document(entries={"ok": RECORD, "bad": dict(RECORD, timings_ms={"direct": "0.1"})})).encode(),
+            "dropped 1 malformed entries, e.g. 'bad' ('timings_ms' is not an object of numbers)",
+            {"ok"},
+        ),
+        (
+            json.dumps(_document(entries={"ok": RECORD, "bad": dict(RECORD, skipped=["gram"])})).encode(),
+            "'skipped' is not an object of strings",
+            {"ok"},
+        ),
+        (
+            json.dumps(_document(entries={"ok": RECORD, "bad": dict(RECORD, config={"BLOCK_K": "64"}),
+                                          "worse": dict(RECORD, spread=3)})).encode(),
+            "dropped 2 malformed entries",
+            {"ok"},
+        ),
     ],
-    ids=["garbage", "truncated", "list", "entries_list", "entry_without_choice"],
+    ids=["garbage", "truncated", "list", "entries_list", "entry_without_choice", "string_timing", "list_skipped",
+         "ill_typed_config_and_spread"],
 )
 def test_corrupt_file_warns_once_and_is_rewritten(tmp_path, content, reason, kept):
     path = store_path(DEVICE, tmp_path)
@@ -244,6 +263,21 @@ def _put_many(directory, prefix, n, barrier):
     barrier.wait()
     for i in range(n):
         store.put(f"{prefix}-{i}", dict(RECORD, config={"i": i}))
+
+
+def test_temporary_files_of_a_killed_writer_are_removed(tmp_path):
+    """A writer killed between writing its temporary file and renaming it leaves the file;
+    the next write, under the lock, removes it."""
+    store = TuneStore(DEVICE, tmp_path)
+    store.put("a", RECORD)
+    leftovers = [tmp_path / f".{store.path.name}.abc123.tmp", tmp_path / f".{store.path.name}.x.tmp"]
+    for path in leftovers:
+        path.write_text("{half a doc")
+    other = tmp_path / ".another-device.json.abc.tmp"  # another store's: not ours to remove
+    other.write_text("")
+    TuneStore(DEVICE, tmp_path).put("b", RECORD)
+    assert not any(path.exists() for path in leftovers) and other.exists()
+    _assert_valid_file(store.path, {"a", "b"})
 
 
 def test_processes_writing_at_once_keep_all_entries(tmp_path):

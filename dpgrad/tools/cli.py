@@ -51,6 +51,45 @@ def number_in(kind: type, low: float, high: Optional[float] = None, low_open: bo
     return parse
 
 
+def device_arg(text: str) -> str:
+    """An argparse ``type`` for the report's device: cpu, cuda or cuda:N."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device: pass cpu, cuda or cuda:N")
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the report runs a model on cpu or cuda (cuda:N)")
+    return text
+
+
+def unwritable(path: str) -> Optional[str]:
+    """Why ``path`` cannot be written, or None: looked at before a long run, not after it."""
+    target = Path(path)
+    if target.is_dir():
+        return "it is a directory"
+    if not target.parent.is_dir():
+        return f"its directory {target.parent} does not exist"
+    existed = target.exists()
+    try:
+        with open(target, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    if not existed:
+        target.unlink(missing_ok=True)
+    return None
+
+
+def write_text(path: str, text: str, what: str) -> bool:
+    """Write ``text`` to ``path``; on failure say so on stderr (no traceback) and return False."""
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        print(f"dpgrad: cannot write the {what} to {path}: {exc.strerror or exc}", file=sys.stderr)
+        return False
+    return True
+
+
 def demo(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(prog="dpgrad demo", description=_doc(2))
     max_len = TinyTransformerConfig().max_seq_len
@@ -108,9 +147,11 @@ DPGRAD_TUNE: the report sets it to "on" (time new shapes) unless it is set alrea
 ("cached": stored choices, else the cost model; "off": the cost model). Measured choices are
 saved in the per-device store (DPGRAD_TUNE_DIR, else ~/.cache/dpgrad/tune) and reused.
 
-exit status: 0 on success; 2 for a usage error (an unknown --model, a --batch-size below 1,
-a --seq-len below 2 or above the model's maximum, hf: without transformers), with a message
-saying what to pass instead.
+exit status: 0 on success; 1 when an output file could not be written after all; 2 for a
+usage error (an unknown --model or --device, a --batch-size below 1, a --seq-len below 2 or
+above the model's maximum, hf: without transformers, an --hf-config field the model's config
+does not have or of the wrong type, a --json or --markdown path that cannot be written), with
+a message saying what to pass instead. The output paths are checked before the run.
 """
 
 
@@ -127,8 +168,8 @@ def autotune_report(argv: List[str]) -> int:
     parser.add_argument("--seq-len", type=number_in(int, 2),
                         help="tokens per sample, 2 to the model's maximum (default 1024 on CUDA, 128 otherwise)")
     parser.add_argument("--dtype", choices=list(presets.DTYPES), help="default bf16 on CUDA, fp32 otherwise")
-    parser.add_argument("--device", default="cuda" if cuda else "cpu",
-                        help=f"torch device (default {'cuda' if cuda else 'cpu'})")
+    parser.add_argument("--device", type=device_arg, default="cuda" if cuda else "cpu",
+                        help=f"cpu, cuda or cuda:N (default {'cuda' if cuda else 'cpu'})")
     parser.add_argument("--json", metavar="PATH|-", help="also write the report as JSON ('-': stdout, no table)")
     parser.add_argument("--markdown", metavar="PATH|-", help="also write a Markdown table ('-': stdout, no table)")
     parser.add_argument("--no-opacus", action="store_true", help="do not time Opacus's samplers for the speedup")
@@ -153,13 +194,19 @@ def autotune_report(argv: List[str]) -> int:
     on_cuda = args.device.startswith("cuda")
     if on_cuda and not cuda:
         parser.error(f"--device {args.device}: CUDA is not available here; use --device cpu")
+    index = torch.device(args.device).index
+    if on_cuda and index is not None and index >= torch.cuda.device_count():
+        parser.error(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    for option, path in (("--json", args.json), ("--markdown", args.markdown)):
+        why = unwritable(path) if path and path != "-" else None
+        if why is not None:
+            parser.error(f"{option} {path}: cannot write there ({why}); give a writable file path")
     model = args.model or ("gpt2-small" if on_cuda else "tiny")
     if args.json == "-" and args.markdown == "-":
         parser.error("--json - and --markdown - would both go to stdout: give one of them a file path")
     try:
         presets.check_name(model)
-        if hf_config and not model.startswith(presets.HF_PREFIX):
-            raise ValueError(f"--hf-config applies to hf: models only, not the preset {model!r}")
+        presets.check_hf_config(model, hf_config)
         seq_len = args.seq_len
         max_len = presets.max_seq_len(model)
         if max_len is not None:
@@ -183,14 +230,16 @@ def autotune_report(argv: List[str]) -> int:
         sys.stdout.write(report.format_table(result, full=args.full))
     elif result["notice"]:
         print(result["notice"], file=sys.stderr)
+    status = 0
     for name, (path, render) in outputs.items():
         if path == "-":
             sys.stdout.write(render(result))
         elif path:
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(render(result))
-            print(f"wrote the {name} report to {path}", file=sys.stderr)
-    return 0
+            if write_text(path, render(result), f"{name} report"):
+                print(f"wrote the {name} report to {path}", file=sys.stderr)
+            else:
+                status = 1
+    return status
 
 
 def dashboard(argv: List[str]) -> int:
@@ -208,42 +257,55 @@ def dashboard(argv: List[str]) -> int:
     args = parser.parse_args(argv)
     if not (args.output or args.records or args.markdown or args.update_readme):
         parser.error("say what to write: -o report.html, --records FILE, --markdown or --update-readme README")
+    if args.output:
+        try:  # the page's directory is made if missing
+            Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            parser.error(f"-o {args.output}: cannot make its directory ({exc.strerror or exc})")
+    for option, path in (("-o", args.output), ("--records", args.records), ("--update-readme", args.update_readme)):
+        why = unwritable(path) if path and path != "-" else None
+        if why is not None:
+            parser.error(f"{option} {path}: cannot write there ({why})")
     try:
         docs = results.load(args.results)
     except ValueError as exc:
         parser.error(str(exc))
+    autotune = None
+    if args.summary:
+        try:
+            autotune = json.loads(Path(args.summary).read_text())
+        except (OSError, ValueError) as exc:
+            parser.error(f"--summary {args.summary}: not an autotune report's JSON ({exc})")
+        problem = results.report_problem(autotune)
+        if problem is not None:
+            parser.error(f"--summary {args.summary}: not an autotune report's JSON ({problem})")
+    status = 0
     if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(page.render(docs), encoding="utf-8")
-        print(f"wrote the dashboard to {args.output}", file=sys.stderr)
+        if write_text(args.output, page.render(docs), "dashboard"):
+            print(f"wrote the dashboard to {args.output}", file=sys.stderr)
+        else:
+            status = 1
     if args.records:
         text = json.dumps(results.flat_records(docs), indent=1) + "\n"
         if args.records == "-":
             sys.stdout.write(text)
-        else:
-            with open(args.records, "w", encoding="utf-8") as f:
-                f.write(text)
+        elif not write_text(args.records, text, "records"):
+            status = 1
     if args.markdown:
         sys.stdout.write(results.markdown(docs))
     if args.update_readme:
         try:
-            with open(args.update_readme, encoding="utf-8") as f:
-                text = results.readme_with_results(f.read(), docs)
-        except ValueError as exc:
-            parser.error(str(exc))
-        with open(args.update_readme, "w", encoding="utf-8") as f:
-            f.write(text)
-        print(f"updated the results in {args.update_readme}", file=sys.stderr)
+            text = results.readme_with_results(Path(args.update_readme).read_text(encoding="utf-8"), docs)
+        except (OSError, ValueError) as exc:
+            parser.error(f"--update-readme {args.update_readme}: {exc}")
+        if write_text(args.update_readme, text, "results tables"):
+            print(f"updated the results in {args.update_readme}", file=sys.stderr)
+        else:
+            status = 1
     if args.summary is not None:
-        autotune = None
-        if args.summary:
-            try:
-                autotune = json.loads(Path(args.summary).read_text())
-            except (OSError, ValueError) as exc:
-                parser.error(f"--summary {args.summary}: not an autotune report's JSON ({exc})")
         sys.stderr.flush()
         sys.stdout.write(results.summary(docs, autotune, args.output))
-    return 0
+    return status
 
 
 COMMANDS = {"autotune-report": autotune_report, "demo": demo, "dashboard": dashboard}

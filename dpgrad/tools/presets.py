@@ -113,6 +113,44 @@ def check_name(name: str) -> None:
     raise ValueError(f"unknown model {name!r}: choose one of {model_names()}")
 
 
+def check_hf_config(name: str, overrides: Dict[str, Any]) -> None:
+    """Raise ValueError unless every override names a field of the ``hf:`` model's config and
+    has the type of that field's default; a size (a field whose default is a positive integer)
+    must be a positive integer."""
+    if not overrides:
+        return
+    if not name.startswith(HF_PREFIX) or name in HF_PRESETS:
+        raise ValueError(f"config overrides {sorted(overrides)} apply to hf: models only, not the preset {name!r}")
+    import transformers
+
+    model_type = name[len(HF_PREFIX):]
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise ValueError(
+            f"model {name!r}: transformers {transformers.__version__} has no model type {model_type!r}; "
+            "use a key of transformers.CONFIG_MAPPING, e.g. hf:gpt2 or hf:llama"
+        )
+    config_class = transformers.CONFIG_MAPPING[model_type]
+    defaults = config_class().to_dict()
+    aliases = getattr(config_class, "attribute_map", {}) or {}
+    def is_size(field: str, default) -> bool:  # token ids are integers too, and may be 0
+        return type(default) is int and default > 0 and not field.endswith(("_id", "_ids"))
+
+    for key, value in overrides.items():
+        field = aliases.get(key, key)
+        if field not in defaults:
+            sizes = sorted(k for k, v in defaults.items() if is_size(k, v))[:8]
+            raise ValueError(f"{name} has no config field {key!r}; its size fields include {', '.join(sizes)}")
+        default = defaults[field]
+        if is_size(field, default) and not (type(value) is int and value > 0):
+            raise ValueError(f"config field {key}={value!r} of {name}: a size, pass a positive integer")
+        if type(default) is int and type(value) is not int:
+            raise ValueError(f"config field {key}={value!r} of {name}: pass an integer")
+        if type(default) is float and (type(value) not in (int, float) or value != value or abs(value) == float("inf")):
+            raise ValueError(f"config field {key}={value!r} of {name}: pass a finite number")
+        if type(default) in (bool, str) and type(value) is not type(default):
+            raise ValueError(f"config field {key}={value!r} of {name}: pass a {type(default).__name__}")
+
+
 def check_seq_len(name: str, seq_len: int, max_seq_len: int) -> None:
     """Raise ValueError unless a model with ``max_seq_len`` positions takes ``seq_len`` tokens."""
     if not 2 <= seq_len <= max_seq_len:
@@ -166,17 +204,24 @@ def _build_hf(name, device, dtype, seq_len, overrides, model_type) -> BuiltModel
             f"model {name!r}: transformers {transformers.__version__} has no model type {model_type!r}; "
             "use a key of transformers.CONFIG_MAPPING, e.g. hf:gpt2 or hf:llama"
         )
-    config = transformers.AutoConfig.for_model(model_type, **overrides)
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **overrides)
+    except Exception as exc:  # transformers' own checks of the fields (divisibility, ranges)
+        raise ValueError(f"model {name!r}: transformers refused the config {overrides}: {exc}") from exc
     max_len = next((getattr(config, k) for k in ("max_position_embeddings", "n_positions", "max_seq_len")
                     if getattr(config, k, None)), None) or 2048
     if seq_len is not None:
         check_seq_len(name, seq_len, max_len)
-    with device:
-        module = transformers.AutoModelForCausalLM.from_config(config)
+    try:
+        with device:
+            module = transformers.AutoModelForCausalLM.from_config(config)
+    except (ValueError, TypeError, ZeroDivisionError, AssertionError) as exc:  # sizes that do not fit together
+        raise ValueError(f"model {name!r}: the model cannot be built with {overrides or 'its default config'}: "
+                         f"{type(exc).__name__}: {exc}") from exc
     module.to(dtype=dtype)
     pad = config.pad_token_id if isinstance(getattr(config, "pad_token_id", None), int) else 0
     return BuiltModel(name, module, config.vocab_size, max_len, pad, hf=True)
 
 
-__all__ = ["DTYPES", "HF_PREFIX", "HF_PRESETS", "PRESETS", "BuiltModel", "build_model", "check_name",
-           "check_seq_len", "max_seq_len", "model_names", "transformers_available"]
+__all__ = ["DTYPES", "HF_PREFIX", "HF_PRESETS", "PRESETS", "BuiltModel", "build_model", "check_hf_config",
+           "check_name", "check_seq_len", "max_seq_len", "model_names", "transformers_available"]

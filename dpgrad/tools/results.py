@@ -112,6 +112,22 @@ def warm_up(run, min_rounds: int = 2, max_rounds: int = 10, tolerance: float = 0
     return max_rounds
 
 
+def peak_allocated(run) -> int:
+    """The most bytes ``run`` had allocated on the CPU at once beyond what was live when it
+    started, from torch.profiler's record of every allocation and free."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
 def quick_mode() -> bool:
     """Whether the benchmark suites run at their small sizes: ``DPGRAD_BENCH_QUICK=1``, or no CUDA."""
     import os
@@ -207,6 +223,50 @@ def write(directory: Path, suite: str, results: List[dict], settings: Dict[str, 
     return path
 
 
+# What the tables and the dashboard read of each suite's shapes.
+SHAPE_KEYS = {"dp_step": ("model", "batch", "seq_len", "dtype"), "host_overhead": ("model", "batch", "seq_len", "dtype"),
+              "kernels": ("kernel", "layer", "T", "B"), "fsdp_memory": ("model", "world")}
+MACHINE_KEYS = ("device", "date", "commit", "torch")
+
+
+def _problem(doc: dict) -> Optional[str]:
+    """What in a results file (of the right schema) is missing or of the wrong type; None if nothing."""
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    suite = doc.get("suite")
+    if suite not in SHAPE_KEYS:
+        return f"suite {suite!r}, not one of {', '.join(SHAPE_KEYS)}"
+    machine = doc.get("machine")
+    if not isinstance(machine, dict) or not all(isinstance(machine.get(k), str) for k in MACHINE_KEYS):
+        return f"a 'machine' that is not an object with the strings {', '.join(MACHINE_KEYS)}"
+    rows = doc.get("results")
+    if not isinstance(rows, list):
+        return "'results' that is not a list"
+    for i, row in enumerate(rows):
+        where = f"results[{i}]"
+        if not isinstance(row, dict):
+            return f"{where} that is not an object"
+        for key in ("benchmark", "provider", "status"):
+            if not isinstance(row.get(key), str):
+                return f"{where}.{key} that is not a string"
+        shape = row.get("shape")
+        if not isinstance(shape, dict) or any(k not in shape for k in SHAPE_KEYS[suite]):
+            return f"{where}.shape without {', '.join(SHAPE_KEYS[suite])}"
+        if any(not isinstance(v, (str, int, float, bool, type(None))) for v in shape.values()):
+            return f"{where}.shape with a value that is not a string or a number"
+        metrics = row.get("metrics", {})
+        if not isinstance(metrics, dict):
+            return f"{where}.metrics that is not an object"
+        for name, m in metrics.items():
+            if not isinstance(m, dict) or not all(number(m.get(q)) for q in ("p20", "p50", "p80")):
+                return f"{where}.metrics.{name} without numbers p20, p50 and p80"
+        flags = row.get("flags", [])
+        if not isinstance(flags, list) or not all(isinstance(f, str) for f in flags):
+            return f"{where}.flags that is not a list of strings"
+    return None
+
+
 def load(paths: Iterable[Path]) -> List[dict]:
     """Read results files (flagging the rows of one written before rows were flagged); raises
     ValueError naming a file that is not one."""
@@ -219,6 +279,9 @@ def load(paths: Iterable[Path]) -> List[dict]:
             raise ValueError(f"{path}: not a readable JSON file ({exc})") from exc
         if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
             raise ValueError(f"{path}: not a dpgrad results file (schema {SCHEMA!r}); write it with the benchmarks")
+        problem = _problem(doc)
+        if problem is not None:
+            raise ValueError(f"{path}: a dpgrad results file with {problem}; write it again with the benchmarks")
         doc["path"] = str(path)
         if any("flags" not in row for row in doc["results"]):
             flag_rows(doc["results"])  # a file written before rows were flagged
@@ -396,6 +459,23 @@ def readme_with_results(readme: str, docs: Iterable[dict]) -> str:
         raise ValueError(f"the README has no results block: put {README_START!r} and {README_END!r} "
                          "where the tables go")
     return readme[: start + len(README_START)] + "\n\n" + markdown(docs) + "\n" + readme[end:]
+
+
+def report_problem(report) -> Optional[str]:
+    """What ``summary`` would miss in an autotune report's JSON; None if nothing."""
+    if not isinstance(report, dict):
+        return "not an object"
+    model = report.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("name"), str) or \
+            not isinstance(model.get("trainable_layers"), int):
+        return "no 'model' with a name and a count of trainable layers"
+    if not all(isinstance(report.get(k), str) for k in ("device", "backend")):
+        return "no 'device' and 'backend' strings"
+    rows = report.get("rows")
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("choice"), str) and (
+            r.get("speedup") is None or isinstance(r["speedup"], (int, float))) for r in rows):
+        return "no 'rows' of objects with a 'choice' string and a numeric 'speedup'"
+    return None
 
 
 def summary(docs: List[dict], report: Optional[dict] = None, page: Optional[str] = None) -> str:

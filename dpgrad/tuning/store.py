@@ -19,6 +19,7 @@ each write takes an exclusive lock, re-reads the file, merges, and replaces it a
 
 from __future__ import annotations
 
+import glob
 import importlib.metadata
 import json
 import os
@@ -119,8 +120,33 @@ def versions() -> dict:
     }
 
 
-def _valid_record(record) -> bool:
-    return isinstance(record, dict) and isinstance(record.get("choice"), str)
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# The fields of a record besides "choice" (the tuner's), each with what its values must be.
+_FIELDS = {
+    "timings_ms": ("an object of numbers", lambda v: isinstance(v, dict) and all(_number(x) for x in v.values())),
+    "spread": ("an object of numbers", lambda v: isinstance(v, dict) and all(_number(x) for x in v.values())),
+    "skipped": ("an object of strings", lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values())),
+    "config": ("null or an object of integers", lambda v: v is None or isinstance(v, dict) and all(
+        isinstance(x, int) for x in v.values())),
+    "measured": ("null or a string", lambda v: v is None or isinstance(v, str)),
+    "shape": ("an object", lambda v: isinstance(v, dict)),
+}
+
+
+def record_problem(record) -> str | None:
+    """Why ``record`` is not a record the tuner can use (None when it is): a dict with a str
+    "choice", and, where present, the tuner's fields with values of the right types."""
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object"
+    if not isinstance(record.get("choice"), str):
+        return "no string 'choice'"
+    for name, (what, ok) in _FIELDS.items():
+        if name in record and not ok(record[name]):
+            return f"'{name}' is not {what}"
+    return None
 
 
 class TuneStore:
@@ -163,10 +189,11 @@ class TuneStore:
         """
         if not isinstance(key, str):
             raise TypeError(f"TuneStore.put: key must be a str, got {type(key).__name__}")
-        if not _valid_record(record):
+        problem = record_problem(record)
+        if problem is not None:
             raise ValueError(
                 f"TuneStore.put({key!r}): record must be a dict with a str 'choice' (the chosen "
-                f"strategy), got {record!r}"
+                f"strategy) and well-typed fields; this one is {problem}: {record!r}"
             )
         try:
             record = _copy(record)  # JSON round trip: memory holds exactly what a reload gives
@@ -220,13 +247,12 @@ class TuneStore:
         entries = data.get("entries")
         if not isinstance(entries, dict):
             return None, f"'entries' is a JSON {type(entries).__name__}, not an object"
-        bad = [k for k, v in entries.items() if not _valid_record(v)]
+        bad = {k: record_problem(v) for k, v in entries.items()}
+        bad = {k: why for k, why in bad.items() if why is not None}
         if bad:
-            entries = {k: v for k, v in entries.items() if _valid_record(v)}
-            return entries, (
-                f"dropped {len(bad)} malformed entries (not a dict with a str 'choice'), "
-                f"e.g. {bad[0]!r}"
-            )
+            entries = {k: v for k, v in entries.items() if k not in bad}
+            key, why = next(iter(bad.items()))
+            return entries, f"dropped {len(bad)} malformed entries, e.g. {key!r} ({why})"
         return entries, None
 
     # ------------------------------------------------------------------ writing
@@ -245,6 +271,8 @@ class TuneStore:
                 merged.update(theirs or {})
                 merged.update({k: self._entries[k] for k in self._own})
                 self._entries = merged
+                if fcntl is not None:  # under the lock no other writer is at work
+                    _remove_leftovers(self.path)
                 _atomic_write_json(self.path, self._document())
         except OSError as e:
             if not self._write_warned:
@@ -302,6 +330,16 @@ class _exclusive_lock:
         if self.fd is not None:
             os.close(self.fd)  # closing releases the flock
         return False
+
+
+def _remove_leftovers(path: pathlib.Path) -> None:
+    """Delete the temporary files of writers of ``path`` that were killed before renaming
+    theirs (``_atomic_write_json``'s): called under the lock, when no writer is at work."""
+    for leftover in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        try:
+            leftover.unlink()
+        except OSError:
+            pass
 
 
 def _atomic_write_json(path: pathlib.Path, document: dict) -> None:

@@ -44,6 +44,10 @@ RECHECK_RUNS = 3
 # A candidate whose time over its cost-model estimate is this many times the fastest
 # candidate's is timed again too, however slow it looked: one disturbed run can make it so.
 OUTLIER_FACTOR = 10.0
+# Exact shapes whose chosen candidate a step looks up directly, at most (variable sequence
+# lengths would grow the table without end): beyond it the table starts again, and each shape
+# is found again from its bucketed key's decision, which is kept.
+MAX_CHOSEN = 4096
 # Relative per-sample tolerance of a candidate's result against the eager reference.
 NORM_RTOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 GRAD_RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -146,6 +150,8 @@ class Tuner:
             self._decisions[key] = decision
         for rec in self._recordings:
             self._record(rec, layer, decision, inputs)
+        if len(self._chosen) >= MAX_CHOSEN:
+            self._chosen.clear()
         chosen = self._chosen[fast] = by_name[decision.choice].with_config(decision.config)
         return chosen
 
