@@ -14,11 +14,14 @@ Each sequence is one sample (``shape=`` of the loss wrappers). Models:
   tied weights under ghost clipping: its rows say so);
 - ``hf-llama-1b``, ``hf-llama-1b-lora16``: a Llama-3.2-1B-shaped Hugging Face model, fully
   fine-tuned, or with PEFT LoRA adapters of rank 16 on every projection (only they train);
-- ``-tiny`` variants of the Hugging Face models: the same architectures at two layers.
+- ``-tiny`` variants of the Hugging Face models: the same architectures at two layers;
+- ``-ckpt`` variants: GPT-2 with Hugging Face's non-reentrant activation checkpointing of
+  every block, for the non-private step and dpgrad's (the memory checkpointing saves).
 Quick mode (the default without CUDA, ``DPGRAD_BENCH_QUICK=1`` otherwise) runs the small
-models in fp32; the full suite runs the real sizes in bf16 on a GPU and records peak memory:
-the most allocated during one step, less what was allocated before the provider copied the
-model (the suite's models, kept for every provider to copy), after a garbage collection.
+models in fp32; the full suite runs the real sizes in bf16 on a GPU. Peak memory: on a GPU the
+most allocated during one step, less what was allocated before the provider copied the model
+(the suite's models, kept for every provider to copy), after a garbage collection; on a CPU
+the most one step allocates at once beyond what was live when it started (torch.profiler).
 A provider that cannot run a model (out of memory, refused) is recorded with the reason.
 """
 
@@ -52,11 +55,13 @@ DEVICE = torch.device("cuda" if CUDA else "cpu")
 # (model, batch, tokens per sequence, dtype): about 8k tokens a step on the GPU.
 CASES = (
     [("tiny", 8, 64, "fp32"), ("tiny", 8, 256, "fp32"), ("hf-gpt2-tiny", 8, 64, "fp32"),
-     ("hf-llama-tiny", 8, 64, "fp32"), ("hf-llama-tiny-lora16", 8, 64, "fp32")]
+     ("hf-gpt2-tiny-ckpt", 8, 64, "fp32"), ("hf-llama-tiny", 8, 64, "fp32"), ("hf-llama-tiny-lora16", 8, 64, "fp32")]
     if results.quick_mode()
-    else [("hf-gpt2", 64, 128, "bf16"), ("hf-gpt2", 8, 1024, "bf16"), ("hf-llama-1b", 8, 1024, "bf16"),
-          ("hf-llama-1b-lora16", 8, 1024, "bf16")]
+    else [("hf-gpt2", 64, 128, "bf16"), ("hf-gpt2", 8, 1024, "bf16"), ("hf-gpt2-ckpt", 8, 1024, "bf16"),
+          ("hf-llama-1b", 8, 1024, "bf16"), ("hf-llama-1b-lora16", 8, 1024, "bf16")]
 )
+# The providers measured with activation checkpointing (Opacus's hooks and torch.func are not).
+CHECKPOINTED = ("non-private", "dpgrad-double", "dpgrad-single")
 PROVIDERS = ["non-private", "opacus-hooks", "torch-func", "opacus-ghost", "dpgrad-double", "dpgrad-single"]
 ROUNDS = 15 if CUDA else 10
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -85,7 +90,14 @@ def _hf(name: str) -> BenchModel:
     if name.startswith("hf-gpt2"):
         tiny = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=256) if "tiny" in name else {}
         cfg = transformers.GPT2Config(**tiny, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common)
-        return BenchModel(transformers.GPT2LMHeadModel(cfg), cfg.vocab_size, 0, hf=True)
+        model = transformers.GPT2LMHeadModel(cfg).train()
+        if name.endswith("-ckpt"):
+            enable = getattr(model, "activation_checkpointing_enable", None)
+            if enable is not None:  # transformers 5: non-reentrant by default
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return BenchModel(model, cfg.vocab_size, 0, hf=True)
     import peft
 
     if "tiny" in name:
@@ -224,6 +236,8 @@ def test_dp_step(bench, provider, name, batch, seq_len, dtype):
     gc.collect()
     if CUDA:
         torch.cuda.empty_cache()
+    if name.endswith("-ckpt") and provider not in CHECKPOINTED:
+        bench.skip("not measured with activation checkpointing")
     try:
         _model(name, dtype)
         # The suite's models, kept for the providers to copy, are not this step's memory.
@@ -245,6 +259,8 @@ def test_dp_step(bench, provider, name, batch, seq_len, dtype):
         torch.cuda.reset_peak_memory_stats()
         synced_step()
         bench.metrics["peak_memory"] = results.metric("peak_memory", torch.cuda.max_memory_allocated() - before)
+    else:
+        bench.metrics["peak_memory"] = results.metric("peak_memory", results.peak_allocated(synced_step))
     if not bench.benchmark_fixture.disabled:
         results.warm_up(synced_step)  # until two steps in a row agree within 10%
     bench.benchmark_fixture.pedantic(synced_step, rounds=ROUNDS, iterations=1, warmup_rounds=1)

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 import dpgrad
+from dpgrad.tools import results
 from dpgrad.tools.models import TinyTransformer, TinyTransformerConfig, synthetic_batch
 
 CFG = TinyTransformerConfig(vocab_size=4096, max_seq_len=64, d_model=256, n_heads=4, n_layers=4, d_ff=1024)
@@ -39,22 +40,6 @@ def _state(net: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, int]:
                        if isinstance(v, torch.Tensor) and v.dim() > 0]
     return {"params": _local_bytes(params), "grads": _local_bytes(p.grad for p in params if p.grad is not None),
             "optimizer": _local_bytes(optimizer_state)}
-
-
-def _peak_allocated(run) -> int:
-    """The most bytes ``run`` had allocated at once beyond what was live when it started, from
-    the profiler's record of every CPU allocation and free."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
 
 
 def dp_step_memory(rank: int, world: int, provider: str) -> dict:
@@ -100,7 +85,7 @@ def dp_step_memory(rank: int, world: int, provider: str) -> dict:
         step()
         times.append(time.perf_counter() - start)
     state = _state(net, optimizer)
-    peak = sum(state.values()) + _peak_allocated(step)
+    peak = sum(state.values()) + results.peak_allocated(step)
     return {"peak": peak, "state": sum(state.values()), "parts": state, "times": times}
 
 
