@@ -4,7 +4,7 @@ The page embeds the results as JSON and draws its charts with a few lines of its
 JavaScript into SVG: nothing is fetched, so it opens offline. Per machine:
 - speedup over Opacus per kernel and layer shape (the kernels suite);
 - throughput of each DP step over the non-private step's, per model and T (dp_step);
-- peak memory per model, T and provider (dp_step, measured on CUDA);
+- peak memory per model, T and provider (dp_step; on a CPU the most a step allocates at once);
 - a table of each DP step's host overhead against the non-private step's (host_overhead:
   operations dispatched and host waits per step, per hooked layer, host and step times),
   where the machine has such results;
@@ -253,7 +253,7 @@ _SCRIPT = r"""
           f => dpStep(f, mine, "throughput_over_non_private", 1, "x", 1), "no DP-step results for this machine");
     chart(section, "memory-" + i, "Peak memory per step (GiB)",
           f => dpStep(f, mine, "peak_memory", 1 / 2 ** 30, "GiB", 0),
-          "no peak-memory figures for this machine (measured on CUDA only)");
+          "no peak-memory figures for this machine");
     drawn += 3;
     hostOverhead(section, mine, i);
     const bad = mine.flatMap(d => d.results).filter(flagged);
