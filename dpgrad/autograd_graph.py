@@ -83,7 +83,8 @@ class ForwardEdges:
         self.output_seq = 0
         self._consumed = False
 
-    def add(self, out: torch.Tensor, layer=None, inputs=(), params=()) -> None:
+    def add(self, out: torch.Tensor, layer, inputs, params) -> None:
+        """A hooked call of ``layer``: its output, its inputs, the parameters it covers."""
         mark_output(out, self.mark, self.forward_id)
         self._edges.append(GradientEdge(out.grad_fn, out.output_nr))
         self.calls.append((layer, out.grad_fn, inputs, params))

@@ -865,11 +865,29 @@ REENTRANT_CHECKPOINT = (
 )
 
 
+def _top_saved_tensors_hooks():
+    """The innermost ``saved_tensors_hooks`` (pack, unpack) in force, or None (also where
+    this torch cannot say: its recomputations are then hooked like forward passes, harmless
+    but for the memory they hold until the pass ends)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return None
+    try:
+        return top(False)
+    except TypeError:  # an older signature, without the argument
+        try:
+            return top()
+        except RuntimeError:
+            return None
+    except RuntimeError:
+        return None
+
+
 def _recomputing() -> bool:
     """Whether non-reentrant activation checkpointing is recomputing a forward pass (inside
     the backward pass) for the tensors it saved: its layer calls are no forward pass of the
     model, and nothing backpropagates through their outputs."""
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    top = _top_saved_tensors_hooks()
     return top is not None and "_recomputation_hook" in getattr(top[0], "__qualname__", "")
 
 
