@@ -137,9 +137,17 @@ def _launch(G: torch.Tensor, seg: _Segments, out: torch.Tensor, dest=None, coef=
 def embedding_sq_norm(
     ids: torch.Tensor, G: torch.Tensor, num_embeddings: int, padding_idx: Optional[int] = None
 ) -> torch.Tensor:
-    """Squared per-sample embedding-gradient norms ``sum_v ||sum_{t: x_bt = v} g_bt||^2``.
+    """Squared per-sample embedding-gradient norms ``sum_v ||sum_{t: x_bt = v} g_bt||^2``;
+    positions holding ``padding_idx`` add nothing.
 
-    ids: (B, T) integers, G: (B, T, d) fp32/bf16/fp16, any strides -> (B,) fp32.
+    Args:
+        ids: token ids, [B, T] (or [B, *]) int32/int64.
+        G: backprops, [B, T, d] (or [B, *, d]), fp32/bf16/fp16, any strides.
+        num_embeddings: V, the table's rows.
+        padding_idx: the row that gets no gradient, or None.
+
+    Returns:
+        [B] fp32.
     """
     check_dtypes("embedding_sq_norm", G)
     B, d = ids.shape[0], G.shape[-1]
@@ -163,10 +171,17 @@ def embedding_sq_norm(
 def embedding_grad_sample(
     ids: torch.Tensor, G: torch.Tensor, num_embeddings: int, padding_idx: Optional[int] = None
 ) -> torch.Tensor:
-    """Per-sample embedding gradients: (B, T) ids, (B, T, d) backprops -> (B, V, d) in G's dtype.
+    """Per-sample embedding gradients: inherently B*V*d memory (zero-filled first); warns when
+    that is large.
 
-    Inherently B*V*d memory (zero-filled first); warns when that is large. The
-    ``padding_idx`` row stays zero.
+    Args:
+        ids: token ids, [B, T] (or [B, *]) int32/int64.
+        G: backprops, [B, T, d] (or [B, *, d]), fp32/bf16/fp16, any strides.
+        num_embeddings: V, the table's rows.
+        padding_idx: the row that stays zero, or None.
+
+    Returns:
+        [B, V, d] in G's dtype.
     """
     check_dtypes("embedding_grad_sample", G)
     B, d = ids.shape[0], G.shape[-1]
@@ -187,9 +202,18 @@ def embedding_clipped_sum(
     padding_idx: Optional[int] = None,
     out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
-    """Clipped gradient sum ``sum_b c_b * sum_t onehot(x_bt) g_bt^T``: (V, d), fp32-accumulated.
+    """Clipped gradient sum ``sum_b c_b * sum_t onehot(x_bt) g_bt^T``, accumulated in fp32.
 
-    ids: (B, T), G: (B, T, d) fp32/bf16/fp16, coef: (B,). Output in ``out_dtype`` (default G's).
+    Args:
+        ids: token ids, [B, T] (or [B, *]) int32/int64.
+        G: backprops, [B, T, d] (or [B, *, d]), fp32/bf16/fp16, any strides.
+        coef: clipping factors, [B], any float dtype.
+        num_embeddings: V, the table's rows.
+        padding_idx: the row that gets no gradient, or None.
+        out_dtype: the sum's dtype; default G's.
+
+    Returns:
+        [V, d] in ``out_dtype``.
     """
     check_dtypes("embedding_clipped_sum", G)
     d = G.shape[-1]

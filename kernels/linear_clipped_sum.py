@@ -67,11 +67,18 @@ def linear_clipped_sum(
     bias: bool = False,
     out_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Clipped gradient sums of a Linear layer, accumulated in fp32.
+    """Clipped gradient sums of a Linear layer, ``(c ⊙ G)^T A`` and ``sum_b c_b sum_t G_b[t]``,
+    accumulated in fp32.
 
-    A: (B, T, d), G: (B, T, p), any strides, fp32/bf16/fp16; coef: (B,) clipping factors.
-    Returns the weight sum (p, d) and, with ``bias``, the bias sum (p,), in ``out_dtype``
-    (default G's dtype).
+    Args:
+        A: inputs, [B, T, d], fp32/bf16/fp16, any strides.
+        G: backprops, [B, T, p], A's dtype family (fp32/bf16/fp16), any strides.
+        coef: clipping factors, [B], any float dtype (applied in fp32 to each sample's tile).
+        bias: also return the bias sum.
+        out_dtype: the sums' dtype; default G's.
+
+    Returns:
+        (weight sum [p, d], bias sum [p] or None), in ``out_dtype``.
     """
     check_dtypes("linear_clipped_sum", A, G)
     B, T, d = A.shape

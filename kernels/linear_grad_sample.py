@@ -111,13 +111,22 @@ def linear_per_sample(
     norm: bool = False,
     out_dtype: Optional[torch.dtype] = None,
 ) -> LinearPerSample:
-    """Per-sample Linear gradients and/or their squared norms in one pass over A and G.
+    """Per-sample Linear gradients and/or their squared norms in one pass over A and G,
+    accumulated in fp32. ``grad=False, norm=True`` is the direct norm: no [B, p, d] tensor is
+    ever written.
 
-    A: (B, T, d), G: (B, T, p), any strides, fp32/bf16/fp16 (accumulated in fp32).
-    ``grad``: return ``W_b = G_b^T A_b`` as (B, p, d) in ``out_dtype`` (default G's dtype),
-    and with ``bias`` also ``sum_t G_b[t]`` as (B, p). ``norm``: return the squared norms of
-    those, (B,) fp32, from the fp32 accumulators rather than from the rounded outputs.
-    ``grad=False, norm=True`` is the direct norm: no (B, p, d) tensor is ever written.
+    Args:
+        A: inputs, [B, T, d], fp32/bf16/fp16, any strides.
+        G: backprops, [B, T, p], fp32/bf16/fp16, any strides.
+        grad: return the per-sample gradients ``W_b = G_b^T A_b``.
+        bias: also the bias gradients ``sum_t G_b[t]``.
+        norm: return the squared norms of those, from the fp32 accumulators rather than from
+            the rounded outputs.
+        out_dtype: the gradients' dtype; default G's.
+
+    Returns:
+        ``LinearPerSample``: weight [B, p, d] and bias [B, p] in ``out_dtype`` (None where not
+        asked for), weight_sq_norm and bias_sq_norm [B] fp32 (with ``norm``).
     """
     check_dtypes("linear_per_sample", A, G)
     B, T, d = A.shape

@@ -15,6 +15,11 @@ from .linear_grad_sample import linear_per_sample
 def linear_weight_sq_norm_direct(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
     """Squared per-sample weight-gradient norms ``||G_b^T A_b||_F^2``.
 
-    A: (B, T, d), G: (B, T, p), any strides, fp32/bf16/fp16 -> (B,) fp32.
+    Args:
+        A: inputs, [B, T, d], fp32/bf16/fp16, any strides.
+        G: backprops, [B, T, p], fp32/bf16/fp16, any strides.
+
+    Returns:
+        [B] fp32.
     """
     return linear_per_sample(A, G, grad=False, norm=True).weight_sq_norm

@@ -77,9 +77,15 @@ def _linear_gram_norm_kernel(
 
 
 def linear_weight_sq_norm_gram(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
-    """Squared per-sample weight-gradient norms ``<A_b A_b^T, G_b G_b^T>_F``.
+    """Squared per-sample weight-gradient norms ``<A_b A_b^T, G_b G_b^T>_F``, by [BT, BT] tiles
+    of both Gram matrices (only t <= t' tiles; no [B, T, T] tensor).
 
-    A: (B, T, d), G: (B, T, p), any strides, fp32/bf16/fp16 -> (B,) fp32.
+    Args:
+        A: inputs, [B, T, d], fp32/bf16/fp16, any strides.
+        G: backprops, [B, T, p], fp32/bf16/fp16, any strides.
+
+    Returns:
+        [B] fp32.
     """
     check_dtypes("linear_weight_sq_norm_gram", A, G)
     B, T, d = A.shape

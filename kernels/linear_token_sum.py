@@ -58,9 +58,16 @@ def _token_sum_kernel(
 def token_sum(
     X: torch.Tensor, *, write_sum: bool = True, norm: bool = False, out_dtype: Optional[torch.dtype] = None
 ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """``S_b = sum_t X_b[t]`` as (B, n) in ``out_dtype`` (default X's dtype) and/or ``||S_b||^2``.
+    """``S_b = sum_t X_b[t]`` and/or ``||S_b||^2``, summed in fp32.
 
-    X: (B, T, n), any strides. The squared norms are fp32, from the fp32 sums.
+    Args:
+        X: [B, T, n], fp32/bf16/fp16, any strides.
+        write_sum: return the sums.
+        norm: return their squared norms.
+        out_dtype: the sums' dtype; default X's.
+
+    Returns:
+        (sums [B, n] in ``out_dtype`` or None, squared norms [B] fp32 or None).
     """
     check_dtypes("token_sum", X)
     B, T, n = X.shape
@@ -76,18 +83,40 @@ def token_sum(
 
 
 def linear_bias_grad_sample(G: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """Per-sample bias gradients ``sum_t G_b[t]``: (B, T, p) -> (B, p) in ``out_dtype`` (default
-    G's dtype), summed in fp32."""
+    """Per-sample bias gradients ``sum_t G_b[t]``, summed in fp32.
+
+    Args:
+        G: backprops, [B, T, p], fp32/bf16/fp16, any strides.
+        out_dtype: the result's dtype; default G's.
+
+    Returns:
+        [B, p] in ``out_dtype``.
+    """
     return token_sum(G, out_dtype=out_dtype)[0]
 
 
 def linear_bias_sq_norm(G: torch.Tensor) -> torch.Tensor:
-    """Squared per-sample bias-gradient norms ``||sum_t G_b[t]||^2``: (B, T, p) -> (B,) fp32."""
+    """Squared per-sample bias-gradient norms ``||sum_t G_b[t]||^2``.
+
+    Args:
+        G: backprops, [B, T, p], fp32/bf16/fp16, any strides.
+
+    Returns:
+        [B] fp32.
+    """
     return token_sum(G, write_sum=False, norm=True)[1]
 
 
 def linear_weight_sq_norm_outer(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
-    """Squared per-sample weight norms when T == 1: ``||a_b||^2 * ||g_b||^2``, (B,) fp32."""
+    """Squared per-sample weight norms when T == 1: ``||a_b||^2 * ||g_b||^2``.
+
+    Args:
+        A: inputs, [B, 1, d], fp32/bf16/fp16, any strides.
+        G: backprops, [B, 1, p], fp32/bf16/fp16, any strides.
+
+    Returns:
+        [B] fp32.
+    """
     if A.shape[1] != 1:
         raise ValueError(f"the 'outer' norm needs T == 1, got T = {A.shape[1]}")
     return linear_bias_sq_norm(A) * linear_bias_sq_norm(G)

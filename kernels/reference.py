@@ -16,7 +16,6 @@ whatever B is.
 from __future__ import annotations
 
 import math
-import sys
 import warnings
 from typing import Iterator, NamedTuple, Optional, Tuple
 
@@ -241,35 +240,21 @@ def linear_weight_sq_norm_outer(A: torch.Tensor, G: torch.Tensor) -> torch.Tenso
     return A.to(acc).square().sum(dim=(1, 2)) * G.to(acc).square().sum(dim=(1, 2))
 
 
-def linear_norm_algorithm(T: int, d: int, p: int) -> str:
-    """The cheaper eager algorithm for a layer shape: "outer", "gram" or "direct".
-
-    Compares the eager flop counts, 2*T^2*(p+d) for the Gram form against 2*T*p*d for the
-    direct form (the Triton path measures instead of counting).
-    """
-    if T == 1:
-        return "outer"
-    return "gram" if T * (p + d) < p * d else "direct"
-
-
-def run_linear_norm(ops, A: torch.Tensor, G: torch.Tensor, algorithm: str) -> torch.Tensor:
-    """Squared Linear weight norms by the named algorithm of a backend module ``ops``.
-
-    "auto" asks ``ops.linear_norm_algorithm`` for the shape.
-    """
-    T = A.shape[1]
-    if algorithm == "auto":
-        algorithm = ops.linear_norm_algorithm(T, A.shape[2], G.shape[2])
-    if algorithm not in ("outer", "gram", "direct"):
-        raise ValueError(f"unknown linear norm algorithm {algorithm!r}: use auto, outer, gram or direct")
-    if algorithm == "outer" and T != 1:
-        raise ValueError(f"the 'outer' norm needs T == 1, got T = {T}")
-    return getattr(ops, f"linear_weight_sq_norm_{algorithm}")(A, G)
+def linear_norm_function(functions: dict, A: torch.Tensor, algorithm: str):
+    """The function of ``functions`` ({"direct", "gram", "outer"} -> function) for ``algorithm``,
+    refusing an unknown name and "outer" for T > 1. Which algorithm is faster for a shape is
+    the autotuner's to say (``dpgrad.tuning``), nobody else's."""
+    if algorithm not in functions:
+        raise ValueError(f"unknown linear norm algorithm {algorithm!r}: use one of {', '.join(functions)}")
+    if algorithm == "outer" and A.shape[1] != 1:
+        raise ValueError(f"the 'outer' norm needs T == 1, got T = {A.shape[1]}")
+    return functions[algorithm]
 
 
-def linear_weight_sq_norm(A: torch.Tensor, G: torch.Tensor, algorithm: str = "auto") -> torch.Tensor:
-    """Squared per-sample weight-gradient norms of a Linear layer, (B, T, d), (B, T, p) -> (B,)."""
-    return run_linear_norm(sys.modules[__name__], A, G, algorithm)
+def linear_weight_sq_norm(A: torch.Tensor, G: torch.Tensor, algorithm: str) -> torch.Tensor:
+    """Squared per-sample weight-gradient norms of a Linear layer by the named algorithm
+    ("direct", "gram", or "outer" for T == 1): (B, T, d), (B, T, p) -> (B,)."""
+    return linear_norm_function(_SQ_NORMS, A, algorithm)(A, G)
 
 
 def linear_weight_norm(A: torch.Tensor, G: torch.Tensor, algorithm: str) -> torch.Tensor:
@@ -285,7 +270,11 @@ def linear_weight_norm(A: torch.Tensor, G: torch.Tensor, algorithm: str) -> torc
         return torch.linalg.vector_norm(bmm_acc(G.mT, A), dim=(1, 2))
     if algorithm == "outer" and T == 1:
         return torch.linalg.vector_norm(A, dim=(1, 2), dtype=acc) * torch.linalg.vector_norm(G, dim=(1, 2), dtype=acc)
-    return run_linear_norm(sys.modules[__name__], A, G, algorithm).sqrt()
+    return linear_weight_sq_norm(A, G, algorithm).sqrt()
+
+
+_SQ_NORMS = {"direct": linear_weight_sq_norm_direct, "gram": linear_weight_sq_norm_gram,
+             "outer": linear_weight_sq_norm_outer}
 
 
 def _left_gram(L1: torch.Tensor, L2: torch.Tensor, acc: torch.dtype) -> torch.Tensor:

@@ -144,7 +144,7 @@ def test_linear_weight_sq_norms_bf16(ops, d, p, T):
     A, G = _randn(BATCH, T, d), _randn(BATCH, T, p)
     expected = _weight_sq_norms_f64(A, G)
     for name, fn in (("direct", ops.linear_weight_sq_norm_direct), ("gram", ops.linear_weight_sq_norm_gram),
-                     ("auto", ops.linear_weight_sq_norm)):
+                     ("named", lambda A, G: ops.linear_weight_sq_norm(A, G, "direct"))):
         assert_sq_norms_close(fn(A, G), expected, RTOL[BF16], name)
 
 
@@ -206,7 +206,7 @@ def test_linear_grad_sample_and_token_sums(ops):
     A1, G1 = _randn(64, 1, 4096), _randn(64, 1, 11008)
     expected = A1.double().square().sum(dim=(1, 2)) * G1.double().square().sum(dim=(1, 2))
     assert_sq_norms_close(ops.linear_weight_sq_norm_outer(A1, G1), expected, RTOL[BF16], "outer")
-    assert_sq_norms_close(ops.linear_weight_sq_norm(A1, G1), expected, RTOL[BF16], "auto at T = 1")
+    assert_sq_norms_close(ops.linear_weight_sq_norm(A1, G1, "outer"), expected, RTOL[BF16], "named outer")
 
 
 @pytest.mark.parametrize("d,p,T,B,dtype", [

@@ -137,7 +137,7 @@ def test_linear_outer_norm_and_bias(B, d, p, dtype, strided):
     A = tensor((B, 1, d), dtype, strided, seed=5)
     G = tensor((B, 1, p), dtype, strided, seed=6)
     Ad, Gd = upcast(A, G)
-    assert_rel_per_sample(K.linear_weight_sq_norm(A, G)[:, None], R.linear_weight_sq_norm_outer(Ad, Gd)[:, None],
+    assert_rel_per_sample(K.linear_weight_sq_norm(A, G, "outer")[:, None], R.linear_weight_sq_norm_outer(Ad, Gd)[:, None],
                           NORM_RTOL[dtype], "outer norm")
     G3 = tensor((B, 7, p), dtype, strided, seed=7)
     assert_rel_per_sample(K.linear_bias_sq_norm(G3)[:, None], R.linear_bias_sq_norm(G3.double())[:, None],
