@@ -64,15 +64,19 @@ def linear_grad_sample(
     A, G = flatten_tokens(activations[0], backprops)
     weight, bias = _trainable(layer)
     out = {}
-    tuner = get_tuner()
-    if weight and _transposed(layer):
-        out[layer.weight] = tuner.call("linear_grad_sample", (A, G), layer, lambda c: c.ops().linear_per_sample(
-            G, A, out_dtype=layer.weight.dtype).weight)
-    elif weight:
-        res = tuner.call("linear_grad_sample", (A, G), layer, lambda c: c.ops().linear_per_sample(
-            A, G, bias=bias, out_dtype=layer.weight.dtype))
+    if weight:
+        # Conv1D's (d, p) weight: the same product with the roles of A and G swapped; a
+        # Linear's bias comes out of the same pass.
+        transposed = _transposed(layer)
+        fused = bias and not transposed
+
+        def per_sample(cand):
+            return cand.ops().linear_per_sample(*((G, A) if transposed else (A, G)), bias=fused,
+                                                out_dtype=layer.weight.dtype)
+
+        res = get_tuner().call("linear_grad_sample", (A, G), layer, per_sample)
         out[layer.weight] = res.weight
-        if bias:
+        if fused:
             out[layer.bias] = res.bias.to(layer.bias.dtype)
             return out
     if bias:
@@ -162,13 +166,13 @@ class LinearGroup(Group):
         weight, _ = _trainable(self._layers[0])
         rows = []
         if weight:
-            cand = get_tuner().select_group("linear_norm", self._inputs, self._layers)
+            tuner = get_tuner()
+            cand = tuner.select_group("linear_norm", self._inputs, self._layers)
             self._stack(cand.backend == "eager")
             if len(self._inputs) == 1 and cand.backend == "eager":
                 rows.append(reference.linear_weight_norm(*self._inputs[0], cand.algorithm))
             else:
-                tuner = get_tuner()
-                rows.append(cat([tuner.run("linear_norm", cand, (A, G), layer, lambda c, A=A, G=G: c.run(A, G))
+                rows.append(cat([tuner.run("linear_norm", cand, (A, G), layer)
                                  for (A, G), layer in zip(self._inputs, self._layers)]).sqrt())
         else:
             self._stack(True)
@@ -203,18 +207,19 @@ class LinearGroup(Group):
             sums = torch.bmm(A3.mT, scaled) if transposed else torch.bmm(scaled.mT, A3)
             return sums.to(dtype).unbind(0)
         G0 = inputs[0][1]
-        c = coef.like(G0)
+        factors = coef.like(G0)  # (B,) fp32, as the kernels take them
         tuner = get_tuner()
-        cand = tuner.select_group("linear_clipped_sum", [(a, g, c) for a, g in inputs], layers)
+        cand = tuner.select_group("linear_clipped_sum", [(A, G, factors) for A, G in inputs], layers)
+        sums = []
+        for (A, G), layer in zip(inputs, layers):
+            def clipped_sum(chosen):
+                # Eager: a GEMM on operands scaled in their own dtype. Conv1D's (d, p) weight:
+                # the same sum with the roles of A and G swapped.
+                scale = coef.rounded_like(G0) if chosen.backend == "eager" else factors
+                return chosen.run(*((G, A) if transposed else (A, G)), scale, out_dtype=dtype)[0]
 
-        def clipped_sum(k, A, G):
-            # Eager: a GEMM on operands scaled in their own dtype. Conv1D's (d, p) weight: the
-            # same sum with the roles of A and G swapped.
-            scale = coef.rounded_like(G0) if k.backend == "eager" else c
-            return k.run(*((G, A) if transposed else (A, G)), scale, out_dtype=dtype)[0]
-
-        return [tuner.run("linear_clipped_sum", cand, (A, G, c), layer, lambda k, A=A, G=G: clipped_sum(k, A, G))
-                for (A, G), layer in zip(inputs, layers)]
+            sums.append(tuner.run("linear_clipped_sum", cand, (A, G, factors), layer, clipped_sum))
+        return sums
 
 
 @register_grad_sample_group(LAYERS)
@@ -230,16 +235,20 @@ class LinearGradSampleGroup(LinearGroup):
         transposed = _transposed(self._layers[0])
         rows, self._grads = [], None
         if weight:
-            cand = get_tuner().select_group("linear_grad_sample", self._inputs, self._layers)
+            tuner = get_tuner()
+            cand = tuner.select_group("linear_grad_sample", self._inputs, self._layers)
             self._stack(cand.backend == "eager")
             # Conv1D's (d, p) weight: the same product with the roles of A and G swapped. The
             # eager product leaves the fp32 gradients' norms to one reduction; Triton's kernel
             # takes them from its accumulators in the same pass.
             eager = cand.backend == "eager"
-            tuner = get_tuner()
-            res = [tuner.run("linear_grad_sample", cand, (A, G), layer, lambda c, A=A, G=G: c.ops().linear_per_sample(
-                *((G, A) if transposed else (A, G)), norm=not eager, out_dtype=accumulation_dtype(A, G)))
-                for (A, G), layer in zip(self._inputs, self._layers)]
+            res = []
+            for (A, G), layer in zip(self._inputs, self._layers):
+                def per_sample(chosen):
+                    return chosen.ops().linear_per_sample(*((G, A) if transposed else (A, G)), norm=not eager,
+                                                          out_dtype=accumulation_dtype(A, G))
+
+                res.append(tuner.run("linear_grad_sample", cand, (A, G), layer, per_sample))
             self._grads = cat([r.weight for r in res])
             rows.append(row_norms(self._grads) if eager else cat([r.weight_sq_norm for r in res]).sqrt())
         else:

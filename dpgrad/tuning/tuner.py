@@ -159,19 +159,21 @@ class Tuner:
              work: Optional[Callable[[Candidate], object]] = None):
         """``work(candidate)`` (default: the candidate run on ``inputs``) with the candidate
         chosen for ``inputs``, through ``run``."""
-        cand = self.select(kind, inputs, layer)
-        return self.run(kind, cand, inputs, layer, work or (lambda c: c.run(*inputs)))
+        return self.run(kind, self.select(kind, inputs, layer), inputs, layer, work)
 
     def run(self, kind: str, cand: Candidate, inputs: tuple, layer: Optional[torch.nn.Module],
-            work: Callable[[Candidate], object]):
-        """``work(cand)``, where ``cand`` was selected for ``inputs`` (``work`` runs it, on these
-        inputs or on a layer's of the same shapes). A Triton candidate with the config chosen
+            work: Optional[Callable[[Candidate], object]] = None):
+        """``work(cand)`` (default: the candidate run on ``inputs``), where ``cand`` was selected
+        for ``inputs`` (``work`` runs it, on these inputs or on a layer's of the same shapes). A Triton candidate with the config chosen
         for the shape (measured here, or found in the tune store) launches its kernel with it
         directly, with no config search. A Triton candidate that raises, as one
         whose kernel fails to compile for a shape may, is never fatal under the ``auto``
         backend: ``work`` runs again with the eager candidate, which this shape key keeps from
         then on, in this process and in the tune store; one warning names the layer, the shape
         and the error. Under ``DPGRAD_BACKEND=triton`` the error is raised, naming the layer."""
+        if work is None:
+            def work(chosen: Candidate):
+                return chosen.run(*inputs)
         if cand.backend != "triton":
             return work(cand)
         try:
