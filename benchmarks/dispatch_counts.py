@@ -181,7 +181,7 @@ class Step:
     @property
     def hooked_layers(self) -> int:
         """The layers the wrapper hooks (0 without one): the unit of its per-layer overhead."""
-        return 0 if self.wrapped is None else len(self.wrapped._layer_names)
+        return 0 if self.wrapped is None else len(self.wrapped._path.layer_names)
 
 
 def make_step(provider: str, built: BenchModel, batch: int, seq_len: int, device: torch.device) -> Step:

@@ -130,6 +130,45 @@ def uncovered_uses(roots: Iterable[object], calls: Iterable[Call], trainable: Se
     return found
 
 
+def unclipped_error(head: str, uses: List[Tuple[torch.Tensor, object]], names: Dict[torch.Tensor, str],
+                    owners: Dict[torch.Tensor, list], layer_names: Dict[object, str], called: Set[object],
+                    in_loss: bool) -> UnclippedGradientError:
+    """The error for parameters reached outside their layers' hooked calls: ``head``, then a
+    line per parameter (``names``) saying why and what to do, from the hooked layers that hold
+    it (``owners``, named by ``layer_names``), those ``called`` in the forward pass, and the
+    node that reached it."""
+    lines, done = [], set()
+    for p, node in uses:
+        if p in done:
+            continue
+        done.add(p)
+        how = f"autograd node {type(node).__name__}"
+        holders = owners.get(p, [])
+        owner = next((layer for layer in holders if layer in called), holders[0] if holders else None)
+        layer = f"'{layer_names[owner]}'" if owner is not None else None
+        if in_loss:
+            why = (f"it is used in the loss, outside the model's forward pass ({how}). Compute the "
+                   "loss from the model's outputs only, or freeze the parameter")
+        elif layer is None:
+            why = (f"no layer that dpgrad hooks holds it ({how}). Make it a parameter of a layer "
+                   "of the wrapped model, or freeze it")
+        elif owner in called:
+            why = (f"it is also used outside the forward pass of its layer {layer} ({how}: e.g. "
+                   "F.linear(x, layer.weight), or an output of the layer other than its first). Use "
+                   "it through the layer itself (for a tied output layer, an nn.Linear whose "
+                   "weight is the embedding's), or freeze it")
+        elif "Compiled" in type(node).__name__:
+            why = (f"its layer {layer} ran in code that torch.compile compiled before the model "
+                   f"was wrapped, without the hooks ({how}). Wrap the model first and compile "
+                   "the wrapper, or call torch._dynamo.reset() after wrapping")
+        else:
+            why = (f"its layer {layer} ran without dpgrad's hooks ({how}): called as "
+                   "layer.forward(...) rather than layer(...), or with its hooks removed. Call "
+                   "the layer itself")
+        lines.append(f"- parameter '{names.get(p, '?')}': {why}.")
+    return UnclippedGradientError(head + "\n" + "\n".join(lines))
+
+
 def nodes_of(tensors: Iterable[torch.Tensor]) -> List[object]:
     """The autograd nodes of ``tensors`` (those with a graph)."""
     return [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]

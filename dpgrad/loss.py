@@ -16,12 +16,8 @@ from typing import Optional
 
 import torch
 
-from dpgrad.fast_gradient_clipping import (
-    GradSampleModuleFastGradientClipping,
-    clipping_bound,
-    reduce_losses,
-    weighted_backward,
-)
+from dpgrad.clipping_path import clipping_bound, reduce_losses
+from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping
 
 REDUCTIONS = ("mean", "sum")
 
@@ -62,6 +58,17 @@ def check_bounds(wrapper, optimizer) -> None:
             f"max_grad_norm={bound}: the noise must be scaled to the bound each sample's gradient "
             "is clipped to. Give both the same max_grad_norm."
         )
+
+
+def weighted_backward(module, coef: torch.Tensor, loss_per_sample: torch.Tensor) -> None:
+    """The second pass of Opacus's protocol with Opacus's own wrapper: backward of
+    ``sum_b c_b loss_b`` with ``module``'s hooks off, which adds ``sum_b c_b grad(loss_b)`` to
+    ``p.grad``."""
+    module.disable_hooks()
+    try:
+        (coef.to(loss_per_sample.device) * loss_per_sample).sum().backward()
+    finally:
+        module.enable_hooks()
 
 
 class DPTensorFastGradientClipping:

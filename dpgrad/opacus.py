@@ -34,11 +34,8 @@ from opacus.optimizers import DPOptimizerFastGradientClipping as _OpacusDPOptimi
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
 from dpgrad import registry
-from dpgrad.fast_gradient_clipping import (
-    GradSampleModuleFastGradientClipping,
-    GradSampleModuleFastGradientClippingFSDP,
-    clipping_bound,
-)
+from dpgrad.clipping_path import clipping_bound
+from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping, GradSampleModuleFastGradientClippingFSDP
 from dpgrad.fsdp import sharded_modules
 from dpgrad.grad_sample_module import GradSampleModule
 from dpgrad.loss import DPLossFastGradientClipping

@@ -14,7 +14,7 @@ sample's loss w.r.t. the layer output, batch first. Two more kinds serve ghost c
   parameter used more than once (tied weights, a layer called twice) is exact, cross terms
   included (``dpgrad.kernels.reference.outer_sum_inner``).
 
-The finish step of a backward pass (``dpgrad.backward_pass``) works on groups of layers of one
+The finish step of a backward pass (``dpgrad.clipping_path``) works on groups of layers of one
 type with equal shapes (``dpgrad.samplers.groups.Group``). A layer type may register a group
 class that batches its layers (``register_norm_group`` for layers clipped from their norms,
 ``register_grad_sample_group`` for layers clipped from their per-sample gradients); without
@@ -43,7 +43,7 @@ GRAD_SAMPLE_GROUPS: Dict[Type[nn.Module], type] = {}
 TABLES = (GRAD_SAMPLERS, NORM_SAMPLERS, CLIPPED_SUM_SAMPLERS, FACTOR_SAMPLERS, NORM_GROUPS, GRAD_SAMPLE_GROUPS)
 
 # Changes whenever a table does: what is planned from the tables (a backward pass's finish
-# plan, dpgrad.backward_pass) is planned again.
+# plan, dpgrad.clipping_path) is planned again.
 version = 0
 
 # "package.module.Class" -> [(table, sampler)], for classes dpgrad does not import.

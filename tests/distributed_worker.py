@@ -79,13 +79,13 @@ def all_reduce_calls(rank: int, world: int, protocol: str) -> list:
         fut = dist.all_reduce(bucket.buffer().div_(world), async_op=True).get_future()
         return fut.then(lambda f: f.value()[0])
 
-    get_clipping_coef = wrapper.get_clipping_coef
+    norm_sample = wrapper._path.norm_sample
 
-    def coef_then_clipped_pass():
+    def norms_then_clipped_pass():  # the norms are asked for once the norm pass is over
         phase[0] = "clipped"
-        return get_clipping_coef()
+        return norm_sample()
 
-    wrapper.get_clipping_coef = coef_then_clipped_pass
+    wrapper._path.norm_sample = norms_then_clipped_pass
     ddp.register_comm_hook(None, counting_allreduce)
     ids = share(global_ids(), rank, world)
     losses = per_sample_lm_loss(ddp(ids), ids)
@@ -94,7 +94,7 @@ def all_reduce_calls(rank: int, world: int, protocol: str) -> list:
     else:  # Opacus's: a plain first pass, then the weighted second one
         losses.mean().backward(retain_graph=True)
         net.zero_grad()
-        dpgrad.fast_gradient_clipping.weighted_backward(wrapper, wrapper.get_clipping_coef(), losses)
+        dpgrad.loss.weighted_backward(wrapper, wrapper.get_clipping_coef(), losses)
     return calls
 
 

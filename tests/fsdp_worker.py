@@ -201,7 +201,7 @@ def held_gradients(rank: int, world: int) -> dict:
     bytes and the model's; whether every unsharded copy's gradient is freed at the end."""
     net = shard(model("transformer"))
     wrapped = dpgrad.GradSampleModuleFastGradientClipping(net, max_grad_norm=C["transformer"], single_backward=True)
-    sharded = wrapped._sharded
+    sharded = wrapped._path.sharded
     calls = []
     reduce_scatter = sharded.reduce_scatter
 
@@ -228,17 +228,18 @@ def finish_groups(rank: int, world: int, single: bool) -> dict:
     net = shard(model("transformer"))
     wrapped = dpgrad.GradSampleModuleFastGradientClipping(net, max_grad_norm=C["transformer"], single_backward=single)
     planned = []
-    plan = wrapped._plan
+    plan = wrapped._path._plan
 
     def kept(records):
-        planned.append(([layer for layer, _, _ in records], plan(records)))
+        planned.append(([record.layer for record in records], plan(records)))
         return planned[-1][1]
 
-    wrapped._plan = kept
+    wrapped._path._plan = kept
     lm_step(wrapped, dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss()),
             share(batches()[0], rank, world))
     ((layers, made),) = planned
-    return {"groups": [sorted({wrapped._sharded.group_of[layers[i]] for i in at}) for _, at in made.groups]}
+    return {"groups": [sorted({wrapped._path.sharded.group_of[layers[i]] for i in group.indices})
+                       for group in made.groups]}
 
 
 def after_non_finite(rank: int, world: int, single: bool, sharded: bool = True) -> dict:

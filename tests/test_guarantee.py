@@ -379,7 +379,7 @@ def test_a_walk_per_layout_not_per_step():
         x, y = batch(B=2 + seed, seed=seed)
         step(wrapped, x, y)
         wrapped.zero_grad()
-    assert len(wrapped._verified._keys) == 2  # the forward pass's graph, and the loss's part
+    assert len(wrapped._path._verified._keys) == 2  # the forward pass's graph, and the loss's part
 
 
 # ---------------------------------------------------------------------------- max_grad_norm

@@ -229,7 +229,7 @@ def test_gpt2_per_sample_gradients_of_conv1d():
     model = copy.deepcopy(case.model)
     wrapped = dpgrad.GradSampleModule(model, loss_reduction="sum")
     conv1d = type(model.transformer.h[0].attn.c_attn)
-    assert conv1d in dpgrad.GRAD_SAMPLERS and wrapped._functorch_layers == set()
+    assert conv1d in dpgrad.GRAD_SAMPLERS and wrapped._path.functorch_layers == set()
     case.per_sample_loss(wrapped, slice(None)).sum().backward()
     for n, p in model.named_parameters():
         assert_tensor_close(p.grad_sample, ref[n], n)
@@ -239,7 +239,7 @@ def test_lora_hooks_only_the_adapters():
     """Frozen base layers are not hooked: they cost no per-sample work."""
     case = llama_lora()
     wrapped = dpgrad.GradSampleModuleFastGradientClipping(case.model, single_backward=True)
-    names = list(wrapped._layer_names.values())
+    names = list(wrapped._path.layer_names.values())
     assert names and all(".lora_A." in n or ".lora_B." in n for n in names), names
     trainable = [n for n, p in case.model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)

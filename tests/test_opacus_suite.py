@@ -61,7 +61,7 @@ _embedding_norm_test = import_opacus_test_module("grad_samples.embedding_norm_sa
 _gsm_test = import_opacus_test_module("grad_sample_module_test")
 _fgc_test = import_opacus_test_module("grad_sample_module_fast_gradient_clipping_test")
 
-# Types of every wrapper built while a test runs (appended by the patched dpgrad __init__).
+# Types of every wrapper built while a test runs (appended by the patched GradSampleModule._wrap).
 _BUILT: list = []
 # (grad_sample_mode, wrapper) for every call of the substituted wrap_model.
 _WRAPPED: list = []
@@ -101,13 +101,13 @@ def _refuse_opacus_wrapper(self, *args, **kwargs):
 @pytest.fixture(autouse=True)
 def _dpgrad_in_place_of_opacus(monkeypatch):
     """Route every wrapper Opacus's tests build to dpgrad's classes, for one test."""
-    original_init = dpgrad.GradSampleModule.__init__
+    original_wrap = dpgrad.GradSampleModule._wrap  # what every dpgrad wrapper's constructor ends in
 
-    def recording_init(self, *args, **kwargs):
+    def recording_wrap(self, *args, **kwargs):
         _BUILT.append(type(self))
-        original_init(self, *args, **kwargs)
+        original_wrap(self, *args, **kwargs)
 
-    monkeypatch.setattr(dpgrad.GradSampleModule, "__init__", recording_init)
+    monkeypatch.setattr(dpgrad.GradSampleModule, "_wrap", recording_wrap)
     monkeypatch.setattr(gsm_base.AbstractGradSampleHooks, "__init__", _refuse_opacus_wrapper)
     monkeypatch.setattr(per_sample_gradients_utils, "wrap_model", _dpgrad_wrap_model)
     # That test calls `embedding_norm_sample.compute_embedding_norm_sample(layer, acts, bps)`.

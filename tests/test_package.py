@@ -158,3 +158,31 @@ def test_nothing_in_the_library_imports_the_tools():
     library = {m: sorted(t for t in targets if t.startswith("dpgrad.tools"))
                for m, targets in graph.items() if not m.startswith("dpgrad.tools") and m != "dpgrad.__main__"}
     assert not {m: t for m, t in library.items() if t}
+
+
+def test_no_class_in_the_library_is_a_diamond():
+    """No class of dpgrad has two bases that share a base of their own (besides object): a
+    wrapper holds its backward path rather than inheriting it from two sides."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import dpgrad
+
+    # The command line's entry (it runs on import) and the Triton kernels (they need Triton) aside.
+    modules = [importlib.import_module(info.name)
+               for info in pkgutil.walk_packages(dpgrad.__path__, "dpgrad.")
+               if not info.name.endswith("__main__")
+               and (not info.name.startswith("dpgrad.kernels.") or info.name == "dpgrad.kernels.reference")]
+    classes = {cls for module in modules for _, cls in inspect.getmembers(module, inspect.isclass)
+               if cls.__module__.startswith("dpgrad")}
+    assert len(classes) > 20, sorted(c.__name__ for c in classes)
+    diamonds = []
+    for cls in classes:
+        for i, first in enumerate(cls.__bases__):
+            for second in cls.__bases__[i + 1:]:
+                shared = set(first.__mro__) & set(second.__mro__) - {object}
+                if shared:
+                    diamonds.append(f"{cls.__qualname__}({first.__name__}, {second.__name__}) share "
+                                    f"{sorted(c.__name__ for c in shared)}")
+    assert not diamonds, diamonds

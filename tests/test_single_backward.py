@@ -9,6 +9,7 @@ norms separately, so the sums are compared on the same factors.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import warnings
@@ -137,17 +138,17 @@ def test_finish_plans_follow_the_pass(mode):
     batches = [make_batch(cfg, B=4, T=3, seed=30), make_batch(cfg, B=4, T=3, seed=31),
                make_batch(cfg, B=5, T=3, seed=32), make_batch(cfg, B=4, T=6, seed=33)]
     check_clipped_sums(model, batches, mode, "sum", True, wrapped=wrapped)
-    assert len(wrapped._plans) == 3
-    first = next(iter(wrapped._plans.values()))
+    assert len(wrapped._path._plans) == 3
+    first = next(iter(wrapped._path._plans.values()))
     wrapped.zero_grad(set_to_none=True)
     check_clipped_sums(model, batches[:1], mode, "sum", True, wrapped=wrapped)
-    assert len(wrapped._plans) == 3 and next(iter(wrapped._plans.values())) is first
+    assert len(wrapped._path._plans) == 3 and next(iter(wrapped._path._plans.values())) is first
     for frozen in ("lin1.bias", "emb.weight"):
         for m in (model, wrapped._module):
             dict(m.named_parameters())[frozen].requires_grad_(False)
         wrapped.zero_grad(set_to_none=True)
         check_clipped_sums(model, batches[:1], mode, "sum", True, wrapped=wrapped)
-        assert len(wrapped._plans) == 1 and next(iter(wrapped._plans.values())) is not first
+        assert len(wrapped._path._plans) == 1 and next(iter(wrapped._path._plans.values())) is not first
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -358,13 +359,15 @@ def test_norm_pass_computes_no_weight_gradient():
     wrapped = wrap(copy.deepcopy(model), "double")
     with OpShapes() as rec:
         losses = per_sample_loss(wrapped(x), y)
-        disable_hooks = wrapped.disable_hooks
+        hooks_off = wrapped._path.hooks_off
 
+        @contextlib.contextmanager
         def second_pass_starts():
             rec.active = False
-            disable_hooks()
+            with hooks_off():
+                yield
 
-        wrapped.disable_hooks = second_pass_starts
+        wrapped._path.hooks_off = second_pass_starts
         wrapped.clipped_backward(losses)
     assert rec.shapes, "the recorder saw no matrix product"
     assert _weight_gradients(rec, model) == []

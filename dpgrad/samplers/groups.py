@@ -1,4 +1,4 @@
-"""Groups: what the finish step of a backward pass (``dpgrad.backward_pass``) works on.
+"""Groups: what the finish step of a backward pass (``dpgrad.clipping_path``) works on.
 
 The records of one pass, ``(layer, activations, backprops)`` with the batch first, are grouped
 by layer type and ``Group.key``: records with equal keys (same shapes, dtypes, trainable
@@ -15,7 +15,7 @@ Nothing here knows about hooks.
 from __future__ import annotations
 
 import math
-from typing import Callable, Hashable, List, Optional, Sequence, Tuple
+from typing import Callable, Hashable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -23,7 +23,14 @@ import torch.nn as nn
 from dpgrad import registry
 from dpgrad.kernels.reference import accumulation_dtype, coefficients_in
 
-Record = Tuple[nn.Module, list, torch.Tensor]  # (layer, activations, backprops), batch first
+class Record(NamedTuple):
+    """One hooked call of a layer in a backward pass: its inputs (the activations) and the
+    gradient of the loss at its output (the backprops), batch first in a finish step."""
+
+    layer: nn.Module
+    inputs: list
+    backprops: torch.Tensor
+
 ParamTensors = List[Tuple[nn.Parameter, torch.Tensor]]
 
 # A group's inputs are concatenated into one batched operation up to this many elements: below

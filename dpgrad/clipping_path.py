@@ -1,0 +1,636 @@
+"""``ClippingPath``: the backward path of the ghost-clipping wrapper.
+
+Its ``finish`` takes the per-sample gradient norms of a pass's records: grouped by layer type
+and shapes (``dpgrad.samplers.groups``; the grouping, a ``FinishPlan``, is made once for a
+pass of given layers, shapes and trainable parameters, and reused), each group's norms in a
+few batched operations, rows of one (P, B) matrix; ``p._norm_sample`` and the total norm (B,)
+from it. ``clipped_backward`` runs a norm pass that asks autograd for the hooked outputs'
+gradients only, takes the coefficients ``min(1, C / (norm + 1e-6))`` once, and then either
+each group's clipped sums, which reach ``p.grad`` through autograd's own accumulation, each
+group letting go of its inputs as it is summed (single backward), or a second backward pass
+of ``sum_b c_b loss_b`` with the hooks off (double backward, Opacus's protocol).
+
+A parameter used more than once (an input embedding tied to the output layer, a layer
+called twice) gets the exact norm of its summed per-sample gradient, ``sqrt(sum_i |g_i|^2 +
+2 sum_{i<j} <g_i, g_j>)``: each use's norm from its norm sampler, each cross term from the
+uses' factors (``registry.register_factor_sampler``), never a per-sample gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from dpgrad import registry
+from dpgrad.backward_pass import BackwardPath, FiniteCheck, region
+from dpgrad.fsdp import ShardedParameters
+from dpgrad.guarantee import sequence_number
+from dpgrad.kernels import reference
+from dpgrad.samplers.groups import Coefficients, GradSampleGroup, Group, Record, SamplerGroup, group_records
+
+# A layer is clipped from its per-sample gradients when they (fp32) take at most this fraction
+# of the memory of the inputs and backprops that book-keeping would keep for it, or when they
+# have at most this many elements over the batch (too small to matter, and fewer operations).
+GRAD_SAMPLE_MEMORY_FRACTION = 0.25
+TINY_GRAD_SAMPLE_ELEMENTS = 1 << 18
+# Finish plans kept per path: one per pass layout (a batch size under Poisson sampling).
+MAX_PLANS = 64
+
+REENTRANT_CHECKPOINT = (
+    "the model uses reentrant activation checkpointing (torch.utils.checkpoint with "
+    "use_reentrant=True, the default of Hugging Face's gradient_checkpointing_enable() before "
+    "transformers 5), whose recomputation runs a backward pass of its own inside dpgrad's: the "
+    "ghost-clipping wrapper cannot take the norms through it. Use non-reentrant checkpointing: "
+    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}) "
+    "(transformers 5: activation_checkpointing_enable(), non-reentrant by default), or "
+    "torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)."
+)
+
+
+class NormPass(Enum):
+    """What a backward pass through the clipping path is."""
+
+    PLAIN = "plain"  # loss.backward(): the norms, then the caller's own second pass (Opacus's protocol)
+    NORMS_ONLY = "norms only"  # clipped_backward's first pass in double backward
+    KEEP_FOR_CLIPPING = "keep for clipping"  # single backward: the norms, then the clipped sums from the records
+
+
+class PlannedGroup(NamedTuple):
+    """A group of a finish plan: what makes it from its records, their indices in the pass,
+    and its FSDP2 parameter group (None for a model not sharded)."""
+
+    make: Callable[[List[Record]], Group]
+    indices: Tuple[int, ...]
+    shard: Optional[int]
+
+
+@dataclass
+class FinishPlan:
+    """How a pass's records are served: its groups; ``by_norm``, the indices of the records
+    clipped from their norms; ``combined``, whether a parameter has several rows to combine
+    (known after the first pass of the plan)."""
+
+    groups: List[PlannedGroup]
+    by_norm: Tuple[int, ...]
+    combined: Optional[bool] = None
+
+
+def clipping_bound(value, what: str = "max_grad_norm") -> float:
+    """``value`` as a float if it is a finite positive number (a clipping bound), else raise
+    ValueError: a negative bound would make the coefficients negative (gradient ascent), and a
+    NaN or infinite one would put NaN in, or take the clipping out of, every gradient."""
+    try:
+        if isinstance(value, (bool, str)) or (isinstance(value, torch.Tensor) and value.numel() != 1):
+            raise TypeError(value)
+        bound = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a finite positive number (the clipping bound C), not {value!r}") from None
+    if not math.isfinite(bound) or bound <= 0:
+        raise ValueError(f"{what} must be a finite positive number (the clipping bound C), not {bound}")
+    return bound
+
+
+def clipping_coefficients(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
+    """Opacus's per-sample clipping factors ``min(1, C / (norm + 1e-6))``, (B,)."""
+    return (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+
+
+def reduce_losses(loss_per_sample: torch.Tensor, loss_reduction: str) -> torch.Tensor:
+    """The batch's loss from per-sample losses (B,): their mean or their sum."""
+    return loss_per_sample.mean(dim=0) if loss_reduction == "mean" else loss_per_sample.sum(dim=0)
+
+
+def _record_key(layer: nn.Module, params: Tuple[nn.Parameter, ...], record: Record) -> tuple:
+    """What a record's place in a finish plan depends on: its layer, which of the layer's
+    parameters train, and the shapes, dtypes and devices of its inputs and backprops."""
+    backprops = record.backprops
+    return (layer, tuple(p.requires_grad for p in params), backprops.shape, backprops.dtype, backprops.device,
+            *((a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else type(a) for a in record.inputs))
+
+
+class ClippingPath(BackwardPath):
+    """The ghost-clipping wrapper's path (see the module docstring).
+
+    Besides ``BackwardPath``'s settings: ``ghost``, norms without per-sample gradients for
+    layers with a norm sampler; ``single_backward``, one backward pass per clipped step. Checks
+    at construction that parameters several layers share can get exact norms, and takes a
+    model sharded by FSDP2 (``dpgrad.fsdp``).
+    """
+
+    FACTOR_SAMPLERS = registry.FACTOR_SAMPLERS
+    NORM_SAMPLERS = registry.NORM_SAMPLERS
+    CLIPPED_SUM_SAMPLERS = registry.CLIPPED_SUM_SAMPLERS
+    UNCLIPPED = ("these trainable parameters would get gradients that are not clipped per sample: the "
+                 "uses below are not in the per-sample norms, so one sample could move the summed "
+                 "gradient by more than max_grad_norm. Nothing has reached p.grad from this pass.")
+    TRANSIENT = BackwardPath.TRANSIENT + ("_records", "_norm_pass", "_kept", "_finite", "pass_norm", "_plans",
+                                          "_row_indices", "_constants")
+
+    def __init__(self, model: nn.Module, *, ghost: bool, single_backward: bool, **settings):
+        self.ghost, self.single_backward = ghost, single_backward
+        super().__init__(model, **settings)
+
+    def _init_transient(self) -> None:
+        super()._init_transient()
+        self._records: List[Record] = []
+        self._norm_pass = NormPass.PLAIN
+        self._kept: List[Tuple[Group, Optional[int]]] = []  # (group, FSDP2 group) a single backward sums next
+        self._finite: Optional[FiniteCheck] = None
+        self.pass_norm: Optional[torch.Tensor] = None  # (B,) total norm of the last pass
+        self._plans: Dict[tuple, FinishPlan] = {}
+        self._row_indices: Dict[tuple, torch.Tensor] = {}
+        self._constants: Dict[tuple, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ the layers
+    def uses_norm_sampler(self, layer: nn.Module) -> bool:
+        """Whether the layer is clipped from its norm alone (single backward: only if it can
+        also sum it clipped)."""
+        kind = type(layer)
+        return (self.ghost and kind in self.NORM_SAMPLERS
+                and (not self.single_backward or kind in self.CLIPPED_SUM_SAMPLERS))
+
+    def _check_layers(self, model: nn.Module) -> None:
+        # Parameters a ghost-clipped layer shares: their uses' factors are kept for the cross
+        # terms. Found here for tied weights, in the forward pass for a layer called twice.
+        hooked = dict(self.layers_to_hook(model))
+        whole = {layer: self.whole(layer) for layer in hooked.values()}
+        self.shared = self._shared_ghost_parameters(hooked, whole)
+        # A model sharded by FSDP2: its parameter groups, checked before the model is touched.
+        self.sharded = ShardedParameters.of(model, hooked, whole, {p: n for n, p in model.named_parameters()})
+
+    def _shared_ghost_parameters(self, hooked: Dict[str, nn.Module], whole: Dict[nn.Module, bool]) -> set:
+        """Trainable parameters that several hooked layers use, at least one ghost-clipped.
+
+        Raises, before the model is touched, where a shared parameter's norm cannot be exact:
+        a ghost-clipped use beside a per-sample-gradient one, or a layer without a factor
+        sampler.
+        """
+        owners: Dict[nn.Parameter, Dict[str, bool]] = {}
+        for name, layer in hooked.items():
+            for p in layer.parameters(recurse=whole[layer]):
+                if p.requires_grad:
+                    owners.setdefault(p, {})[name] = self.uses_norm_sampler(layer)
+        shared = set()
+        for p, layers in owners.items():
+            if len(layers) < 2 or not any(layers.values()):
+                continue
+            names = list(layers)
+            if not all(layers.values()):
+                raise NotImplementedError(
+                    f"layers {names} share one parameter, and ghost clipping takes the norms of "
+                    f"{[n for n, g in layers.items() if g]} from norm samplers but of "
+                    f"{[n for n, g in layers.items() if not g]} from per-sample gradients, which "
+                    "cannot be combined exactly. Untie the parameter, or wrap with "
+                    "use_ghost_clipping=False."
+                )
+            self.check_factors({n: hooked[n] for n in names})
+            shared.add(p)
+        return shared
+
+    def check_factors(self, layers: Dict[str, nn.Module]) -> None:
+        """Raise unless every one of these layers, which use one parameter, has a factor sampler."""
+        missing = {n: type(layer).__name__ for n, layer in layers.items() if type(layer) not in self.FACTOR_SAMPLERS}
+        if missing:
+            raise NotImplementedError(
+                f"layers {list(layers)} use one parameter under ghost clipping, but {missing} have "
+                "no factor sampler (dpgrad.register_factor_sampler), so the norm of the summed "
+                "gradient cannot be exact. Register one, untie the parameter, or wrap with "
+                "use_ghost_clipping=False."
+            )
+
+    def attach(self, root: nn.Module) -> None:
+        super().attach(root)
+        self.trainable_parameters = [p for p in self.model.parameters() if p.requires_grad]
+
+    def _rescan(self) -> None:
+        super()._rescan()
+        self.trainable_parameters = [p for p in self.model.parameters() if p.requires_grad]
+        self._plans.clear()
+
+    # ------------------------------------------------------------------ forward
+    def begin_forward(self) -> None:
+        super().begin_forward()
+        if self.hooks_enabled and torch.is_grad_enabled():
+            for p in self.trainable_parameters:
+                p._norm_sample = None
+            self.pass_norm = None
+
+    def _note_call(self, layer, name, params) -> None:
+        if self.uses_norm_sampler(layer) and layer in self._forward_seen and not self.shared.issuperset(params):
+            # Called twice: from now on its parameters' uses are combined by their factors.
+            self.check_factors({name: layer})
+            self.shared.update(params)
+        super()._note_call(layer, name, params)
+
+    def _visit_node(self, node) -> None:
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            raise RuntimeError(REENTRANT_CHECKPOINT)
+
+    # ------------------------------------------------------------------ a pass
+    def keep(self, record: Record) -> None:
+        if self.single_backward and self._norm_pass is NormPass.PLAIN:
+            raise RuntimeError(
+                f"layer '{self.layer_names[record.layer]}': this wrapper has single_backward=True, so "
+                "its backward pass must come from dpgrad.DPLossFastGradientClipping (loss.backward() "
+                "on what it returns) or wrapper.clipped_backward(per_sample_losses). A plain "
+                "backward would leave unclipped gradients in p.grad; Opacus's "
+                "DPLossFastGradientClipping needs single_backward=False."
+            )
+        self._records.append(record)
+
+    def _open_pass(self) -> None:
+        # Norms belong to one backward pass: a parameter this pass does not reach has a zero
+        # gradient in it, whatever an earlier pass (of another forward) left.
+        for p in self.trainable_parameters:
+            p._norm_sample = None
+        self.pass_norm = None
+
+    def _clear_pass(self) -> None:
+        self._records = []
+        super()._clear_pass()
+
+    def finish(self) -> None:
+        """The pass's per-sample norms onto ``p._norm_sample`` and ``pass_norm``; in single
+        backward, the groups kept for the clipped sums."""
+        records = [self.batch_front(rec) for rec in self._records]
+        self._records = []
+        params, rows, groups = self._norm_rows(records)
+        if self._norm_pass is NormPass.KEEP_FOR_CLIPPING:
+            self._kept = groups
+        if rows is None:
+            return
+        B = rows.shape[1]
+        if self.loss_reduction == "mean":
+            rows = rows * B
+        self.pass_norm = torch.linalg.vector_norm(rows, dim=0)
+        for p, norm in zip(params, rows.unbind(0)):
+            p._norm_sample = norm
+            p.grad_sample = None
+        if self.check_finite:
+            self._finite = FiniteCheck([self.pass_norm], lambda: [(self.param_name(p), n) for p, n in
+                                                                    zip(params, rows.unbind(0))], "gradient norms")
+            if self._norm_pass is NormPass.PLAIN:
+                self._wait_finite()
+
+    def _wait_finite(self) -> None:
+        check, self._finite = self._finite, None
+        if check is not None:
+            with region("dpgrad.wait_finite"):
+                check.wait()
+
+    def norm_sample(self) -> torch.Tensor:
+        """Per-sample gradient norms over all trainable parameters, (B,)."""
+        if self.pass_norm is not None and not any(p.requires_grad for p in self.unhooked):
+            return self.pass_norm
+        missing = [p for p in self.trainable_parameters if getattr(p, "_norm_sample", None) is None]
+        present = [p._norm_sample for p in self.trainable_parameters if getattr(p, "_norm_sample", None) is not None]
+        if missing and not present:
+            raise RuntimeError(
+                "no per-sample gradient norms yet: run forward and backward (with hooks enabled) "
+                "before get_norm_sample / get_clipping_coef"
+            )
+        # A parameter no hook sees has an unknown norm, not a zero one.
+        skipped = [self.param_name(p) for p in missing if p in self.unhooked]
+        if skipped:
+            raise RuntimeError(
+                f"parameters {skipped} belong to layers skipped under strict=False and have no "
+                "per-sample norm, so their gradients cannot be clipped. Freeze them "
+                "(requires_grad_(False)) or replace those layers."
+            )
+        device = present[0].device
+        # A trainable parameter the last backward did not reach has a zero gradient.
+        stacked = torch.stack([n.to(device) for n in present] + [torch.zeros_like(present[0]) for _ in missing], dim=0)
+        return stacked.norm(2, dim=0)
+
+    # ------------------------------------------------------------------ the norms
+    def _norm_rows(self, records: List[Record]) -> Tuple[List[nn.Parameter], Optional[torch.Tensor], list]:
+        """The pass's parameters (each once), their per-sample gradient norms (P, B), and the
+        groups made (with their FSDP2 group), by the pass's plan (``_finish_plan``): each
+        group's norms, then, for a parameter used by several records, the norm of its summed
+        gradient."""
+        if not records:
+            return [], None, []
+        plan = self._finish_plan(records)
+        groups = [(planned.make([records[i] for i in planned.indices]), planned.shard) for planned in plan.groups]
+        params, pieces = [], []
+        for group, _ in groups:
+            ps, rows = group.norms()
+            params += ps
+            pieces += rows
+        if self.sharded is not None:  # the samplers saw FSDP's unsharded copies
+            params = self.sharded.canonical(params)
+        if not params:
+            return [], None, groups
+        rows = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).view(len(params), -1)
+        if plan.combined is None:
+            plan.combined = len(params) != len(set(params))
+        if plan.combined:
+            params, rows = self._combine_uses(params, rows, [records[i] for i in plan.by_norm])
+        return params, rows, groups
+
+    def _finish_plan(self, records: List[Record]) -> FinishPlan:
+        """How the pass's records are grouped, planned once for a pass of the same layers,
+        shapes, dtypes and trainable parameters (a training loop's every step): see ``_plan``."""
+        key = (registry.version, len(self.shared), self.ghost, self.single_backward,
+               *(_record_key(rec.layer, self._own_params[rec.layer], rec) for rec in records))
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= MAX_PLANS:  # Poisson batches: one plan per batch size seen
+                self._plans.clear()
+            plan = self._plans[key] = self._plan(records)
+        return plan
+
+    def _plan(self, records: List[Record]) -> FinishPlan:
+        """A record is clipped from its per-sample gradients when its layer has no norm
+        sampler or when they are small (``_small_grad_sample``), else from its norm ("ghost").
+        A parameter used by several records gets the norm of its summed gradient: from the
+        sum of its per-sample gradients, or, for ghost uses, from the uses' norms and cross
+        terms."""
+        uses: Dict[nn.Parameter, List[int]] = {}
+        ghost: List[bool] = []
+        for i, rec in enumerate(records):
+            for p in self.layer_params(rec.layer):
+                uses.setdefault(p, []).append(i)
+            ghost.append(self.uses_norm_sampler(rec.layer) and not self._small_grad_sample(rec))
+        shared_uses = set()
+        for p, at in uses.items():
+            if len(at) < 2:
+                continue
+            ghost_layer = next((records[i].layer for i in at if self.uses_norm_sampler(records[i].layer)), None)
+            if ghost_layer is not None and p not in self.shared:
+                raise NotImplementedError(
+                    f"parameter '{self.param_name(p)}' of layer '{self.layer_names[ghost_layer]}' "
+                    "received two gradient contributions in one backward pass (several forward "
+                    "passes before one backward); ghost clipping combines the uses of one forward "
+                    "pass only. Run backward after every forward pass."
+                )
+            # A parameter's uses are all summed as per-sample gradients or all ghost.
+            if any(ghost[i] for i in at):
+                for i in at:
+                    ghost[i] = True
+            shared_uses.update(at)
+        by_norm = [i for i in range(len(records)) if ghost[i]]
+        summed = [i for i in range(len(records)) if not ghost[i] and i in shared_uses]
+        alone = [i for i in range(len(records)) if not ghost[i] and i not in shared_uses]
+        groups = (self._norm_groups(records, by_norm) + self._grad_sample_groups(records, alone)
+                  + self._summed_groups(records, summed))
+        return FinishPlan(groups, tuple(by_norm))
+
+    def _norm_groups(self, records: List[Record], at: List[int]) -> List[PlannedGroup]:
+        """Records clipped from their norms: batched by their layer type's norm group where it
+        has one (``registry.register_norm_group``), else one ``SamplerGroup`` each."""
+        return [PlannedGroup(make, indices, shard) for shard, part in self._by_shard(records, at)
+                for make, indices in group_records(records, part, _norm_group_class, SamplerGroup)]
+
+    def _grad_sample_groups(self, records: List[Record], at: List[int]) -> List[PlannedGroup]:
+        """Records clipped from their own per-sample gradients: batched by their layer type's
+        group where it has one (``registry.register_grad_sample_group``)."""
+        return [PlannedGroup(make, indices, shard) for shard, part in self._by_shard(records, at)
+                for make, indices in group_records(records, part, self._grad_sample_group_class, self._grad_sample_group)]
+
+    def _summed_groups(self, records: List[Record], at: List[int]) -> List[PlannedGroup]:
+        """Records whose per-sample gradients are summed per parameter before their norms."""
+        return [PlannedGroup(self._grad_sample_group, tuple(part), shard) for shard, part in self._by_shard(records, at)]
+
+    def _grad_sample_group(self, records: List[Record]) -> Group:
+        return GradSampleGroup(records, sampler_for=self.grad_sampler)
+
+    def _grad_sample_group_class(self, layer: nn.Module) -> Optional[type]:
+        return None if layer in self.functorch_layers else registry.GRAD_SAMPLE_GROUPS.get(type(layer))
+
+    def _by_shard(self, records: List[Record], at: List[int]) -> List[Tuple[Optional[int], List[int]]]:
+        """``at`` split by the FSDP2 parameter group of each record's layer, in order of first
+        appearance: (group, indices); one part (None, at) for a model not sharded, or where
+        the groups serve norms alone (double backward: FSDP's own pass makes the gradients).
+        On a sharded model in single-backward mode no group spans two FSDP2 parameter groups:
+        their clipped sums are reduce-scattered one parameter group at a time."""
+        if self.sharded is None or not self.single_backward:
+            return [(None, at)] if at else []
+        parts: Dict[int, List[int]] = {}
+        for i in at:
+            parts.setdefault(self.sharded.group_of[records[i].layer], []).append(i)
+        return list(parts.items())
+
+    def _small_grad_sample(self, record: Record) -> bool:
+        """Whether a layer's per-sample gradients (fp32) take a small fraction of the memory of
+        the inputs and backprops book-keeping would keep for it, or are tiny: then its norms and
+        clipped sums come from them, with fewer flops and less memory (a LoRA adapter's are far
+        smaller than its inputs)."""
+        layer = record.layer
+        if layer in self.functorch_layers or type(layer) not in self.GRAD_SAMPLERS:
+            return False
+        elements = record.backprops.shape[0] * sum(p.numel() for p in self.layer_params(layer))
+        kept = sum(t.numel() * t.element_size() for t in (record.backprops, *record.inputs)
+                   if isinstance(t, torch.Tensor))
+        return elements <= TINY_GRAD_SAMPLE_ELEMENTS or 4 * elements <= GRAD_SAMPLE_MEMORY_FRACTION * kept
+
+    def _combine_uses(self, params, rows, shared_records: List[Record]):
+        """One row per parameter: a parameter with several uses gets the norm of its summed
+        gradient, ``sqrt(sum_i |g_i|^2 + 2 sum_{i<j} <g_i, g_j>)``, the cross terms from the
+        uses' factors (never a per-sample gradient)."""
+        index: Dict[nn.Parameter, List[int]] = {}
+        for i, p in enumerate(params):
+            index.setdefault(p, []).append(i)
+        factors: Dict[nn.Parameter, list] = {}
+        for layer, inputs, backprops in shared_records:
+            mine = [p for p in self.layer_params(layer) if p in self.shared and len(index.get(p, ())) > 1]
+            if mine:
+                found = self.FACTOR_SAMPLERS[type(layer)](layer, inputs, backprops)
+                if self.sharded is not None:
+                    found = self.sharded.canonical_keys(found)
+                for p in mine:
+                    factors.setdefault(p, []).append(found[p])
+        once = [i for p, rows_of in index.items() if len(rows_of) == 1 for i in rows_of]
+        out_params = [params[i] for i in once]
+        combined = []
+        for p, rows_of in index.items():
+            if len(rows_of) == 1:
+                continue
+            sq = rows.index_select(0, self._row_index(rows_of, rows.device)).square().sum(0)
+            uses = factors[p]
+            for i in range(len(uses)):
+                for j in range(i + 1, len(uses)):
+                    # torch's own kernels on every backend (triton_ops re-exports reference's).
+                    sq = sq + 2 * reference.outer_sum_inner(*uses[i], *uses[j]).to(sq.dtype)
+            # Rounding can take the square of an exact zero (opposite uses) slightly below it.
+            combined.append(sq.clamp_min(0).sqrt())
+            out_params.append(p)
+        kept = rows.index_select(0, self._row_index(once, rows.device))
+        return out_params, torch.cat([kept, torch.stack(combined)])
+
+    def _row_index(self, rows: List[int], device: torch.device) -> torch.Tensor:
+        """``rows`` as an index tensor on ``device``, made once: indexing by a Python list
+        copies the list to the device at every call, which on a GPU waits for the queue."""
+        key = (tuple(rows), device)
+        found = self._row_indices.get(key)
+        if found is None:
+            found = self._row_indices[key] = torch.tensor(rows, dtype=torch.int64, device=device)
+        return found
+
+    # ------------------------------------------------------------------ clipped backward
+    def clipped_backward(self, loss_per_sample: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
+        """Add ``sum_b c_b * grad(loss_b)`` to ``p.grad``, ``c_b`` from the norms of this pass
+        and ``max_grad_norm``; returns the per-sample norms (see the wrapper's method)."""
+        if loss_per_sample.dim() != 1:
+            raise ValueError(
+                f"clipped_backward takes one loss per sample, shape (B,), not {tuple(loss_per_sample.shape)}; "
+                "for a loss per token, reduce each sequence first (DPLossFastGradientClipping's shape=)"
+            )
+        if loss_per_sample.grad_fn is None:
+            raise ValueError("the per-sample losses have no autograd graph (computed under torch.no_grad()?)")
+        reduced = reduce_losses(loss_per_sample, self.loss_reduction)
+        targets = self._edges.targets(reduced.grad_fn)
+        if not targets:
+            raise RuntimeError(
+                "the loss depends on no layer this wrapper hooked: run the forward pass through "
+                "the wrapper with hooks enabled and gradients on"
+            )
+        self._verify_loss(loss_per_sample)
+        self._norm_pass = NormPass.KEEP_FOR_CLIPPING if self.single_backward else NormPass.NORMS_ONLY
+        try:
+            try:
+                torch.autograd.grad(reduced, targets, retain_graph=not self.single_backward, allow_unused=True)
+            except RuntimeError as error:
+                if "use_reentrant=True" in str(error):
+                    raise RuntimeError(REENTRANT_CHECKPOINT) from error
+                raise
+            del targets
+            self._edges.release()
+            norms = self.norm_sample()
+            coef = clipping_coefficients(norms, max_grad_norm)
+            if coef.shape != loss_per_sample.shape:
+                raise ValueError(
+                    f"{loss_per_sample.shape[0]} losses for a batch of {coef.shape[0]} samples: "
+                    "give one loss per sample"
+                )
+            if self.single_backward:
+                self._add_clipped_gradients(coef)
+            else:
+                self._wait_finite()
+                with self.hooks_off():
+                    (coef.to(loss_per_sample.device) * loss_per_sample).sum().backward()
+        finally:
+            self._norm_pass = NormPass.PLAIN
+            self._kept, self._finite = [], None
+        return norms
+
+    def _verify_loss(self, loss_per_sample: torch.Tensor) -> None:
+        """The guarantee's check of the graph between the loss and the model's outputs (the
+        model's own graph is checked at the end of its forward pass), when its layout is new."""
+        edges = self._edges
+        root = loss_per_sample.grad_fn
+        outputs = set(edges.outputs)
+        key = (self._scan_version, "loss", sequence_number(root) - edges.output_seq, bool(outputs))
+        if key not in self._verified:
+            self._verify(key, [root], [], lambda node: node in outputs or edges.marked(node), in_loss=True)
+
+    def _add_clipped_gradients(self, coef: torch.Tensor) -> None:
+        """``p.grad += sum_b c_b g_b`` for every parameter the norm pass reached.
+
+        The sums are queued first; the host then waits for the norms' finite check (the sums
+        go on on the device meanwhile) and only then hands them to ``p.grad``, through
+        autograd's own accumulation, in one backward call (``_ClippedGradients``): ``p.grad``
+        is set or added to as by any backward pass, with no copy, and the hooks others put on
+        parameters run (DistributedDataParallel reduces the gradients there).
+        """
+        if not self._kept:
+            raise RuntimeError(
+                "the norm pass reached no hooked layer (hooks disabled after the forward pass?): "
+                "nothing to clip"
+            )
+        if self.sharded is not None:
+            with torch.no_grad():
+                self._reduce_scatter_clipped(coef)
+            return
+        with torch.no_grad():
+            held = [self._clipped_sums(coef)]
+        self._wait_finite()
+        params = list(held[0])
+        if params:
+            # Only autograd holds the sums when they reach AccumulateGrad: no copy is made.
+            out = _ClippedGradients.apply(held.pop, params, *params)
+            out.backward(self._constant(1.0, out))
+
+    def _constant(self, value: float, like: torch.Tensor) -> torch.Tensor:
+        """``value`` as a 0-d tensor like ``like``, made once (not an operation every step)."""
+        key = (value, like.dtype, like.device)
+        found = self._constants.get(key)
+        if found is None:
+            found = self._constants[key] = torch.tensor(value, dtype=like.dtype, device=like.device)
+        return found
+
+    def _clipped_sums(self, coef: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
+        """``sum_b c_b g_b`` of every parameter of the kept groups, freeing each group as it
+        is summed. ``coef`` (B,): the clipping coefficients of the samples' own losses."""
+        groups, self._kept = [group for group, _ in self._kept], []
+        sums: Dict[nn.Parameter, torch.Tensor] = {}
+        with region("dpgrad.clipped_sums"):
+            self._sum_groups(groups, self._coefficients(coef), sums)
+        return sums
+
+    def _coefficients(self, coef: torch.Tensor) -> Coefficients:
+        if self.loss_reduction == "mean":
+            coef = coef * coef.shape[0]  # the records' backprops are those of the mean
+        return Coefficients(coef)
+
+    def _sum_groups(self, groups: List[Group], coefs: Coefficients, sums: Dict[nn.Parameter, torch.Tensor]) -> None:
+        """Add the clipped sums of ``groups`` to ``sums``, emptying the list (each group lets go
+        of its inputs as it is summed)."""
+        while groups:
+            found = groups.pop().clipped_sums(coefs)
+            if self.sharded is not None:  # keyed by FSDP's unsharded copies
+                found = list(zip(self.sharded.canonical(p for p, _ in found), (s for _, s in found)))
+            for p, s in found:
+                sums[p] = s if p not in sums else sums[p] + s
+
+    def _reduce_scatter_clipped(self, coef: torch.Tensor) -> None:
+        """On a model sharded by FSDP2: the clipped sums of one FSDP2 parameter group at a time,
+        each handed to FSDP's reduce-scatter before the next is computed (``dpgrad.fsdp``), so
+        that no more than one group's full gradients exist at once. The host waits for the
+        norms' finite check once the first group's sums are queued, before any reaches FSDP."""
+        by_shard: Dict[int, List[Group]] = {}
+        for group, shard in self._kept:
+            by_shard.setdefault(shard, []).append(group)
+        self._kept = []
+        coefs = self._coefficients(coef)
+        with region("dpgrad.clipped_sums"):
+            for shard in list(by_shard):
+                sums: Dict[nn.Parameter, torch.Tensor] = {}
+                self._sum_groups(by_shard.pop(shard), coefs, sums)
+                self._wait_finite()  # once: the check is gone after the first wait
+                self.sharded.reduce_scatter(shard, sums)
+        self._wait_finite()
+        self.sharded.finish_backward()
+
+
+def _norm_group_class(layer: nn.Module) -> Optional[type]:
+    return registry.NORM_GROUPS.get(type(layer))
+
+
+class _ClippedGradients(torch.autograd.Function):
+    """A node whose backward hands the parameters their clipped gradients.
+
+    ``compute()`` gives the sums (popped from where they were held), so autograd alone holds
+    them when they reach the parameters, and a missing ``p.grad`` takes the tensor itself
+    rather than a copy.
+    """
+
+    @staticmethod
+    def forward(ctx, compute, params, *tensors):
+        ctx.compute, ctx.params = compute, params
+        return tensors[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        sums = ctx.compute()
+        ctx.compute = None
+        return (None, None, *(sums.pop(p, None) for p in ctx.params))
+
+
+__all__ = ["ClippingPath", "FinishPlan", "NormPass", "PlannedGroup", "clipping_bound", "clipping_coefficients",
+           "reduce_losses"]
