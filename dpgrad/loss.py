@@ -78,24 +78,30 @@ class DPTensorFastGradientClipping:
     sample's loss. ``item()`` and ``detach()`` give the reduced loss.
     """
 
-    def __init__(self, module, optimizer, loss_per_sample: torch.Tensor, loss_reduction: str = "mean"):
+    def __init__(self, module, optimizer, loss_per_sample: torch.Tensor, loss_reduction: str = "mean",
+                 samples: Optional[int] = None):
         self.module = module
         self.optimizer = optimizer
         self.loss_per_sample = loss_per_sample
         self.loss_reduction = loss_reduction
+        self.samples = samples  # sampled samples in a padded batch (their losses come first)
 
     def _reduced(self) -> torch.Tensor:
         return reduce_losses(self.loss_per_sample, self.loss_reduction)
 
     def detach(self) -> torch.Tensor:
-        """The reduced loss (mean or sum over samples), detached."""
+        """The reduced loss (mean or sum over samples; in a padded batch, over its sampled
+        samples), detached."""
+        if self.samples is not None and self.loss_reduction == "mean":
+            return self.loss_per_sample.detach().sum() / max(self.samples, 1)
         return self._reduced().detach()
 
     def item(self) -> float:
         return self.detach().item()
 
     def _with(self, loss_per_sample: torch.Tensor) -> "DPTensorFastGradientClipping":
-        return DPTensorFastGradientClipping(self.module, self.optimizer, loss_per_sample, self.loss_reduction)
+        return DPTensorFastGradientClipping(self.module, self.optimizer, loss_per_sample, self.loss_reduction,
+                                            self.samples)
 
     def _other(self, other):
         if isinstance(other, DPTensorFastGradientClipping):
@@ -165,9 +171,12 @@ class DPLossFastGradientClipping:
             e.g. ``nn.CrossEntropyLoss``; it is called with ``reduction="none"``.
         loss_reduction: "mean" or "sum", the same as the module's, the optimizer's and the
             criterion's.
+        batches: dpgrad's own keyword: the ``dpgrad.batches.FixedShapeBatches`` the batches
+            come from (``dpgrad.opacus.make_private(physical_batch_size=...)`` passes it), whose
+            padded samples get a loss weight of exactly zero.
     """
 
-    def __init__(self, module, optimizer, criterion, loss_reduction: str = "mean"):
+    def __init__(self, module, optimizer, criterion, loss_reduction: str = "mean", batches=None):
         if loss_reduction not in REDUCTIONS:
             raise ValueError(f"loss_reduction = {loss_reduction!r}: use 'mean' or 'sum'")
         wrapper = clipping_wrapper(module)
@@ -190,6 +199,7 @@ class DPLossFastGradientClipping:
         self.optimizer = optimizer
         self.criterion = criterion
         self.loss_reduction = loss_reduction
+        self.batches = batches
 
     def __call__(self, *args, shape=None, **kwargs) -> DPTensorFastGradientClipping:
         """The criterion's per-sample losses, wrapped.
@@ -207,7 +217,18 @@ class DPLossFastGradientClipping:
             self.criterion.reduction = old
         if shape is not None and loss_per_sample.shape[0] == shape[0] * shape[1]:
             loss_per_sample = self._per_sequence(loss_per_sample.view(shape[0], shape[1]), args, kwargs)
-        return DPTensorFastGradientClipping(self.module, self.optimizer, loss_per_sample, self.loss_reduction)
+        samples = None
+        if self.batches is not None:
+            if loss_per_sample.shape != (self.batches.size,):
+                raise ValueError(
+                    f"{tuple(loss_per_sample.shape)} losses for a physical batch of {self.batches.size} "
+                    "samples: give one loss per sample (for a loss per token, pass shape=)"
+                )
+            # A padded sample's loss weighs exactly zero: it adds nothing to the gradient.
+            loss_per_sample = loss_per_sample * self.batches.weights(loss_per_sample)
+            samples = self.batches.samples
+        return DPTensorFastGradientClipping(self.module, self.optimizer, loss_per_sample, self.loss_reduction,
+                                            samples)
 
     def _per_sequence(self, token_losses: torch.Tensor, args, kwargs) -> torch.Tensor:
         if self.loss_reduction == "sum":

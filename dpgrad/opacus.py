@@ -34,6 +34,7 @@ from opacus.optimizers import DPOptimizerFastGradientClipping as _OpacusDPOptimi
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
 from dpgrad import registry
+from dpgrad.batches import FixedShapeBatches
 from dpgrad.clipping_path import clipping_bound
 from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping, GradSampleModuleFastGradientClippingFSDP
 from dpgrad.fsdp import sharded_modules
@@ -300,6 +301,7 @@ def make_private(
     wrap_model: bool = True,
     rand_on_empty: bool = False,
     single_backward: bool = False,
+    physical_batch_size: Optional[int] = None,
     **kwargs,
 ):
     """``PrivacyEngine.make_private`` with the model wrapped by dpgrad.
@@ -343,6 +345,12 @@ def make_private(
         clipping: only "flat" (one ``max_grad_norm`` over all parameters).
         single_backward: under "ghost", one backward pass per step instead of two
             (``GradSampleModuleFastGradientClipping(single_backward=True)``).
+        physical_batch_size: under "ghost" with Poisson sampling in one process, serve every
+            Poisson batch as batches of exactly this many samples (``dpgrad.batches``): a
+            larger one is split, the last part padded with samples whose loss weighs exactly
+            zero, and the optimizer steps once per Poisson batch (call ``optimizer.step()``
+            and ``zero_grad()`` after every batch, as with Opacus's BatchMemoryManager). The
+            sampling, ``expected_batch_size`` and the accountant are unchanged.
         wrap_model: only True; dpgrad always wraps the model.
         **kwargs: passed to the DP optimizer, as ``PrivacyEngine.make_private`` does.
 
@@ -354,7 +362,8 @@ def make_private(
         ValueError: for a module sharded by FSDP2 under a mode other than "ghost" (or
             "ghost_fsdp" for one that is not), clipping other than "flat", several clipping
             bounds, a ``max_grad_norm`` that is not a finite positive number, an unknown
-            ``grad_sample_mode``, ``single_backward`` without "ghost", or
+            ``grad_sample_mode``, ``physical_batch_size`` other than a positive integer or
+            without Poisson sampling, "ghost" or one process, ``single_backward`` without "ghost", or
             optimizer parameters that are not the module's.
 
     Example::
@@ -407,6 +416,15 @@ def make_private(
             f"single_backward=True clips from per-sample norms: it needs grad_sample_mode='ghost', "
             f"not {grad_sample_mode!r}"
         )
+    if physical_batch_size is not None:
+        if isinstance(physical_batch_size, bool) or not isinstance(physical_batch_size, int) or physical_batch_size < 1:
+            raise ValueError(f"physical_batch_size must be a positive integer, not {physical_batch_size!r}")
+        if not poisson_sampling or grad_sample_mode != "ghost" or distribution is not None:
+            raise ValueError(
+                "physical_batch_size pads and splits Poisson batches for dpgrad's loss wrapper: it "
+                "needs poisson_sampling=True and grad_sample_mode='ghost', in one process (with "
+                "several, ranks would split their shares into different numbers of batches)"
+            )
     if noise_generator is not None and privacy_engine.secure_mode:
         raise ValueError("Passing seed is prohibited in secure mode")
     distributed = distribution is not None
@@ -473,8 +491,11 @@ def make_private(
     optimizer.attach_step_hook(privacy_engine.accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
 
     if grad_sample_mode == "ghost":
+        if physical_batch_size is not None:
+            data_loader = FixedShapeBatches(data_loader, physical_batch_size, optimizer)
         if criterion is None:
             criterion = nn.CrossEntropyLoss(reduction=loss_reduction)
-        criterion = DPLossFastGradientClipping(module, optimizer, criterion, loss_reduction=loss_reduction)
+        criterion = DPLossFastGradientClipping(module, optimizer, criterion, loss_reduction=loss_reduction,
+                                               batches=data_loader if physical_batch_size is not None else None)
         return module, optimizer, criterion, data_loader
     return module, optimizer, data_loader

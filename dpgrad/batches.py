@@ -1,0 +1,105 @@
+"""Poisson batches of a fixed physical size.
+
+Poisson sampling, which the privacy accounting assumes, gives every step a batch of a
+different size: each size is a new shape for the autotuner's buckets and for anything
+captured or compiled once per shape, and a large batch can run out of memory.
+``FixedShapeBatches`` serves each logical (Poisson) batch of a DP data loader as physical
+batches of exactly ``size`` samples:
+
+- a logical batch of L samples becomes ``ceil(L / size)`` physical batches (one for an empty
+  batch), the last padded to ``size`` with copies of one of its own samples (the dataset's
+  first for an empty batch);
+- a padded sample's loss weight is exactly zero (``weights``, which dpgrad's loss wrapper
+  applies to the per-sample losses), so its per-sample gradient, its norm and its clipped
+  contribution are exactly zero: it adds nothing to the step;
+- the optimizer is told to skip its step after every physical batch but the last of a logical
+  batch (Opacus's ``signal_skip_step``, as its ``BatchMemoryManager`` does), so it steps,
+  draws its noise and counts for the accountant once per logical batch, as without padding.
+
+The sampling, the expected batch size and the accountant are the data loader's, unchanged.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Deque, Dict, Iterator, List, Tuple
+
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+
+class PaddedBatchSampler(Sampler[List[int]]):
+    """The index lists of ``sampler`` (logical batches) as lists of exactly ``size`` indices,
+    each logical batch split and its last part padded; for every list made, ``(real samples,
+    whether it ends its logical batch)`` is appended to ``plan``, in order."""
+
+    def __init__(self, sampler, size: int, plan: Deque[Tuple[int, bool]]):
+        self.sampler, self.size, self.plan = sampler, size, plan
+
+    def __iter__(self) -> Iterator[List[int]]:
+        size = self.size
+        for indices in self.sampler:
+            indices = list(indices)
+            parts = [indices[i:i + size] for i in range(0, len(indices), size)] or [[]]
+            for k, part in enumerate(parts):
+                filler = part[0] if part else 0
+                self.plan.append((len(part), k == len(parts) - 1))
+                yield part + [filler] * (size - len(part))
+
+    def __len__(self) -> int:
+        expected = getattr(self.sampler, "sample_rate", 0) * getattr(self.sampler, "num_samples", 0)
+        return len(self.sampler) * max(1, -(-int(round(expected)) // self.size))
+
+
+class FixedShapeBatches:
+    """A DP data loader's Poisson batches as physical batches of exactly ``size`` samples
+    (see the module docstring). Iterate over it as over the data loader; ``weights(like)`` are
+    the loss weights of the batch last yielded (1 for a sampled sample, 0 for padding) and
+    ``samples`` its number of sampled samples.
+
+    Args:
+        data_loader: a DP data loader (Opacus's ``DPDataLoader``: Poisson sampling).
+        size: the physical batch size.
+        optimizer: the DP optimizer, told which physical batches end a logical one
+            (``signal_skip_step``).
+    """
+
+    def __init__(self, data_loader: DataLoader, size: int, optimizer):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"physical_batch_size must be a positive integer, not {size!r}")
+        self.size = size
+        self.optimizer = optimizer
+        self.dataset = data_loader.dataset
+        self.sample_rate = getattr(data_loader, "sample_rate", None)
+        self._plan: Deque[Tuple[int, bool]] = deque()
+        self.batch_sampler = PaddedBatchSampler(data_loader.batch_sampler, size, self._plan)
+        self._loader = DataLoader(
+            dataset=data_loader.dataset, batch_sampler=self.batch_sampler, collate_fn=data_loader.collate_fn,
+            num_workers=data_loader.num_workers, pin_memory=data_loader.pin_memory, timeout=data_loader.timeout,
+            worker_init_fn=data_loader.worker_init_fn, multiprocessing_context=data_loader.multiprocessing_context,
+            generator=data_loader.generator, prefetch_factor=data_loader.prefetch_factor,
+            persistent_workers=data_loader.persistent_workers,
+        )
+        self.samples = 0
+        self._weights: Dict[Tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
+
+    def __iter__(self):
+        self._plan.clear()
+        for batch in self._loader:
+            # The sampler runs ahead of the batches (workers prefetch): its plan is read in order.
+            self.samples, last = self._plan.popleft()
+            self.optimizer.signal_skip_step(do_skip=not last)
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+    def weights(self, like: torch.Tensor) -> torch.Tensor:
+        """The loss weights of the batch last yielded, (size,), on ``like``'s device and in its
+        dtype (made once for each number of sampled samples)."""
+        key = (self.samples, like.device, like.dtype)
+        found = self._weights.get(key)
+        if found is None:
+            found = self._weights[key] = (torch.arange(self.size) < self.samples).to(device=like.device,
+                                                                                   dtype=like.dtype)
+        return found
