@@ -58,6 +58,7 @@ class NormPass(Enum):
     PLAIN = "plain"  # loss.backward(): the norms, then the caller's own second pass (Opacus's protocol)
     NORMS_ONLY = "norms only"  # clipped_backward's first pass in double backward
     KEEP_FOR_CLIPPING = "keep for clipping"  # single backward: the norms, then the clipped sums from the records
+    ONE_SAMPLE = "one sample"  # a batch of one: the plain gradient is the per-sample one; nothing recorded
 
 
 class PlannedGroup(NamedTuple):
@@ -233,6 +234,8 @@ class ClippingPath(BackwardPath):
 
     # ------------------------------------------------------------------ a pass
     def keep(self, record: Record) -> None:
+        if self._norm_pass is NormPass.ONE_SAMPLE:
+            return  # its inputs were let go of: the gradient comes from autograd
         if self.single_backward and self._norm_pass is NormPass.PLAIN:
             raise RuntimeError(
                 f"layer '{self.layer_names[record.layer]}': this wrapper has single_backward=True, so "
@@ -257,6 +260,8 @@ class ClippingPath(BackwardPath):
     def finish(self) -> None:
         """The pass's per-sample norms onto ``p._norm_sample`` and ``pass_norm``; in single
         backward, the groups kept for the clipped sums."""
+        if self._norm_pass is NormPass.ONE_SAMPLE:
+            return
         records = [self.batch_front(rec) for rec in self._records]
         self._records = []
         params, rows, groups = self._norm_rows(records)
@@ -491,6 +496,8 @@ class ClippingPath(BackwardPath):
                 "the wrapper with hooks enabled and gradients on"
             )
         self._verify_loss(loss_per_sample)
+        if loss_per_sample.shape[0] == 1 and self._one_sample_is_plain():
+            return self._clip_one_sample(reduced, max_grad_norm)
         self._norm_pass = NormPass.KEEP_FOR_CLIPPING if self.single_backward else NormPass.NORMS_ONLY
         try:
             try:
@@ -518,6 +525,51 @@ class ClippingPath(BackwardPath):
             self._norm_pass = NormPass.PLAIN
             self._kept, self._finite = [], None
         return norms
+
+    def _one_sample_is_plain(self) -> bool:
+        """Whether a loss of one sample can be clipped from its plain gradient: a forward pass of
+        one sample, on a model that is not sharded and has no trainable layer skipped."""
+        return (self._forward_batch == 1 and self.sharded is None
+                and not any(p.requires_grad for p in self.unhooked))
+
+    def _clip_one_sample(self, loss: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
+        """A batch of one sample: its per-sample gradient is the plain gradient. One backward
+        pass computes it (as the non-private step would), its norm is one reduction, and the
+        clipped gradient ``min(1, C / (norm + 1e-6)) * g`` reaches ``p.grad`` as in single
+        backward: no norm or clipped-sum kernel runs, and nothing is recorded."""
+        params = list(self.trainable_parameters)
+        self._norm_pass = NormPass.ONE_SAMPLE
+        try:
+            try:
+                grads = torch.autograd.grad(loss, params, allow_unused=True)
+            except RuntimeError as error:
+                if "use_reentrant=True" in str(error):
+                    raise RuntimeError(REENTRANT_CHECKPOINT) from error
+                raise
+        finally:
+            self._norm_pass = NormPass.PLAIN
+        self._edges.release()
+        reached = [(p, g) for p, g in zip(params, grads) if g is not None]
+        if not reached:
+            raise RuntimeError("the loss reaches no trainable parameter: nothing to clip")
+        params, grads = [p for p, _ in reached], [g for _, g in reached]
+        with torch.no_grad():
+            acc = reference.accumulation_dtype(*grads)  # fp32 norms of half gradients, as everywhere
+            rows = torch.stack(torch._foreach_norm(grads, 2, dtype=acc))
+            for p, norm in zip(params, rows.unbind(0)):
+                p._norm_sample = norm.view(1)
+                p.grad_sample = None
+            self.pass_norm = torch.linalg.vector_norm(rows).view(1)
+            if self.check_finite:
+                FiniteCheck([self.pass_norm], lambda: [(self.param_name(p), n) for p, n in zip(params, rows)],
+                            "gradient norms").wait()
+            coef = clipping_coefficients(self.pass_norm, max_grad_norm)
+            torch._foreach_mul_(grads, coef.view(()))
+        held = [dict(zip(params, grads))]
+        del grads, reached
+        out = _ClippedGradients.apply(held.pop, params, *params)
+        out.backward(self._constant(1.0, out))
+        return self.pass_norm
 
     def _verify_loss(self, loss_per_sample: torch.Tensor) -> None:
         """The guarantee's check of the graph between the loss and the model's outputs (the

@@ -100,7 +100,8 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
 
         The norm pass computes no weight gradients. Then, with ``single_backward``, the
         clipped gradients come from what that pass kept; otherwise a second backward pass of
-        ``sum_b c_b * loss_b`` (hooks disabled) computes them. Raises ValueError for a loss
+        ``sum_b c_b * loss_b`` (hooks disabled) computes them. A batch of one sample is clipped
+        from its plain gradient, in one backward pass, in either mode. Raises ValueError for a loss
         that is not (B,) or has no graph, RuntimeError when the loss does not depend on any
         layer this wrapper hooked, ``UnclippedGradientError`` when a trainable parameter would
         get a gradient that is not clipped (``dpgrad.guarantee``).

@@ -223,11 +223,13 @@ def _situation(name, mode, B=1):
     return model, reference_model, wrapped, refused
 
 
+@pytest.mark.parametrize("B", [1, 3])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(SITUATIONS))
-def test_situation(name, mode):
+def test_situation(name, mode, B):
+    """B = 1 (the clipping wrapper takes a sample's plain gradient) and B = 3 (its norms)."""
     model, reference_model, wrapped, refused = _situation(name, mode)
-    x, y = batch()
+    x, y = batch(B=B)
     if refused is None:
         step(wrapped, x, y)
         check_exact(model, wrapped, reference_model, x, y)

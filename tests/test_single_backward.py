@@ -182,6 +182,36 @@ def test_random_models_match_float64_reference(case):
     check_clipped_sums(model, batches, case["wrapper"], case["loss_reduction"], cfg.batch_first, rtol)
 
 
+@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+@pytest.mark.parametrize("mode", MODES)
+def test_one_sample_is_clipped_from_its_plain_gradient(mode, loss_reduction):
+    """A batch of one: the plain gradient is the per-sample one, so no norm or clipped-sum
+    group runs; micro-batches of one accumulate, each clipped on its own, as any other."""
+    cfg = NetConfig()
+    model = build(cfg, seed=4, freeze="bias")
+    batches = [make_batch(cfg, B=1, T=3, seed=40 + k) for k in range(3)]
+    wrapped = wrap(copy.deepcopy(model), mode, loss_reduction=loss_reduction)
+
+    def no_groups(records):
+        raise AssertionError("a batch of one made norm groups")
+
+    wrapped._path._norm_rows = no_groups
+    check_clipped_sums(model, batches, mode, loss_reduction, True, wrapped=wrapped)
+    assert all(p._norm_sample.shape == (1,) for p in wrapped.trainable_parameters if p._norm_sample is not None)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_one_sample_with_a_non_finite_loss_raises_before_p_grad(mode):
+    cfg = NetConfig()
+    model = build(cfg, seed=4)
+    wrapped = wrap(model, mode)
+    x, y = make_batch(cfg, B=1, T=3, seed=41)
+    losses = per_sample_loss(wrapped(x), y) * float("nan")
+    with pytest.raises(FloatingPointError, match="non-finite per-sample gradient norms"):
+        wrapped.clipped_backward(losses)
+    assert all(p.grad is None for p in model.parameters())
+
+
 # ---------------------------------------------------------------------------- models that stress the graph walk
 class InPlaceMLP(nn.Module):
     """A Linear whose output is changed in place (ReLU(inplace=True)), a branch that joins
