@@ -9,7 +9,7 @@ write fp32 partials that are summed in a fixed order (deterministic).
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import triton
@@ -18,6 +18,7 @@ import triton.language as tl
 from .linear_grad_sample import CONFIGS as _PER_SAMPLE_CONFIGS
 from .linear_grad_sample import sample_tile, tile_offsets
 from .triton_common import INTERPRET, cdiv, check_dtypes, empty, launch
+from .triton_common import grouped, layer_pointer
 
 # The same tiles as the per-sample kernel (tuned separately: the loop over samples differs).
 CONFIGS = _PER_SAMPLE_CONFIGS
@@ -29,15 +30,19 @@ _MAX_PARTIAL_ELEMENTS = 1 << 26
 @triton.autotune(configs=CONFIGS, key=["p", "d", "WITH_BIAS"])
 @triton.jit(do_not_specialize=["B", "T", "samples_per_split"])
 def _linear_clipped_sum_kernel(
-    A, G, COEF, W, BIAS,
+    A, G, A_PTRS, G_PTRS, COEF, W, BIAS,
     B, T, p, d,
     s_ab, s_at, s_ad, s_gb, s_gt, s_gp,
     samples_per_split,
-    WITH_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+    WITH_BIAS: tl.constexpr, GROUPED: tl.constexpr, UPCAST: tl.constexpr,
     BP: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
 ):
     i_tile = tl.program_id(0).to(tl.int64)
     i_split = tl.program_id(1).to(tl.int64)
+    i_l = tl.program_id(2).to(tl.int64)  # the layer of a grouped launch
+    A = layer_pointer(A, A_PTRS, i_l, GROUPED)
+    G = layer_pointer(G, G_PTRS, i_l, GROUPED)
+    i_part = i_l * tl.num_programs(1) + i_split  # partials are laid out by layer, then split
     i_p, i_d, o_p, o_d, m_p, m_d = tile_offsets(i_tile, p, d, BP, BD)
     b_w = tl.zeros((BP, BD), dtype=tl.float32)
     b_bias = tl.zeros((BP,), dtype=tl.float32)
@@ -52,11 +57,11 @@ def _linear_clipped_sum_kernel(
         if WITH_BIAS:
             b_bias += c * b_bs
 
-    tl.store(W + i_split * p * d + o_p[:, None] * d + o_d[None, :], b_w.to(W.dtype.element_ty),
+    tl.store(W + i_part * p * d + o_p[:, None] * d + o_d[None, :], b_w.to(W.dtype.element_ty),
              mask=m_p[:, None] & m_d[None, :])
     if WITH_BIAS:
         if i_d == 0:
-            tl.store(BIAS + i_split * p + o_p, b_bias.to(BIAS.dtype.element_ty), mask=m_p)
+            tl.store(BIAS + i_part * p + o_p, b_bias.to(BIAS.dtype.element_ty), mask=m_p)
 
 
 def linear_clipped_sum(
@@ -80,7 +85,32 @@ def linear_clipped_sum(
     Returns:
         (weight sum [p, d], bias sum [p] or None), in ``out_dtype``.
     """
+    return linear_clipped_sum_grouped([A], [G], coef, bias=bias, out_dtype=out_dtype)[0]
+
+
+def linear_clipped_sum_grouped(
+    As: Sequence[torch.Tensor],
+    Gs: Sequence[torch.Tensor],
+    coef: torch.Tensor,
+    *,
+    bias: bool = False,
+    out_dtype: Optional[torch.dtype] = None,
+) -> List[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    """``linear_clipped_sum`` of L layers of one shape (and one batch: one ``coef``) in one
+    launch, each layer's tensors read where they are (a table of their addresses: no copies).
+
+    Args:
+        As: L inputs, [B, T, d] each, one dtype (fp32/bf16/fp16) and one set of strides.
+        Gs: L backprops, [B, T, p] each, likewise.
+        coef, bias, out_dtype: as for ``linear_clipped_sum``.
+
+    Returns:
+        For each layer, (weight sum [p, d], bias sum [p] or None), in ``out_dtype``.
+    """
+    A, G = As[0], Gs[0]
     check_dtypes("linear_clipped_sum", A, G)
+    ga, gg = grouped(As), grouped(Gs)
+    L = len(As)
     B, T, d = A.shape
     p = G.shape[2]
     out_dtype = out_dtype or G.dtype
@@ -88,23 +118,26 @@ def linear_clipped_sum(
     coef = coef.to(device=device, dtype=torch.float32).contiguous()
     if B == 0 or p * d == 0:
         # Nothing to tile (an empty batch, or a layer with no weights): plain torch suffices.
-        w = torch.zeros(p, d, dtype=out_dtype, device=device)
-        b = torch.einsum("b,btp->p", coef, G.float()).to(out_dtype) if bias else None
-        return w, b
+        return [(torch.zeros(p, d, dtype=out_dtype, device=device),
+                 torch.einsum("b,btp->p", coef, g.float()).to(out_dtype) if bias else None) for g in Gs]
     tiles = cdiv(p, 64) * cdiv(d, 64)
-    splits = max(1, min(B, _TARGET_PROGRAMS // tiles, _MAX_PARTIAL_ELEMENTS // (p * d)))
+    splits = max(1, min(B, _TARGET_PROGRAMS // (tiles * L), _MAX_PARTIAL_ELEMENTS // (p * d * L)))
     per_split = cdiv(B, splits)
     splits = cdiv(B, per_split)
     part_dtype = out_dtype if splits == 1 else torch.float32
-    w = empty((splits, p, d), part_dtype, device)
-    b = empty((splits, p), part_dtype, device) if bias else None
-    launch(_linear_clipped_sum_kernel, lambda meta: (cdiv(p, meta["BP"]) * cdiv(d, meta["BD"]), splits),
-        A, G, coef, w, b,
+    w = empty((L, splits, p, d), part_dtype, device)
+    b = empty((L, splits, p), part_dtype, device) if bias else None
+    launch(_linear_clipped_sum_kernel, lambda meta: (cdiv(p, meta["BP"]) * cdiv(d, meta["BD"]), splits, L),
+        A, G, ga.table, gg.table, coef, w, b,
         B, T, p, d,
-        *A.stride(), *G.stride(),
+        *ga.strides, *gg.strides,
         per_split,
-        WITH_BIAS=bias, UPCAST=INTERPRET,
+        WITH_BIAS=bias, GROUPED=ga.on, UPCAST=INTERPRET,
     )
-    if splits == 1:
-        return w[0], b[0] if bias else None
-    return w.sum(dim=0).to(out_dtype), b.sum(dim=0).to(out_dtype) if bias else None
+    if splits > 1:
+        w = w.sum(dim=1).to(out_dtype)
+        b = b.sum(dim=1).to(out_dtype) if bias else None
+    else:
+        w = w[:, 0]
+        b = b[:, 0] if bias else None
+    return list(zip(w.unbind(0), b.unbind(0) if bias else [None] * L))

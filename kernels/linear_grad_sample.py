@@ -13,15 +13,16 @@ A and G are read through their strides (no copies); offsets are int64.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from .linear_token_sum import token_sum
+from .linear_token_sum import token_sum_grouped
 from .reference import LinearPerSample
 from .triton_common import INTERPRET, cdiv, check_dtypes, configs, dot_fp32, empty, launch, min_block, placeholder
+from .triton_common import grouped, layer_pointer
 
 CONFIGS = configs(
     [dict(BP=bp, BD=bd, BT=bt) for bp, bd in ((64, 64), (128, 64), (64, 128), (128, 128)) for bt in (32, 64)],
@@ -73,33 +74,36 @@ def sample_tile(
                  reset_to_zero=["W_SQ", "BIAS_SQ"])
 @triton.jit(do_not_specialize=["B", "T"])
 def _linear_per_sample_kernel(
-    A, G, W, BIAS, W_SQ, BIAS_SQ,
+    A, G, A_PTRS, G_PTRS, W, BIAS, W_SQ, BIAS_SQ,
     B, T, p, d,
     s_ab, s_at, s_ad, s_gb, s_gt, s_gp,
     n_tiles_max, n_tiles_p_max,
-    WRITE_GRAD: tl.constexpr, WITH_BIAS: tl.constexpr, WITH_NORM: tl.constexpr, UPCAST: tl.constexpr,
-    BP: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
+    WRITE_GRAD: tl.constexpr, WITH_BIAS: tl.constexpr, WITH_NORM: tl.constexpr, GROUPED: tl.constexpr,
+    UPCAST: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
 ):
-    # One flat grid axis: (sample, tile) pairs can exceed the 65535 limit of the other axes.
+    # One flat grid axis: (layer, sample, tile) triples can exceed the 65535 limit of the others.
+    # Outputs are laid out by the sample over the group's layers (i_lb).
     pid = tl.program_id(0).to(tl.int64)
     n_tiles = tl.cdiv(p, BP) * tl.cdiv(d, BD)
-    i_b = pid // n_tiles
+    i_lb = pid // n_tiles
     i_tile = pid % n_tiles
+    p_a = layer_pointer(A, A_PTRS, i_lb // B, GROUPED)
+    p_g = layer_pointer(G, G_PTRS, i_lb // B, GROUPED)
     i_p, i_d, o_p, o_d, m_p, m_d = tile_offsets(i_tile, p, d, BP, BD)
-    b_w, b_bias = sample_tile(A, G, i_b, o_p, o_d, m_p, m_d, T, s_ab, s_at, s_ad, s_gb, s_gt, s_gp,
+    b_w, b_bias = sample_tile(p_a, p_g, i_lb % B, o_p, o_d, m_p, m_d, T, s_ab, s_at, s_ad, s_gb, s_gt, s_gp,
                               WITH_BIAS, UPCAST, BP, BD, BT)
     if WRITE_GRAD:
-        p_w = W + i_b * p * d + o_p[:, None] * d + o_d[None, :]
+        p_w = W + i_lb * p * d + o_p[:, None] * d + o_d[None, :]
         tl.store(p_w, b_w.to(W.dtype.element_ty), mask=m_p[:, None] & m_d[None, :])
     if WITH_NORM:
         # Masked rows and columns are exact zeros, so they add nothing.
-        tl.store(W_SQ + i_b * n_tiles_max + i_tile, tl.sum(b_w * b_w))
+        tl.store(W_SQ + i_lb * n_tiles_max + i_tile, tl.sum(b_w * b_w))
     if WITH_BIAS:
         if i_d == 0:
             if WRITE_GRAD:
-                tl.store(BIAS + i_b * p + o_p, b_bias.to(BIAS.dtype.element_ty), mask=m_p)
+                tl.store(BIAS + i_lb * p + o_p, b_bias.to(BIAS.dtype.element_ty), mask=m_p)
             if WITH_NORM:
-                tl.store(BIAS_SQ + i_b * n_tiles_p_max + i_p, tl.sum(b_bias * b_bias))
+                tl.store(BIAS_SQ + i_lb * n_tiles_p_max + i_p, tl.sum(b_bias * b_bias))
 
 
 def linear_per_sample(
@@ -128,30 +132,58 @@ def linear_per_sample(
         ``LinearPerSample``: weight [B, p, d] and bias [B, p] in ``out_dtype`` (None where not
         asked for), weight_sq_norm and bias_sq_norm [B] fp32 (with ``norm``).
     """
+    return linear_per_sample_grouped([A], [G], grad=grad, bias=bias, norm=norm, out_dtype=out_dtype)
+
+
+def linear_per_sample_grouped(
+    As: Sequence[torch.Tensor],
+    Gs: Sequence[torch.Tensor],
+    *,
+    grad: bool = True,
+    bias: bool = False,
+    norm: bool = False,
+    out_dtype: Optional[torch.dtype] = None,
+) -> LinearPerSample:
+    """``linear_per_sample`` of L layers of one shape in one launch, each layer's tensors read
+    where they are (a table of their addresses: no copies).
+
+    Args:
+        As: L inputs, [B, T, d] each, one dtype (fp32/bf16/fp16) and one set of strides.
+        Gs: L backprops, [B, T, p] each, likewise.
+        grad, bias, norm, out_dtype: as for ``linear_per_sample``.
+
+    Returns:
+        ``LinearPerSample`` over the L * B samples, layer by layer: weight [L * B, p, d], bias
+        [L * B, p], the squared norms [L * B].
+    """
+    A, G = As[0], Gs[0]
     check_dtypes("linear_per_sample", A, G)
+    ga, gg = grouped(As), grouped(Gs)
     B, T, d = A.shape
     p = G.shape[2]
+    LB = len(As) * B
     out_dtype = out_dtype or G.dtype
     device = A.device
     n_tiles_max = cdiv(p, _MIN_BP) * cdiv(d, _MIN_BD)
     n_tiles_p_max = cdiv(p, _MIN_BP)
-    w = empty((B, p, d), out_dtype, device) if grad else None
-    b = empty((B, p), out_dtype, device) if grad and bias else None
+    w = empty((LB, p, d), out_dtype, device) if grad else None
+    b = empty((LB, p), out_dtype, device) if grad and bias else None
     # Bigger autotuned tiles fill only a prefix of these; the rest must add zero.
-    w_sq = torch.zeros(B, n_tiles_max, dtype=torch.float32, device=device) if norm else None
-    b_sq = torch.zeros(B, n_tiles_p_max, dtype=torch.float32, device=device) if norm and bias else None
-    if (grad or norm) and B * p * d > 0:
+    w_sq = torch.zeros(LB, n_tiles_max, dtype=torch.float32, device=device) if norm else None
+    b_sq = torch.zeros(LB, n_tiles_p_max, dtype=torch.float32, device=device) if norm and bias else None
+    if (grad or norm) and LB * p * d > 0:
         unused = placeholder(device)
-        launch(_linear_per_sample_kernel, lambda meta: (cdiv(p, meta["BP"]) * cdiv(d, meta["BD"]) * B,),
-            A, G, w, b, unused if w_sq is None else w_sq, unused if b_sq is None else b_sq,
+        launch(_linear_per_sample_kernel, lambda meta: (cdiv(p, meta["BP"]) * cdiv(d, meta["BD"]) * LB,),
+            A, G, ga.table, gg.table,
+            w, b, unused if w_sq is None else w_sq, unused if b_sq is None else b_sq,
             B, T, p, d,
-            *A.stride(), *G.stride(),
+            *ga.strides, *gg.strides,
             n_tiles_max, n_tiles_p_max,
-            WRITE_GRAD=grad, WITH_BIAS=bias, WITH_NORM=norm, UPCAST=INTERPRET,
+            WRITE_GRAD=grad, WITH_BIAS=bias, WITH_NORM=norm, GROUPED=ga.on, UPCAST=INTERPRET,
         )
-    elif bias and B * p > 0:
+    elif bias and LB * p > 0:
         # No weight tiles (d == 0): the bias comes from its own pass.
-        b, bias_sq = token_sum(G, write_sum=grad, norm=norm, out_dtype=out_dtype)
+        b, bias_sq = token_sum_grouped(Gs, write_sum=grad, norm=norm, out_dtype=out_dtype)
         if norm:
             b_sq = bias_sq[:, None]
     return LinearPerSample(

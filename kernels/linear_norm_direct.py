@@ -7,9 +7,11 @@ memory (one fp32 partial per sample and tile; the per-sample gradient is never w
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
-from .linear_grad_sample import linear_per_sample
+from .linear_grad_sample import linear_per_sample, linear_per_sample_grouped
 
 
 def linear_weight_sq_norm_direct(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
@@ -23,3 +25,16 @@ def linear_weight_sq_norm_direct(A: torch.Tensor, G: torch.Tensor) -> torch.Tens
         [B] fp32.
     """
     return linear_per_sample(A, G, grad=False, norm=True).weight_sq_norm
+
+
+def linear_weight_sq_norm_direct_grouped(As: Sequence[torch.Tensor], Gs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``linear_weight_sq_norm_direct`` of L layers of one shape in one launch.
+
+    Args:
+        As: L inputs, [B, T, d] each, one dtype (fp32/bf16/fp16) and one set of strides.
+        Gs: L backprops, [B, T, p] each, likewise.
+
+    Returns:
+        [L * B] fp32, layer by layer.
+    """
+    return linear_per_sample_grouped(As, Gs, grad=False, norm=True).weight_sq_norm

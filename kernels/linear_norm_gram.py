@@ -9,11 +9,14 @@ are symmetric; an off-diagonal pair counts twice), so about B*T^2*(p+d) flops an
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import triton
 import triton.language as tl
 
 from .triton_common import INTERPRET, cdiv, check_dtypes, configs, dot_fp32, launch, min_block
+from .triton_common import grouped, layer_pointer
 
 CONFIGS = configs(
     [dict(BT=bt, BK=bk) for bt in (32, 64, 128) for bk in (32, 64)],
@@ -52,28 +55,32 @@ def _gram_tile(X, i_b, o_i, o_j, T, n, s_b, s_t, s_n, UPCAST: tl.constexpr, BT: 
 # Pair slots depend on the block size, so partials of a config tried while tuning must be
 # cleared (reset_to_zero); i > j slots are never written and must stay zero.
 @triton.autotune(configs=CONFIGS, key=["p", "d"], reset_to_zero=["SQ"])
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["B", "T"])
 def _linear_gram_norm_kernel(
-    A, G, SQ,
-    T, p, d,
+    A, G, A_PTRS, G_PTRS, SQ,
+    B, T, p, d,
     s_ab, s_at, s_ad, s_gb, s_gt, s_gp,
     n_pairs_max,
-    UPCAST: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    GROUPED: tl.constexpr, UPCAST: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
 ):
-    # One flat grid axis: (sample, pair) counts can exceed the 65535 limit of the other axes.
+    # One flat grid axis: (layer, sample, pair) counts can exceed the 65535 limit of the others.
     pid = tl.program_id(0).to(tl.int64)
     n_t = tl.cdiv(T, BT)
-    i_b = pid // (n_t * n_t)
+    i_lb = pid // (n_t * n_t)  # the sample over the group's layers
     i_pair = pid % (n_t * n_t)
     i = i_pair // n_t
     j = i_pair % n_t
     if i <= j:
+        i_l = i_lb // B
+        i_b = i_lb % B
+        p_a = layer_pointer(A, A_PTRS, i_l, GROUPED)
+        p_g = layer_pointer(G, G_PTRS, i_l, GROUPED)
         o_i = i * BT + tl.arange(0, BT).to(tl.int64)
         o_j = j * BT + tl.arange(0, BT).to(tl.int64)
-        b_aa = _gram_tile(A, i_b, o_i, o_j, T, d, s_ab, s_at, s_ad, UPCAST, BT, BK)
-        b_gg = _gram_tile(G, i_b, o_i, o_j, T, p, s_gb, s_gt, s_gp, UPCAST, BT, BK)
+        b_aa = _gram_tile(p_a, i_b, o_i, o_j, T, d, s_ab, s_at, s_ad, UPCAST, BT, BK)
+        b_gg = _gram_tile(p_g, i_b, o_i, o_j, T, p, s_gb, s_gt, s_gp, UPCAST, BT, BK)
         weight = tl.where(i < j, 2.0, 1.0)
-        tl.store(SQ + i_b * n_pairs_max + i_pair, weight * tl.sum(b_aa * b_gg))
+        tl.store(SQ + i_lb * n_pairs_max + i_pair, weight * tl.sum(b_aa * b_gg))
 
 
 def linear_weight_sq_norm_gram(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
@@ -87,15 +94,33 @@ def linear_weight_sq_norm_gram(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor
     Returns:
         [B] fp32.
     """
+    return linear_weight_sq_norm_gram_grouped([A], [G])
+
+
+def linear_weight_sq_norm_gram_grouped(As: Sequence[torch.Tensor], Gs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``linear_weight_sq_norm_gram`` of L layers of one shape in one launch, each layer's
+    tensors read where they are (a table of their addresses: no copies).
+
+    Args:
+        As: L inputs, [B, T, d] each, one dtype (fp32/bf16/fp16) and one set of strides.
+        Gs: L backprops, [B, T, p] each, likewise.
+
+    Returns:
+        [L * B] fp32, layer by layer.
+    """
+    A, G = As[0], Gs[0]
     check_dtypes("linear_weight_sq_norm_gram", A, G)
+    ga, gg = grouped(As), grouped(Gs)
     B, T, d = A.shape
     p = G.shape[2]
+    LB = len(As) * B
     n_pairs_max = cdiv(T, _MIN_BT) ** 2
     # Pairs with i > j, and pairs beyond the autotuned block count, stay zero.
-    sq = torch.zeros(B, n_pairs_max, dtype=torch.float32, device=A.device)
-    if B * T > 0:
-        launch(_linear_gram_norm_kernel, lambda meta: (cdiv(T, meta["BT"]) ** 2 * B,),
-            A, G, sq, T, p, d, *A.stride(), *G.stride(), n_pairs_max, UPCAST=INTERPRET,
+    sq = torch.zeros(LB, n_pairs_max, dtype=torch.float32, device=A.device)
+    if LB * T > 0:
+        launch(_linear_gram_norm_kernel, lambda meta: (cdiv(T, meta["BT"]) ** 2 * LB,),
+            A, G, ga.table, gg.table, sq,
+            B, T, p, d, *ga.strides, *gg.strides, n_pairs_max, GROUPED=ga.on, UPCAST=INTERPRET,
         )
     # Rounding can take an exact zero slightly below it.
     return sq.sum(dim=1).clamp_min(0)

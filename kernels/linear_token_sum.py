@@ -8,13 +8,14 @@ and runs over the tokens. Inputs are read through their strides; offsets are int
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
 from .triton_common import cdiv, check_dtypes, configs, empty, launch, min_block, placeholder
+from .triton_common import grouped, layer_pointer
 
 CONFIGS = configs(
     [dict(BN=bn, BT=bt) for bn in (128, 256, 512) for bt in (8, 32)],
@@ -26,33 +27,36 @@ _MIN_BN = min_block(CONFIGS, "BN")
 
 # Norm partials are laid out for the smallest tiles: clear what tuning leaves (reset_to_zero).
 @triton.autotune(configs=CONFIGS, key=["n", "WRITE_SUM", "WITH_NORM"], reset_to_zero=["SQ"])
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["B", "T"])
 def _token_sum_kernel(
-    X, SUM, SQ,
-    T, n,
+    X, X_PTRS, SUM, SQ,
+    B, T, n,
     s_b, s_t, s_n,
     n_tiles_max,
-    WRITE_SUM: tl.constexpr, WITH_NORM: tl.constexpr,
+    WRITE_SUM: tl.constexpr, WITH_NORM: tl.constexpr, GROUPED: tl.constexpr,
     BN: tl.constexpr, BT: tl.constexpr,
 ):
-    # One flat grid axis: B may exceed the 65535 limit of the other axes.
+    # One flat grid axis: L * B may exceed the 65535 limit of the other axes. Outputs are laid
+    # out by the sample over the group's layers (i_lb).
     pid = tl.program_id(0).to(tl.int64)
     n_tiles = tl.cdiv(n, BN)
-    i_b = pid // n_tiles
+    i_lb = pid // n_tiles
     i_n = pid % n_tiles
+    p_x = layer_pointer(X, X_PTRS, i_lb // B, GROUPED)
+    i_b = i_lb % B
     o_n = i_n * BN + tl.arange(0, BN).to(tl.int64)
     m_n = o_n < n
     b_sum = tl.zeros((BN,), dtype=tl.float32)
     for t0 in range(0, T, BT):
         o_t = t0 + tl.arange(0, BT).to(tl.int64)
         # [BT, BN]
-        b_x = tl.load(X + i_b * s_b + o_t[:, None] * s_t + o_n[None, :] * s_n,
+        b_x = tl.load(p_x + i_b * s_b + o_t[:, None] * s_t + o_n[None, :] * s_n,
                       mask=(o_t[:, None] < T) & m_n[None, :], other=0.0)
         b_sum += tl.sum(b_x.to(tl.float32), axis=0)
     if WRITE_SUM:
-        tl.store(SUM + i_b * n + o_n, b_sum.to(SUM.dtype.element_ty), mask=m_n)
+        tl.store(SUM + i_lb * n + o_n, b_sum.to(SUM.dtype.element_ty), mask=m_n)
     if WITH_NORM:
-        tl.store(SQ + i_b * n_tiles_max + i_n, tl.sum(b_sum * b_sum))
+        tl.store(SQ + i_lb * n_tiles_max + i_n, tl.sum(b_sum * b_sum))
 
 
 def token_sum(
@@ -69,17 +73,42 @@ def token_sum(
     Returns:
         (sums [B, n] in ``out_dtype`` or None, squared norms [B] fp32 or None).
     """
+    return token_sum_grouped([X], write_sum=write_sum, norm=norm, out_dtype=out_dtype)
+
+
+def token_sum_grouped(
+    Xs: Sequence[torch.Tensor], *, write_sum: bool = True, norm: bool = False, out_dtype: Optional[torch.dtype] = None
+) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``token_sum`` of L tensors of one shape in one launch, each read where it is.
+
+    Args:
+        Xs: L tensors, [B, T, n] each, one dtype (fp32/bf16/fp16) and one set of strides.
+        write_sum, norm, out_dtype: as for ``token_sum``.
+
+    Returns:
+        (sums [L * B, n] or None, squared norms [L * B] fp32 or None), layer by layer.
+    """
+    X = Xs[0]
     check_dtypes("token_sum", X)
+    gx = grouped(Xs)
     B, T, n = X.shape
+    LB = len(Xs) * B
     n_tiles_max = cdiv(n, _MIN_BN)
-    out = empty((B, n), out_dtype or X.dtype, X.device) if write_sum else None
-    sq = torch.zeros(B, n_tiles_max, dtype=torch.float32, device=X.device) if norm else None
-    if B * n > 0:
-        launch(_token_sum_kernel, lambda meta: (cdiv(n, meta["BN"]) * B,),
-            X, out, placeholder(X.device) if sq is None else sq, T, n, *X.stride(), n_tiles_max,
-            WRITE_SUM=write_sum, WITH_NORM=norm,
+    out = empty((LB, n), out_dtype or X.dtype, X.device) if write_sum else None
+    sq = torch.zeros(LB, n_tiles_max, dtype=torch.float32, device=X.device) if norm else None
+    if LB * n > 0:
+        unused = placeholder(X.device)
+        launch(_token_sum_kernel, lambda meta: (cdiv(n, meta["BN"]) * LB,),
+            X, gx.table, out, unused if sq is None else sq, B, T, n, *gx.strides,
+            n_tiles_max, WRITE_SUM=write_sum, WITH_NORM=norm, GROUPED=gx.on,
         )
     return out, sq.sum(dim=1) if norm else None
+
+
+def linear_bias_grad_sample_grouped(Gs: Sequence[torch.Tensor], out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``linear_bias_grad_sample`` of L layers of one shape in one launch: [L * B, p], layer by
+    layer (Gs: L backprops [B, T, p], one dtype and one set of strides)."""
+    return token_sum_grouped(Gs, out_dtype=out_dtype)[0]
 
 
 def linear_bias_grad_sample(G: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -105,6 +134,15 @@ def linear_bias_sq_norm(G: torch.Tensor) -> torch.Tensor:
         [B] fp32.
     """
     return token_sum(G, write_sum=False, norm=True)[1]
+
+
+def linear_weight_sq_norm_outer_grouped(As: Sequence[torch.Tensor], Gs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``linear_weight_sq_norm_outer`` of L layers of one shape in two launches: [L * B] fp32,
+    layer by layer (As: L inputs [B, 1, d], Gs: L backprops [B, 1, p], each one dtype and one
+    set of strides)."""
+    if As[0].shape[1] != 1:
+        raise ValueError(f"the 'outer' norm needs T == 1, got T = {As[0].shape[1]}")
+    return token_sum_grouped(As, write_sum=False, norm=True)[1] * token_sum_grouped(Gs, write_sum=False, norm=True)[1]
 
 
 def linear_weight_sq_norm_outer(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextvars
 import os
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import triton
@@ -85,6 +85,51 @@ def launch(kernel, grid, *args, **kwargs):
     if active is not None and active[0] is kernel:
         return kernel.fn[grid](*args, **kwargs, **active[1])
     return kernel[grid](*args, **kwargs)
+
+
+class Grouped(NamedTuple):
+    """How a launch reads L tensors of one layout: ``table``, their addresses (int64, on their
+    device), read by ``layer_pointer`` (a placeholder for one tensor, passed as itself); the
+    ``strides`` they share; ``on``, the kernel's GROUPED."""
+
+    table: torch.Tensor
+    strides: Tuple[int, ...]
+    on: bool
+
+
+def grouped(tensors: Sequence[torch.Tensor]) -> Grouped:
+    """What a launch needs to read ``tensors`` (one shape, dtype and set of strides; raises
+    ValueError otherwise) where they are. On a GPU the table goes through pinned memory
+    without waiting for the device."""
+    first = tensors[0]
+    if len(tensors) == 1:
+        return Grouped(placeholder(first.device), first.stride(), False)
+    for t in tensors[1:]:
+        if t.stride() != first.stride() or t.shape != first.shape or t.dtype != first.dtype:
+            raise ValueError("a grouped launch takes tensors of one shape, dtype and strides")
+    table = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+    if first.device.type == "cuda":
+        table = table.pin_memory().to(first.device, non_blocking=True)
+    return Grouped(table, first.stride(), True)
+
+
+@triton.jit
+def layer_pointer(X, X_PTRS, i_l, GROUPED: tl.constexpr):
+    """Layer ``i_l``'s tensor in a grouped launch (its address read from the table ``X_PTRS``,
+    of tensors of X's dtype); X itself otherwise."""
+    if GROUPED:
+        X = tl.load(X_PTRS + i_l).to(tl.pointer_type(X.dtype.element_ty))
+    return X
+
+
+@triton.jit
+def round_to_bf16(x):
+    """fp32 values rounded to the nearest bfloat16 (ties to even), as fp32: done on the bits,
+    so that it rounds alike on every GPU and under the interpreter (whose casts to bfloat16
+    truncate)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -9,11 +9,18 @@ from __future__ import annotations
 import torch
 
 from .embedding_segment_sum import embedding_clipped_sum, embedding_grad_sample, embedding_sq_norm
-from .linear_clipped_sum import linear_clipped_sum
-from .linear_grad_sample import linear_per_sample
-from .linear_norm_direct import linear_weight_sq_norm_direct
-from .linear_norm_gram import linear_weight_sq_norm_gram
-from .linear_token_sum import linear_bias_grad_sample, linear_bias_sq_norm, linear_weight_sq_norm_outer
+from .linear_clipped_sum import linear_clipped_sum, linear_clipped_sum_grouped
+from .linear_grad_sample import linear_per_sample, linear_per_sample_grouped
+from .linear_norm_direct import linear_weight_sq_norm_direct, linear_weight_sq_norm_direct_grouped
+from .linear_norm_gram import linear_weight_sq_norm_gram, linear_weight_sq_norm_gram_grouped
+from .linear_token_sum import (
+    linear_bias_grad_sample,
+    linear_bias_grad_sample_grouped,
+    linear_bias_sq_norm,
+    linear_weight_sq_norm_outer,
+    linear_weight_sq_norm_outer_grouped,
+)
+from .norm_layer_grad_sample import norm_layer_fits, norm_layer_grad_sample_grouped
 # The cross term of a parameter used twice is two batched GEMMs (or a gather): torch's own
 # kernels serve on every device.
 from .reference import LinearPerSample, linear_norm_function, outer_sum_inner
@@ -26,14 +33,22 @@ __all__ = [
     "embedding_grad_sample",
     "embedding_sq_norm",
     "linear_bias_grad_sample",
+    "linear_bias_grad_sample_grouped",
     "linear_bias_sq_norm",
     "linear_clipped_sum",
+    "linear_clipped_sum_grouped",
     "linear_grad_sample",
     "linear_per_sample",
+    "linear_per_sample_grouped",
     "linear_weight_sq_norm",
     "linear_weight_sq_norm_direct",
+    "linear_weight_sq_norm_direct_grouped",
     "linear_weight_sq_norm_gram",
+    "linear_weight_sq_norm_gram_grouped",
     "linear_weight_sq_norm_outer",
+    "linear_weight_sq_norm_outer_grouped",
+    "norm_layer_fits",
+    "norm_layer_grad_sample_grouped",
     "outer_sum_inner",
 ]
 

@@ -80,7 +80,7 @@ def test_table_has_a_row_per_trainable_layer(tiny):
     types = {r["name"]: r["type"] for r in tiny["json"]["rows"]}
     assert types["tok"] == "Embedding" and types["blocks.0.up"] == "Linear" and types["ln_f"] == "LayerNorm"
     assert {r[1] for r in rows if r[0] == "blocks.1.up"} == {"128x512"}
-    assert all("eager (no kernel choice)" in " ".join(r) for r in rows if types[r[0]] == "LayerNorm")
+    assert all(report.NO_CHOICE in " ".join(r) for r in rows if types[r[0]] == "LayerNorm")
     assert max(len(line) for line in tiny["out"].splitlines()) <= 120
 
 
@@ -270,7 +270,7 @@ def test_hf_model_report_names_hugging_face_layers(tmp_path):
     # Norms or per-sample gradients, as dpgrad clips layers of these sizes.
     assert rows["lm_head"]["kind"].startswith("linear_") and rows["model.embed_tokens"]["kind"].startswith("embedding_")
     assert rows["model.layers.0.mlp.gate_proj"]["shape"] == "32x64"
-    assert rows["model.norm"]["choice"] == report.FUNCTORCH  # LlamaRMSNorm has no dpgrad sampler
+    assert rows["model.norm"]["choice"] == report.NO_CHOICE  # LlamaRMSNorm: dpgrad's own sampler
 
 
 def test_python_dash_m_prints_json_on_stdout(tmp_path):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 from dataclasses import dataclass
 from typing import Callable, Dict
 
@@ -30,6 +31,8 @@ transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
 import dpgrad  # noqa: E402
+from dpgrad import registry  # noqa: E402
+from dpgrad.samplers import norms  # noqa: E402
 from mixed_net import clipped_from_norms  # noqa: E402
 from per_sample_reference import RTOL, assert_norms_close, assert_tensor_close, total_norm  # noqa: E402
 
@@ -113,6 +116,13 @@ def llama_lora(device="cpu") -> Case:
                      device=device)
 
 
+def llama(device="cpu") -> Case:
+    """Every parameter trains: the RMSNorms (LlamaRMSNorm) are clipped by dpgrad's own sampler."""
+    torch.manual_seed(5)
+    return causal_lm(transformers.LlamaForCausalLM(llama_config(tie_word_embeddings=False)), position_ids=False,
+                     device=device)
+
+
 def bert(position_ids=True) -> Case:
     torch.manual_seed(2)
     cfg = transformers.BertConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -132,7 +142,7 @@ def bert(position_ids=True) -> Case:
                                                                        reduction="none"))
 
 
-CASES = {"gpt2": gpt2, "llama_lora": llama_lora, "bert": bert}
+CASES = {"gpt2": gpt2, "llama_lora": llama_lora, "llama": llama, "bert": bert}
 
 
 def reference(case: Case, dtype=torch.float64, loss_reduction="mean") -> Dict[str, torch.Tensor]:
@@ -207,7 +217,7 @@ def test_gpt2_sum_reduction(mode):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("name", ["gpt2", "llama_lora"])
+@pytest.mark.parametrize("name", ["gpt2", "llama_lora", "llama"])
 def test_half_precision_weights(name, mode, dtype):
     """bf16 and fp16 weights: norms accumulated in fp32, within bf16's rel 1e-2 of a float64
     run of the same (rounded) weights."""
@@ -220,6 +230,42 @@ def test_half_precision_weights(name, mode, dtype):
 def test_fp32_weights_under_autocast(mode):
     """Linear inputs in fp32 meet bf16 backprops: no dtype error, fp32 gradients and norms."""
     check(gpt2(), MODES[mode], rtol=BF16_RTOL, autocast=True)
+
+
+@pytest.mark.parametrize("path", norms.HF_RMS_NORMS, ids=lambda p: p.rsplit(".", 1)[1])
+def test_llama_family_rms_norms(path):
+    """Each RMSNorm class dpgrad serves by dotted path computes Llama's form; the per-sample
+    weight gradients equal torch.func's in float64, and in bf16 the sums of the layer's own
+    rounded normalised inputs times the backprops."""
+    module, name = path.rsplit(".", 1)
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        pytest.skip(f"{path} is not in this transformers")
+    d = 24
+    layer = cls(d, eps=1e-5).double()
+    nn.init.normal_(layer.weight)
+    registry.resolve(layer)
+    sampler = registry.GRAD_SAMPLERS[cls]
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 7, d, generator=g, dtype=torch.float64) * 2 + 0.5
+    bp = torch.randn(3, 7, d, generator=g, dtype=torch.float64)
+    params = dict(layer.named_parameters())
+
+    def loss(p, xb, gb):
+        return (torch.func.functional_call(layer, p, (xb[None],))[0] * gb).sum()
+
+    expected = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, x, bp)["weight"]
+    assert_tensor_close(sampler(layer, [x], bp)[layer.weight], expected, "float64", expected.abs().max().item(), RTOL)
+    half = copy.deepcopy(layer).to(torch.bfloat16)
+    xh, bph = x.to(torch.bfloat16), bp.to(torch.bfloat16)
+    with torch.no_grad():
+        half.weight.fill_(1.0)
+        normed = half(xh)  # the layer's own rounded normalised inputs (times ones)
+    expected = (normed.double() * bph.double()).sum(1)
+    got = norms.per_sample_grads(half, xh, bph)[0]
+    assert got.dtype == torch.float32
+    assert_tensor_close(got, expected, "bf16", expected.abs().max().item(), RTOL)
 
 
 def test_gpt2_per_sample_gradients_of_conv1d():

@@ -18,6 +18,10 @@ data at step time counts as a wait (on a GPU it is copied from pageable memory, 
 for the queue).
 The kernels are the eager ones whatever ``DPGRAD_BACKEND`` asks for: Triton's interpreter
 runs a kernel as host code whose tensor calls a GPU would never see.
+
+The finish step's work does not grow with depth (last section): 12-layer GPT-2 and Llama
+models against 2-layer ones of the same layer shapes, on the eager backend and on the Triton
+kernels (launches counted under the interpreter, the operations inside them left out).
 """
 
 from __future__ import annotations
@@ -109,3 +113,132 @@ def test_at_most_one_more_host_wait(name, provider, policy):
     assert counts.syncs - base.syncs <= EXTRA_SYNCS, (
         f"{name}: {counts.syncs - base.syncs} more operations that wait for the device than the "
         f"non-private step (bound {EXTRA_SYNCS})\n" + _report(provider, counts, base, layers))
+
+
+# ------------------------------------------------------------------ depth
+# The finish step of a model 6x deeper, of the same layer shapes, issues the same work: its
+# norm pass (norms, coefficients) dispatches the same operations and launches the same
+# kernels, and its clipped sums the same kernels and operations but for one hand-off per
+# parameter (autograd's accumulation of p.grad, which the non-private backward also does).
+# Counted on the eager backend (the models are small, so each group is one batched product),
+# and on the Triton kernels under the interpreter with no group small enough to concatenate
+# (STACK_ELEMENTS = 0), as at real sizes: there a group of layers of one shape is one launch,
+# whatever its number of layers. (The eager backend at real sizes runs a GEMM per layer.) Operations inside a kernel launch are the
+# interpreter's, not the host's on a GPU, and are not counted.
+DEPTHS = (2, 12)
+# Operations a deeper model may add besides the hand-offs: none today; a little room for
+# bookkeeping that is per step, not per layer.
+DEPTH_SLACK = 2
+
+
+def _deep_model(kind: str, n_layer: int):
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=n_layer, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return transformers.GPT2LMHeadModel(cfg)
+    cfg = transformers.LlamaConfig(num_hidden_layers=n_layer, hidden_size=32, intermediate_size=64,
+                                   num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
+                                   max_position_embeddings=16, tie_word_embeddings=False)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+class _FinishCounts:
+    """Operations dispatched outside kernel launches, and kernel launches (under Triton's
+    interpreter), of the norm pass (``finish``) and the clipped sums of a backward path."""
+
+    def __init__(self, path, monkeypatch):
+        self.counts: Dict[str, Tuple[int, int]] = {}
+        self._active: list = [None, 0, 0]  # counts, launches, operations inside launches
+        for name, key in (("finish", "norms"), ("_add_clipped_gradients", "sums")):
+            monkeypatch.setattr(path, name, self._counted(getattr(path, name), key))
+        try:
+            from triton.runtime import interpreter
+        except ImportError:
+            return
+        launch = interpreter.GridExecutor.__call__
+        active = self._active
+
+        def counted_launch(executor, *args, **kwargs):
+            before = active[0].ops if active[0] is not None else 0
+            try:
+                return launch(executor, *args, **kwargs)
+            finally:
+                if active[0] is not None:
+                    active[1] += 1
+                    active[2] += active[0].ops - before
+
+        monkeypatch.setattr(interpreter.GridExecutor, "__call__", counted_launch)
+
+    def _counted(self, fn, key):
+        def run(*args, **kwargs):
+            self._active[:] = [DispatchCounts(), 0, 0]
+            try:
+                with self._active[0]:
+                    return fn(*args, **kwargs)
+            finally:
+                counts, launches, inside = self._active
+                self.counts[key] = (counts.ops - inside, launches)
+                self._active[0] = None
+
+        return run
+
+
+_deep: Dict[tuple, Tuple[Dict[str, Tuple[int, int]], int]] = {}
+
+
+def _finish_counts(kind: str, n_layer: int, single: bool, setting: str):
+    """(counts of the second step's finish, trainable parameters)."""
+    key = (kind, n_layer, single, setting)
+    if key not in _deep:
+        import torch.nn as nn
+
+        import dpgrad
+        from dpgrad.samplers import groups
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("DPGRAD_BACKEND", "eager" if setting == "eager" else "triton")
+            if setting == "triton":
+                patch.setattr(groups, "STACK_ELEMENTS", 0)
+            model = _deep_model(kind, n_layer)
+            wrapped = dpgrad.GradSampleModuleFastGradientClipping(model, max_grad_norm=1.0, single_backward=single)
+            criterion = dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss())
+            counted = _FinishCounts(wrapped._path, patch)
+            ids = torch.randint(1, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+            with clipped_from_norms():
+                for _ in range(2):  # the first step plans the finish and chooses kernels
+                    wrapped.zero_grad(set_to_none=True)
+                    logits = wrapped(input_ids=ids).logits
+                    criterion(logits.reshape(-1, 64), ids.reshape(-1), shape=logits.shape[:2]).backward()
+        _deep[key] = (dict(counted.counts), sum(p.numel() > 0 for p in model.parameters() if p.requires_grad))
+    return _deep[key]
+
+
+# The Triton runs, slow under the interpreter, in single-backward mode only: its finish step
+# does all the double-backward one does, and the clipped sums.
+@pytest.mark.parametrize("mode, setting", [("single", "eager"), ("double", "eager"), ("single", "triton")])
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_finish_step_does_not_grow_with_depth(kind, mode, setting):
+    if setting != "eager":
+        pytest.importorskip("triton")
+        if torch.cuda.is_available():
+            pytest.skip("kernel launches are counted under Triton's interpreter (CPU tensors)")
+    single = mode == "single"
+    (shallow, params_shallow), (deep, params_deep) = (_finish_counts(kind, n, single, setting) for n in DEPTHS)
+    ops, launches = shallow["norms"]
+    deep_ops, deep_launches = deep["norms"]
+    assert deep_launches == launches, f"norm pass: {launches} launches at depth 2, {deep_launches} at 12"
+    assert abs(deep_ops - ops) <= DEPTH_SLACK, f"norm pass: {ops} operations at depth 2, {deep_ops} at 12"
+    if setting != "eager":
+        assert launches > 0
+    if single:
+        ops, launches = shallow["sums"]
+        deep_ops, deep_launches = deep["sums"]
+        assert deep_launches == launches, f"clipped sums: {launches} launches at depth 2, {deep_launches} at 12"
+        hand_offs = params_deep - params_shallow
+        assert abs(deep_ops - ops - hand_offs) <= DEPTH_SLACK, (
+            f"clipped sums: {ops} operations at depth 2, {deep_ops} at 12: {deep_ops - ops} more, for "
+            f"{hand_offs} more parameters")

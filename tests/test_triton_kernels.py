@@ -393,6 +393,127 @@ def test_wrappers_run_on_the_forced_backend(monkeypatch):
             assert_rel_per_sample(got, want, 1e-5, wrapper_cls.__name__)
 
 
+# (L, B, T, d, p): a group of L layers of one shape launched at once.
+GROUPED_SHAPES = [(3, 2, 37, 45, 29), (2, 1, 1, 33, 17), (4, 3, 5, 8, 130), (2, 0, 5, 7, 3)]
+
+
+def _layers(L, B, T, d, p, dtype, strided, seed):
+    """L layers' (A, G), each tensor allocated on its own (a grouped launch reads them where they are)."""
+    return ([tensor((B, T, d), dtype, strided, seed=seed + 2 * i) for i in range(L)],
+            [tensor((B, T, p), dtype, strided, seed=seed + 2 * i + 1) for i in range(L)])
+
+
+# Every dtype and both layouts, in fewer combinations than the single-layer tests (the grouped
+# launch changes where a layer's tensors are read from, not how).
+LAYOUTS = [(torch.float32, False), (torch.bfloat16, True), (torch.float16, False)]
+
+
+@pytest.mark.parametrize("dtype, strided", LAYOUTS, ids=str)
+@pytest.mark.parametrize("shape", GROUPED_SHAPES, ids=str)
+def test_grouped_launches_equal_each_layer(shape, dtype, strided):
+    """Every grouped launcher: L layers in one launch give each layer's results, layer by layer,
+    as the float64 reference does for that layer alone."""
+    L, B, T, d, p = shape
+    As, Gs = _layers(L, B, T, d, p, dtype, strided, seed=40)
+    coef = torch.rand(B, generator=torch.Generator().manual_seed(41)).to(DEVICE)
+    refs = [R.linear_per_sample(*upcast(A, G), bias=True, norm=True) for A, G in zip(As, Gs)]
+
+    def stacked(name):
+        return torch.cat([getattr(r, name) for r in refs])
+
+    out = K.linear_per_sample_grouped(As, Gs, bias=True, norm=True)
+    assert_rel_per_sample(out.weight, stacked("weight"), GRAD_RTOL[dtype], "grouped grad sample")
+    assert_rel_per_sample(out.bias, stacked("bias"), GRAD_RTOL[dtype], "grouped bias grad sample")
+    assert_rel_per_sample(out.weight_sq_norm[:, None], stacked("weight_sq_norm")[:, None], NORM_RTOL[dtype],
+                          "grouped fused norm")
+    for name in ("direct", "gram"):
+        got = getattr(K, f"linear_weight_sq_norm_{name}_grouped")(As, Gs)
+        assert_rel_per_sample(got[:, None], stacked("weight_sq_norm")[:, None], NORM_RTOL[dtype], f"grouped {name}")
+    assert_rel_per_sample(K.linear_bias_grad_sample_grouped(Gs, out_dtype=torch.float32), stacked("bias"),
+                          1e-5, "grouped bias sums")
+    sums = K.linear_clipped_sum_grouped(As, Gs, coef, bias=True)
+    assert len(sums) == L
+    for (w, b), A, G in zip(sums, As, Gs):
+        wr, br = R.linear_clipped_sum(*upcast(A, G), coef.double(), bias=True)
+        assert_rel_per_sample(w[None], wr[None], GRAD_RTOL[dtype], "grouped clipped sum")
+        assert_rel_per_sample(b[None], br[None], GRAD_RTOL[dtype], "grouped clipped bias sum")
+    A1s, G1s = [A[:, :1] for A in As], [G[:, :1] for G in Gs]
+    outer = torch.cat([R.linear_weight_sq_norm_outer(*upcast(A, G)) for A, G in zip(A1s, G1s)])
+    assert_rel_per_sample(K.linear_weight_sq_norm_outer_grouped(A1s, G1s)[:, None], outer[:, None],
+                          NORM_RTOL[dtype], "grouped outer norm")
+
+
+def test_grouped_launches_refuse_mixed_layouts():
+    """A group is one shape, dtype and set of strides: anything else is refused, not misread."""
+    A = tensor((2, 5, 6), torch.float32, False, seed=42)
+    G = tensor((2, 5, 4), torch.float32, False, seed=43)
+    for other in (tensor((2, 5, 6), torch.float32, True, seed=44), A.to(torch.bfloat16), A[:, :4]):
+        with pytest.raises(ValueError, match="one shape, dtype and strides"):
+            K.linear_per_sample_grouped([A, other], [G, G])
+    with pytest.raises(ValueError, match="one shape, dtype and strides"):
+        K.linear_clipped_sum_grouped([A, A], [G, G.transpose(0, 1).contiguous().transpose(0, 1)], torch.ones(2))
+
+
+def _norm_layer_reference(x: torch.Tensor, g: torch.Tensor, eps: float, form: str):
+    """(weight, bias) per-sample gradients over the last dimension, float64: "layernorm",
+    "rmsnorm", or "rounded" (Hugging Face's Llama RMSNorm: normalised in fp32, rounded to x's
+    dtype before the weight)."""
+    if x.dim() == 2:
+        x, g = x[:, None], g[:, None]
+    d = x.shape[-1]
+    if form == "rounded":
+        x32 = x.float()
+        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype).double()
+    elif form == "rmsnorm":
+        normed = torch.nn.functional.rms_norm(x.double(), (d,), eps=eps)
+    else:
+        normed = torch.nn.functional.layer_norm(x.double(), (d,), eps=eps)
+    return (normed * g.double()).sum(1), g.double().sum(1)
+
+
+# (L, B, T, d): T = None for 2-D inputs [B, d]
+NORM_LAYER_SHAPES = [(3, 2, 37, 45), (2, 1, 200, 16), (1, 3, None, 70), (2, 4, 1, 1), (2, 0, 5, 7), (2, 3, 0, 5)]
+
+
+@pytest.mark.parametrize("form", ["layernorm", "rmsnorm", "rounded"])
+@pytest.mark.parametrize("dtype, strided", LAYOUTS, ids=str)
+@pytest.mark.parametrize("shape", NORM_LAYER_SHAPES, ids=str)
+def test_norm_layer_grad_sample(shape, dtype, strided, form):
+    """LayerNorm and RMSNorm per-sample gradients of a group in one launch, against float64."""
+    L, B, T, d = shape
+    xs, gs = _layers(L, B, T or 1, d, d, dtype, strided, seed=50)
+    if T is None:
+        xs, gs = [x[:, 0] for x in xs], [g[:, 0] for g in gs]
+    xs = [x * 3 + 1 for x in xs] if not strided else xs  # a mean to subtract
+    eps = 1e-5
+    rms, rounded = form != "layernorm", form == "rounded"
+    gw, gb = K.norm_layer_grad_sample_grouped(xs, gs, eps, rms=rms, rounded=rounded, weight=True, bias=True)
+    assert gw.dtype == gb.dtype == torch.float32 and gw.shape == (L * B, d)
+    refs = [_norm_layer_reference(x, g, eps, form) for x, g in zip(xs, gs)]
+    # fp32 arithmetic on the same inputs; rounded to a half dtype, a normalised value at a
+    # rounding boundary may round either way: that dtype's rounding.
+    rtol = 1e-5 if dtype == torch.float32 else GRAD_RTOL[dtype] if rounded else 1e-4
+    assert_rel_per_sample(gw, torch.cat([w for w, _ in refs]), rtol, "weight")
+    assert_rel_per_sample(gb, torch.cat([b for _, b in refs]), rtol, "bias")
+    only_bias = K.norm_layer_grad_sample_grouped(xs, gs, eps, rms=rms, rounded=rounded, weight=False, bias=True)
+    assert only_bias[0] is None and torch.equal(only_bias[1], gb)
+
+
+def test_norm_layer_grad_sample_splits_rows(monkeypatch):
+    """Few samples, many rows: the rows are split over programs; the fp32 partials add up."""
+    from dpgrad.kernels import norm_layer_grad_sample as module
+
+    xs, gs = _layers(2, 1, 150, 24, 24, torch.float32, False, seed=60)
+    refs = [_norm_layer_reference(x, g, 1e-6, "layernorm") for x, g in zip(xs, gs)]
+    for target in (1, 8, 4096):
+        monkeypatch.setattr(module, "_TARGET_PROGRAMS", target)
+        gw, gb = K.norm_layer_grad_sample_grouped(xs, gs, 1e-6, rms=False, weight=True, bias=True)
+        assert_rel_per_sample(gw, torch.cat([w for w, _ in refs]), 1e-5, f"{target} programs")
+        assert_rel_per_sample(gb, torch.cat([b for _, b in refs]), 1e-5, f"{target} programs")
+    with pytest.raises(ValueError, match="d <= 16384"):
+        K.norm_layer_grad_sample_grouped([xs[0][..., None]], [gs[0][..., None]], 1e-6, rms=False)
+
+
 # ------------------------------------------------------------------------ Triton versions
 def _autotuners():
     """Every ``triton.autotune`` kernel of dpgrad.kernels."""

@@ -13,7 +13,7 @@ imports transformers).
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -29,7 +29,7 @@ from dpgrad.registry import (
     register_norm_group,
     register_norm_sampler,
 )
-from dpgrad.samplers.groups import Coefficients, Group, cat, clipped_sums_of, row_norms, stackable
+from dpgrad.samplers.groups import Coefficients, Group, cat, clipped_sums_of, one_layout, row_norms, stackable
 from dpgrad.tuning import get_tuner
 
 CONV1D = "transformers.pytorch_utils.Conv1D"
@@ -126,10 +126,13 @@ class LinearGroup(Group):
     """Linear (or Conv1D) layers whose inputs and backprops have the same shapes and dtypes.
 
     On the eager backend small ones are concatenated along the batch: one product for all
-    their weight norms, one batched product for all their clipped sums. Otherwise each layer is
-    one call of what the autotuner chose for the shape (chosen once per group): a Triton kernel
-    or a GEMM of the library. The bias gradients are the token sums ``sum_t G_b[t]``, taken
-    once in fp32 for both their norms and their clipped sums, never a GEMM.
+    their weight norms, one batched product for all their clipped sums. Otherwise the work is
+    what the autotuner chose for the shape (chosen once per group): a Triton kernel takes all
+    the group's layers in one launch, reading each layer's tensors where they are (a table of
+    their addresses), so the launches of a step grow with the distinct layer shapes, not with
+    the layers; a GEMM of the library runs layer by layer. The bias gradients are the token
+    sums ``sum_t G_b[t]``, taken once in fp32 for both their norms and their clipped sums,
+    never a GEMM.
     """
 
     @classmethod
@@ -159,8 +162,29 @@ class LinearGroup(Group):
 
     def _take_bias_sums(self) -> Optional[torch.Tensor]:
         if self._bias_sums is None and _trainable(self._layers[0])[1]:
-            self._bias_sums = cat([G.sum(dim=1, dtype=accumulation_dtype(G)) for _, G in self._inputs])
+            Gs = [G for _, G in self._inputs]
+            acc = accumulation_dtype(Gs[0])
+
+            def token_sums(ops):
+                # Triton: one launch for the group's layers; eager: a sum per layer.
+                if ops is reference or len(Gs) == 1 or not one_layout(Gs):
+                    return cat([G.sum(dim=1, dtype=acc) for G in Gs])
+                return ops.linear_bias_grad_sample_grouped(Gs, out_dtype=acc)
+
+            self._bias_sums = guarded("bias gradients", self._layers[0], (Gs[0],), token_sums)
         return self._bias_sums
+
+    def _run(self, kind: str, cand, inputs: list, grouped: Callable, by_layer: Callable):
+        """The group's work of ``kind`` with the chosen candidate: ``grouped(candidate)``, one
+        launch for all the layers, where the candidate is a Triton kernel and the layers'
+        tensors share a layout; else ``by_layer(candidate)``. Through the tuner: a failing
+        Triton launch is done again by the eager candidate, for good."""
+        def work(chosen):
+            if chosen.backend == "triton" and len(inputs) > 1 and all(one_layout(t) for t in zip(*inputs)):
+                return grouped(chosen)
+            return by_layer(chosen)
+
+        return get_tuner().run(kind, cand, inputs[0], self._layers[0], work)
 
     def norms(self):
         weight, _ = _trainable(self._layers[0])
@@ -169,11 +193,13 @@ class LinearGroup(Group):
             tuner = get_tuner()
             cand = tuner.select_group("linear_norm", self._inputs, self._layers)
             self._stack(cand.backend == "eager")
-            if len(self._inputs) == 1 and cand.backend == "eager":
-                rows.append(reference.linear_weight_norm(*self._inputs[0], cand.algorithm))
+            inputs = self._inputs
+            if len(inputs) == 1 and cand.backend == "eager":
+                rows.append(reference.linear_weight_norm(*inputs[0], cand.algorithm))
             else:
-                rows.append(cat([tuner.run("linear_norm", cand, (A, G), layer)
-                                 for (A, G), layer in zip(self._inputs, self._layers)]).sqrt())
+                rows.append(self._run("linear_norm", cand, inputs,
+                                      lambda chosen: chosen.grouped()([A for A, _ in inputs], [G for _, G in inputs]),
+                                      lambda chosen: cat([chosen.run(A, G) for A, G in inputs])).sqrt())
         else:
             self._stack(True)
         bias_sums = self._take_bias_sums()
@@ -208,18 +234,19 @@ class LinearGroup(Group):
             return sums.to(dtype).unbind(0)
         G0 = inputs[0][1]
         factors = coef.like(G0)  # (B,) fp32, as the kernels take them
-        tuner = get_tuner()
-        cand = tuner.select_group("linear_clipped_sum", [(A, G, factors) for A, G in inputs], layers)
-        sums = []
-        for (A, G), layer in zip(inputs, layers):
-            def clipped_sum(chosen):
-                # Eager: a GEMM on operands scaled in their own dtype. Conv1D's (d, p) weight:
-                # the same sum with the roles of A and G swapped.
-                scale = coef.rounded_like(G0) if chosen.backend == "eager" else factors
-                return chosen.run(*((G, A) if transposed else (A, G)), scale, out_dtype=dtype)[0]
+        cand = get_tuner().select_group("linear_clipped_sum", [(A, G, factors) for A, G in inputs], layers)
+        # Conv1D's (d, p) weight: the same sums with the roles of A and G swapped.
+        lefts, rights = ([G for _, G in inputs], [A for A, _ in inputs]) if transposed else (
+            [A for A, _ in inputs], [G for _, G in inputs])
 
-            sums.append(tuner.run("linear_clipped_sum", cand, (A, G, factors), layer, clipped_sum))
-        return sums
+        def by_layer(chosen):
+            # Eager: a GEMM on operands scaled in their own dtype.
+            scale = coef.rounded_like(G0) if chosen.backend == "eager" else factors
+            return [chosen.run(left, right, scale, out_dtype=dtype)[0] for left, right in zip(lefts, rights)]
+
+        return self._run("linear_clipped_sum", cand, [(A, G, factors) for A, G in inputs],
+                         lambda chosen: [w for w, _ in chosen.grouped()(lefts, rights, factors, out_dtype=dtype)],
+                         by_layer)
 
 
 @register_grad_sample_group(LAYERS)
@@ -228,7 +255,7 @@ class LinearGradSampleGroup(LinearGroup):
     whose per-sample gradients are small (LoRA adapters, for which they are far smaller than
     the inputs and backprops book-keeping would keep), or all of them without ghost clipping.
     The norms come with the gradients (one pass); the clipped sums are ``coef @ g``, a small
-    product. Eager: small groups in one batched product; Triton: one launch per layer."""
+    product. Eager: small groups in one batched product; Triton: one launch for the group."""
 
     def norms(self):
         weight, _ = _trainable(self._layers[0])
@@ -241,16 +268,24 @@ class LinearGradSampleGroup(LinearGroup):
             # Conv1D's (d, p) weight: the same product with the roles of A and G swapped. The
             # eager product leaves the fp32 gradients' norms to one reduction; Triton's kernel
             # takes them from its accumulators in the same pass.
-            eager = cand.backend == "eager"
-            res = []
-            for (A, G), layer in zip(self._inputs, self._layers):
-                def per_sample(chosen):
-                    return chosen.ops().linear_per_sample(*((G, A) if transposed else (A, G)), norm=not eager,
-                                                          out_dtype=accumulation_dtype(A, G))
+            inputs = self._inputs
+            lefts, rights = ([G for _, G in inputs], [A for A, _ in inputs]) if transposed else (
+                [A for A, _ in inputs], [G for _, G in inputs])
+            acc = accumulation_dtype(*inputs[0])
 
-                res.append(tuner.run("linear_grad_sample", cand, (A, G), layer, per_sample))
-            self._grads = cat([r.weight for r in res])
-            rows.append(row_norms(self._grads) if eager else cat([r.weight_sq_norm for r in res]).sqrt())
+            def grouped(chosen):
+                res = chosen.ops().linear_per_sample_grouped(lefts, rights, norm=True, out_dtype=acc)
+                return res.weight, res.weight_sq_norm.sqrt()
+
+            def by_layer(chosen):
+                eager = chosen.backend == "eager"
+                res = [chosen.ops().linear_per_sample(left, right, norm=not eager, out_dtype=acc)
+                       for left, right in zip(lefts, rights)]
+                grads = cat([r.weight for r in res])
+                return grads, row_norms(grads) if eager else cat([r.weight_sq_norm for r in res]).sqrt()
+
+            self._grads, norms = self._run("linear_grad_sample", cand, inputs, grouped, by_layer)
+            rows.append(norms)
         else:
             self._stack(True)
         bias_sums = self._take_bias_sums()

@@ -1,7 +1,13 @@
-"""Grad samplers for normalisation layers: ``nn.LayerNorm`` and ``nn.RMSNorm``.
+"""Grad samplers for normalisation layers: ``nn.LayerNorm``, ``nn.RMSNorm``, and the RMSNorm of
+Hugging Face's Llama family (``HF_RMS_NORMS``, registered by dotted path: dpgrad does not
+import transformers).
 
 Their per-sample gradients are as small as their parameters, so ghost clipping takes norms
 of these directly; ``NormLayerGroup`` computes those of many such layers at once.
+
+The Llama family's RMSNorm computes ``weight * (x / sqrt(mean(x^2) + eps)).to(x.dtype)``, the
+normalisation in fp32 whatever x's dtype and rounded to it before the weight: its per-sample
+weight gradient is ``sum_t round(x̂_t) ⊙ g_t``, computed here by the same arithmetic.
 """
 
 from __future__ import annotations
@@ -12,18 +18,37 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dpgrad.backend import guarded
+from dpgrad.kernels import reference
 from dpgrad.kernels.reference import accumulation_dtype
 from dpgrad.registry import register_grad_sample_group, register_grad_sampler
-from dpgrad.samplers.groups import Group, cat, clipped_sums_of, row_norms, stackable
+from dpgrad.samplers.groups import Group, cat, clipped_sums_of, one_layout, row_norms, stackable
+
+# Classes whose forward is exactly Llama's RMSNorm (checked against torch.func in the tests).
+HF_RMS_NORMS = [f"transformers.models.{m}.modeling_{m}.{c}RMSNorm" for m, c in (
+    ("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3"),
+    ("phi3", "Phi3"))]
+LAYERS = [nn.LayerNorm, nn.RMSNorm, *HF_RMS_NORMS]
 
 
-def _sum_tokens(x: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+def _sum_tokens(x: torch.Tensor, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Sum (N, *, *shape) over every dimension but the first and the trailing ``shape``, in ``dtype``."""
     dims = list(range(1, x.dim() - len(shape)))
     return x.sum(dim=dims, dtype=dtype) if dims else x.to(dtype)
 
 
+def _llama_family(layer: nn.Module) -> bool:
+    return not isinstance(layer, (nn.LayerNorm, nn.RMSNorm))
+
+
+def _shape(layer: nn.Module) -> Tuple[int, ...]:
+    """The trailing dimensions the layer normalises."""
+    return tuple(layer.weight.shape) if _llama_family(layer) else tuple(layer.normalized_shape)
+
+
 def _eps(layer: nn.Module, x: torch.Tensor) -> float:
+    if _llama_family(layer):
+        return layer.variance_epsilon
     # RMSNorm's eps=None means the input dtype's epsilon, as in the forward pass, not the upcast's.
     if isinstance(layer, nn.RMSNorm) and layer.eps is None:
         return torch.finfo(x.dtype).eps
@@ -36,25 +61,33 @@ def _trainable(layer: nn.Module) -> Tuple[bool, bool]:
     return weight, bias
 
 
+def _normalized(layer: nn.Module, x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """What the layer's forward multiplies its weight by, in ``acc``."""
+    shape = _shape(layer)
+    if _llama_family(layer):  # as its forward computes it
+        x32 = x.to(torch.float32)
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + _eps(layer, x))).to(x.dtype).to(acc)
+    norm = F.rms_norm if isinstance(layer, nn.RMSNorm) else F.layer_norm
+    return norm(x.to(acc), shape, eps=_eps(layer, x))
+
+
 def per_sample_grads(layer: nn.Module, x: torch.Tensor, backprops: torch.Tensor) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Per-sample gradients of the weight and the bias (None where frozen or absent), (N,
     *normalized_shape) each, in fp32 (fp64 for fp64). Activations and backprops may differ in
     dtype (autocast): they meet in the accumulation dtype."""
     weight, bias = _trainable(layer)
     acc = accumulation_dtype(x, backprops)
-    shape = layer.normalized_shape
+    shape = _shape(layer)
     gw = gb = None
     if weight:
-        norm = F.rms_norm if isinstance(layer, nn.RMSNorm) else F.layer_norm
-        normed = norm(x.to(acc), shape, eps=_eps(layer, x))
         # The product promotes half backprops to the accumulation dtype: no copy of its own.
-        gw = _sum_tokens(normed * backprops, shape, acc)
+        gw = _sum_tokens(_normalized(layer, x, acc) * backprops, shape, acc)
     if bias:
         gb = _sum_tokens(backprops, shape, acc)
     return gw, gb
 
 
-@register_grad_sampler([nn.LayerNorm, nn.RMSNorm])
+@register_grad_sampler(LAYERS)
 def norm_layer_grad_sample(
     layer: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor
 ) -> Dict[nn.Parameter, torch.Tensor]:
@@ -69,16 +102,32 @@ def norm_layer_grad_sample(
     return out
 
 
-@register_grad_sample_group([nn.LayerNorm, nn.RMSNorm])
+def _group_grads(ops, layers: List[nn.Module], xs: List[torch.Tensor], gs: List[torch.Tensor]):
+    """The per-sample (weight, bias) gradients of the layers (None where frozen or absent), (L*B,
+    *normalized_shape) each, layer by layer. Triton: one launch for the group, each layer's
+    tensors read where they are. Eager: one computation on the concatenated inputs when they
+    are small, else one per layer."""
+    layer = layers[0]
+    if ops is not reference and ops.norm_layer_fits(xs[0]):
+        weight, bias = _trainable(layer)
+        return ops.norm_layer_grad_sample_grouped(xs, gs, _eps(layer, xs[0]), rms=not isinstance(layer, nn.LayerNorm),
+                                                  rounded=_llama_family(layer), weight=weight, bias=bias)
+    if stackable(xs) and stackable(gs):
+        return per_sample_grads(layer, cat(xs), cat(gs))
+    parts = [per_sample_grads(layer, x, g) for layer, x, g in zip(layers, xs, gs)]
+    return tuple(None if parts[0][i] is None else cat([part[i] for part in parts]) for i in (0, 1))
+
+
+@register_grad_sample_group(LAYERS)
 class NormLayerGroup(Group):
     """LayerNorm or RMSNorm layers with the same settings and input shapes: the per-sample
-    gradients of all of them from their concatenated inputs (when small), kept in fp32 for
-    their norms and clipped sums."""
+    gradients of all of them at once (one Triton launch, or, eager, from their concatenated
+    inputs when small), kept in fp32 for their norms and clipped sums."""
 
     @classmethod
     def key(cls, layer, activations, backprops):
         x = activations[0]
-        return (type(layer), tuple(layer.normalized_shape), _eps(layer, x), *_trainable(layer), x.shape, x.dtype,
+        return (type(layer), _shape(layer), _eps(layer, x), *_trainable(layer), x.shape, x.dtype,
                 backprops.shape, backprops.dtype, x.device)
 
     def norms(self):
@@ -86,11 +135,12 @@ class NormLayerGroup(Group):
         xs = [activations[0] for _, activations, _ in self.records]
         gs = [backprops for _, _, backprops in self.records]
         self.records = []
-        if stackable(xs) and stackable(gs):
-            grads = per_sample_grads(layers[0], cat(xs), cat(gs))
+        layer = layers[0]
+        if len(_shape(layer)) == 1 and one_layout(xs) and one_layout(gs):
+            grads = guarded("per-sample gradients", layer, (xs[0], gs[0]),
+                            lambda ops: _group_grads(ops, layers, xs, gs))
         else:
-            parts = [per_sample_grads(layer, x, g) for layer, x, g in zip(layers, xs, gs)]
-            grads = tuple(None if parts[0][i] is None else cat([part[i] for part in parts]) for i in (0, 1))
+            grads = _group_grads(reference, layers, xs, gs)
         kept = [g for g in grads if g is not None]
         # Weight and bias gradients have the same shape: one tensor (K*L*B, *shape) for both.
         self._grads = kept[0] if len(kept) == 1 else torch.cat(kept)

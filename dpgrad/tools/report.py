@@ -30,7 +30,7 @@ from dpgrad.tuning import get_tuner, store, tune_mode
 from dpgrad.tuning.tuner import ENV_VAR as TUNE_ENV_VAR
 
 SCHEMA = 1
-NO_CHOICE = "eager (no kernel choice)"
+NO_CHOICE = "dpgrad sampler (no kernel choice)"
 FUNCTORCH = "torch.func (no kernel choice)"
 CPU_NOTICE = ("{why}: the eager fallback is in use (dpgrad's Triton kernels run on CUDA tensors), "
               "so the choices and times below are those of the eager PyTorch kernels.")

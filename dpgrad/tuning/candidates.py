@@ -69,6 +69,11 @@ class Candidate:
     def run(self, *inputs, **options):
         return getattr(self.ops(), self.function)(*inputs, **options)
 
+    def grouped(self):
+        """The Triton form of ``function`` that takes a group of layers of one shape in one
+        launch (lists of inputs, one per argument)."""
+        return getattr(backend.triton_ops(), f"{self.function}_grouped")
+
     def with_config(self, config: Optional[Dict[str, Any]]) -> "Candidate":
         """This candidate with ``config`` (``triton_config``'s form) to launch its kernel with."""
         if self.backend != "triton" or self.kernel is None or not config:
