@@ -6,7 +6,8 @@ the p20/p50/p80 of ``step_time`` or ``time``) or hands in metrics of its own (GP
 times from ``triton.testing.do_bench``, peak memory, operation counts, host time), or says
 why the provider did not run (``bench.skip(reason)``: Opacus refusing tied weights, out of
 memory). At the end of a run with timing enabled, each suite's rows get their ratios to the
-same run's baselines, and flags where their timings cannot be trusted as figures (a wide
+same run's baselines (a case run several times, ``DPGRAD_BENCH_REPEATS``, is one row: the
+median of its repeats, each repeat listed, ratios taken within each repeat), and flags where their timings cannot be trusted as figures (a wide
 spread, a DP step faster than the non-private one: ``results.flag_rows``), and go to
 ``<suite>_<device>.json`` in ``$DPGRAD_RESULTS_DIR`` (default
 benchmarks/results). Runs with ``--benchmark-disable`` (the test suite's quick pass:
@@ -17,7 +18,9 @@ collection and one round) write nothing.
 
 from __future__ import annotations
 
+import json
 import os
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -69,6 +72,31 @@ class BenchRow:
                 "status": self.status, "metrics": self.metrics}
 
 
+def _merged(rows: List[BenchRow]) -> Optional[dict]:
+    """One result from the repeats of one case and provider (``results.repeated``): a time's
+    p20, p50 and p80 from all their rounds together, every metric's median repeat with the
+    ``repeats``; a provider that did not run in some repeat is recorded with the first reason."""
+    if len(rows) == 1:
+        return rows[0].to_result()
+    missed = [row for row in rows if row.status != "ok"]
+    if missed:
+        return missed[0].to_result()
+    done = [row.to_result() for row in rows]
+    if any(result is None for result in done):
+        return None
+    merged = done[0]
+    for name in merged["metrics"]:
+        values = [result["metrics"][name]["p50"] for result in done]
+        merged["metrics"][name] = results.repeated(name, values)
+    time_metric = rows[0].time_metric
+    pooled = [x for row in rows for x in (getattr(getattr(getattr(row.benchmark_fixture, "stats", None),
+                                                               "stats", None), "data", None) or [])]
+    if pooled:
+        merged["metrics"][time_metric].update(results.quantiles(pooled, 1e3))
+        merged["metrics"][time_metric]["p50"] = statistics.median(merged["metrics"][time_metric]["repeats"])
+    return merged
+
+
 def pytest_configure(config):
     config.stash[ROWS_KEY] = []
     # Before any results file is written: the commit must not read as dirty because of them.
@@ -93,20 +121,22 @@ def _derive_dp_step(rows: List[dict]) -> None:
             m = r["metrics"]
             if r["status"] != "ok":
                 continue
-            t = m["step_time"]["p50"]
+            t = m["step_time"]
             tokens = r["shape"]["batch"] * r["shape"]["seq_len"]
-            m["throughput"] = results.metric("throughput", tokens / t * 1e3, tokens / m["step_time"]["p80"] * 1e3,
-                                             tokens / m["step_time"]["p20"] * 1e3)
+            m["throughput"] = results.metric("throughput", tokens / t["p50"] * 1e3, tokens / t["p80"] * 1e3,
+                                             tokens / t["p20"] * 1e3)
+            if "repeats" in t:
+                m["throughput"]["repeats"] = [tokens / x * 1e3 for x in t["repeats"]]
             if base is not None and base["status"] == "ok":
-                m["throughput_over_non_private"] = results.metric(
-                    "throughput_over_non_private", base["metrics"]["step_time"]["p50"] / t)
+                m["throughput_over_non_private"] = results.derived(
+                    "throughput_over_non_private", lambda b, x: b / x, base["metrics"]["step_time"], t)
                 peak, base_peak = m.get("peak_memory"), base["metrics"].get("peak_memory")
                 if peak and base_peak:
-                    m["peak_memory_over_non_private"] = results.metric(
-                        "peak_memory_over_non_private", peak["p50"] / base_peak["p50"])
+                    m["peak_memory_over_non_private"] = results.derived(
+                        "peak_memory_over_non_private", lambda x, b: x / b, peak, base_peak)
             if opacus is not None and opacus["status"] == "ok":
-                m["speedup_over_opacus"] = results.metric("speedup_over_opacus",
-                                                          opacus["metrics"]["step_time"]["p50"] / t)
+                m["speedup_over_opacus"] = results.derived("speedup_over_opacus", lambda o, x: o / x,
+                                                           opacus["metrics"]["step_time"], t)
 
 
 def _derive_kernels(rows: List[dict]) -> None:
@@ -184,10 +214,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         return
     by_suite: Dict[str, List[dict]] = {}
     settings: Dict[str, dict] = {}
-    for row in config.stash[ROWS_KEY]:
-        result = row.to_result()
+    repeats: Dict[tuple, List[BenchRow]] = {}
+    for row in config.stash[ROWS_KEY]:  # a case's repeats in the order they ran
+        key = (row.suite, row.benchmark, json.dumps(row.shape, sort_keys=True), row.provider)
+        repeats.setdefault(key, []).append(row)
+    for (suite, *_), rows in repeats.items():
+        result = _merged(rows)
         if result is not None:
-            by_suite.setdefault(row.suite, []).append(result)
+            by_suite.setdefault(suite, []).append(result)
     for suite, rows in by_suite.items():
         DERIVE[suite](rows)
         results.flag_rows(rows)

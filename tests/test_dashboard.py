@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 from html.parser import HTMLParser
@@ -138,6 +139,7 @@ def _bad(doc: dict, path: str, value) -> dict:
     ("results.0.metrics.step_time.p50", "100", "results[0].metrics.step_time without numbers p20, p50 and p80"),
     ("results.0.metrics.step_time", 100.0, "results[0].metrics.step_time without numbers"),
     ("results.0.flags", "noisy", "results[0].flags that is not a list of strings"),
+    ("results.0.metrics.step_time.repeats", [100.0, "101"], "results[0].metrics.step_time.repeats that is not a list"),
 ])
 def test_a_results_file_with_missing_or_ill_typed_fields_is_refused(tmp_path, capsys, path, value, message):
     doc = sample_docs()[1]  # dp_step on the GPU machine
@@ -287,6 +289,36 @@ def test_quick_suite_writes_results_files(tmp_path):
     speedup = providers["dpgrad"]["metrics"]["speedup_over_opacus"]["p50"]
     assert speedup == pytest.approx(providers["opacus"]["metrics"]["time"]["p50"] / providers["dpgrad"]["metrics"]["time"]["p50"])
     assert re.fullmatch(r"kernels_(cpu|[a-z0-9-]+)\.json", path.name)
+
+
+def test_repeated_cases_give_the_median_repeat_and_each_repeat(tmp_path):
+    """A timed run of the DP-step suite with each case repeated three times writes one row per
+    provider: every metric lists its three repeats, its p50 is their median (between the p20
+    and p80 of all its rounds), and a ratio is taken within each repeat (pytest-benchmark in a
+    subprocess)."""
+    env = {**os.environ, "DPGRAD_RESULTS_DIR": str(tmp_path), "DPGRAD_BENCH_QUICK": "1", "DPGRAD_BENCH_REPEATS": "3"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--benchmark-enable",
+         str(REPO / "benchmarks" / "bench_dp_step.py"), "-k", "tiny-8-64-fp32 and not hf and (non-private or single)"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (doc,) = results.load(tmp_path.glob("dp_step_*.json"))
+    rows = {r["provider"]: r for r in doc["results"]}
+    assert set(rows) == {"non-private", "dpgrad-single"} and all(r["status"] == "ok" for r in rows.values())
+    base, single = rows["non-private"]["metrics"], rows["dpgrad-single"]["metrics"]
+    for m in (base, single):
+        time = m["step_time"]
+        assert len(time["repeats"]) == 3 and time["p50"] == statistics.median(time["repeats"])
+        assert 0 < time["p20"] <= time["p50"] <= time["p80"]
+        assert len(m["peak_memory"]["repeats"]) == 3
+    ratios = [b / s for b, s in zip(base["step_time"]["repeats"], single["step_time"]["repeats"])]
+    assert single["throughput_over_non_private"]["repeats"] == pytest.approx(ratios)
+    assert single["throughput_over_non_private"]["p50"] == pytest.approx(statistics.median(ratios))
+    table = results.markdown([doc])
+    if not rows["dpgrad-single"]["flags"]:
+        spread = f"({min(ratios):.2f}-{max(ratios):.2f})"
+        assert f"{statistics.median(ratios):.2f} {spread}" in table
 
 
 def test_implausible_and_noisy_rows_are_flagged_not_shown_as_figures():

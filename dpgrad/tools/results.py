@@ -10,6 +10,11 @@ A results file (``benchmarks/results/<suite>_<device>.json``) holds one run of o
                   "provider": "dpgrad-single", "status": "ok" | why it did not run,
                   "metrics": {"step_time": {"unit": "ms", "p20": .., "p50": .., "p80": ..}, ...}}]}
 
+A case run several times in one run (``DPGRAD_BENCH_REPEATS``, the DP-step suite's providers
+in turn each time) is one row whose metrics also list ``repeats``: each repeat's median (a
+ratio: each repeat's ratio to the same repeat's baseline). Its p50 is then the median of the
+repeats; a time's p20 and p80 are those of all its rounds together.
+
 ``flat_records`` turns files into one record per (result, metric) with the shape, the metric
 and the machine as objects, so dashboard tools ingest them without parsing strings.
 ``markdown`` is the README's results tables.
@@ -208,6 +213,31 @@ def metric(name: str, p50: float, p20: Optional[float] = None, p80: Optional[flo
     return {"unit": UNITS[name], "p20": p50 if p20 is None else p20, "p50": p50, "p80": p50 if p80 is None else p80}
 
 
+def repeated(name: str, values: Sequence[float]) -> Dict[str, object]:
+    """A metric of a case run several times: the median of the repeats' ``values`` (in the
+    order they ran), which the entry keeps as ``repeats``."""
+    entry = metric(name, statistics.median(values))
+    entry["repeats"] = list(values)
+    return entry
+
+
+def derived(name: str, fn, *entries: Dict[str, object]) -> Dict[str, object]:
+    """The metric ``name`` = ``fn`` of the p50s of ``entries``; where every entry lists the
+    same number of ``repeats``, ``fn`` of each repeat's values and their median."""
+    runs = [e.get("repeats") for e in entries]
+    if all(runs) and len({len(r) for r in runs}) == 1:
+        return repeated(name, [fn(*values) for values in zip(*runs)])
+    return metric(name, fn(*(e["p50"] for e in entries)))
+
+
+def spread(entry: Optional[Dict[str, object]], fmt: str = ".2f") -> str:
+    """`` (lowest-highest)`` of a repeated metric's repeats, else nothing."""
+    runs = (entry or {}).get("repeats")
+    if not runs or len(runs) < 2:
+        return ""
+    return f" ({format(min(runs), fmt)}-{format(max(runs), fmt)})"
+
+
 def write(directory: Path, suite: str, results: List[dict], settings: Dict[str, object],
           machine: Optional[Dict[str, object]] = None) -> Path:
     """Write one suite's run to ``directory/<suite>_<device>.json``; returns the path.
@@ -261,6 +291,9 @@ def _problem(doc: dict) -> Optional[str]:
         for name, m in metrics.items():
             if not isinstance(m, dict) or not all(number(m.get(q)) for q in ("p20", "p50", "p80")):
                 return f"{where}.metrics.{name} without numbers p20, p50 and p80"
+            runs = m.get("repeats", [])
+            if not isinstance(runs, list) or not all(number(v) for v in runs):
+                return f"{where}.metrics.{name}.repeats that is not a list of numbers"
         flags = row.get("flags", [])
         if not isinstance(flags, list) or not all(isinstance(f, str) for f in flags):
             return f"{where}.flags that is not a list of strings"
@@ -374,8 +407,11 @@ def _dp_step_table(results: List[dict]) -> List[str]:
         single = rows.get("dpgrad-single")
         single_ms, opacus_ms = _p50(single, "step_time"), _p50(rows.get("opacus-ghost"), "step_time")
         vs_opacus = single_ms / opacus_ms if single_ms and opacus_ms else None
+        throughput = _ratio(_p50(single, 'throughput_over_non_private'), single)
+        if throughput not in ("-", "flagged"):  # the repeats' lowest and highest, where repeated
+            throughput += spread(single["metrics"]["throughput_over_non_private"])
         lines.append(f"| {model} | {batch} | {seq_len} | {dtype} | " + " | ".join(cells)
-                     + f" | {_ratio(vs_opacus, single)} | {_ratio(_p50(single, 'throughput_over_non_private'), single)}"
+                     + f" | {_ratio(vs_opacus, single)} | {throughput}"
                      + f" | {_ratio(_p50(single, 'peak_memory_over_non_private'))} |")
     return lines + _flag_notes(results)
 
