@@ -96,8 +96,24 @@ def clipping_bound(value, what: str = "max_grad_norm") -> float:
     return bound
 
 
-def clipping_coefficients(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
-    """Opacus's per-sample clipping factors ``min(1, C / (norm + 1e-6))``, (B,)."""
+def per_sample_bounds(bounds, max_grad_norm: float, loss_per_sample: torch.Tensor) -> torch.Tensor:
+    """``bounds`` as a float32 tensor (B,) on the losses' device, checked on the host: one per
+    loss, each finite and between 0 and ``max_grad_norm`` (no sample may move the gradient by
+    more than the bound the noise is scaled to); else ValueError."""
+    host = torch.as_tensor(bounds.detach().cpu() if isinstance(bounds, torch.Tensor) else bounds,
+                           dtype=torch.float64)
+    if host.shape != loss_per_sample.shape:
+        raise ValueError(f"max_grad_norms of shape {tuple(host.shape)} for {tuple(loss_per_sample.shape)} "
+                         "losses: give one bound per sample")
+    if not bool(torch.isfinite(host).all()) or bool((host < 0).any()) or bool((host > max_grad_norm).any()):
+        raise ValueError(f"per-sample bounds must lie between 0 and max_grad_norm={max_grad_norm}; "
+                         f"got values from {host.min().item()} to {host.max().item()}")
+    return host.to(torch.float32).to(loss_per_sample.device, non_blocking=True)
+
+
+def clipping_coefficients(norms: torch.Tensor, max_grad_norm) -> torch.Tensor:
+    """Opacus's per-sample clipping factors ``min(1, C / (norm + 1e-6))``, (B,); ``max_grad_norm``
+    a float or per-sample bounds (B,)."""
     return (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
 
 
@@ -478,7 +494,7 @@ class ClippingPath(BackwardPath):
         return found
 
     # ------------------------------------------------------------------ clipped backward
-    def clipped_backward(self, loss_per_sample: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
+    def clipped_backward(self, loss_per_sample: torch.Tensor, max_grad_norm) -> torch.Tensor:
         """Add ``sum_b c_b * grad(loss_b)`` to ``p.grad``, ``c_b`` from the norms of this pass
         and ``max_grad_norm``; returns the per-sample norms (see the wrapper's method)."""
         if loss_per_sample.dim() != 1:
@@ -532,7 +548,7 @@ class ClippingPath(BackwardPath):
         return (self._forward_batch == 1 and self.sharded is None
                 and not any(p.requires_grad for p in self.unhooked))
 
-    def _clip_one_sample(self, loss: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
+    def _clip_one_sample(self, loss: torch.Tensor, max_grad_norm) -> torch.Tensor:
         """A batch of one sample: its per-sample gradient is the plain gradient. One backward
         pass computes it (as the non-private step would), its norm is one reduction, and the
         clipped gradient ``min(1, C / (norm + 1e-6)) * g`` reaches ``p.grad`` as in single

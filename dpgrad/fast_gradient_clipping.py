@@ -26,7 +26,7 @@ from typing import List
 import torch
 import torch.nn as nn
 
-from dpgrad.clipping_path import ClippingPath, clipping_bound, clipping_coefficients
+from dpgrad.clipping_path import ClippingPath, clipping_bound, clipping_coefficients, per_sample_bounds
 from dpgrad.fsdp import sharded_modules
 from dpgrad.grad_sample_module import GradSampleModule, _delegated
 
@@ -89,7 +89,7 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         return self._path.trainable_parameters
 
     # ------------------------------------------------------------------ dpgrad's backward
-    def clipped_backward(self, loss_per_sample: torch.Tensor) -> None:
+    def clipped_backward(self, loss_per_sample: torch.Tensor, max_grad_norms=None) -> None:
         """Add the clipped gradient ``sum_b c_b * grad(loss_b)`` of the last forward pass to ``p.grad``.
 
         ``loss_per_sample``: (B,), each sample's own loss. ``c_b = min(1, C / (norm_b + 1e-6))``
@@ -105,8 +105,17 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         that is not (B,) or has no graph, RuntimeError when the loss does not depend on any
         layer this wrapper hooked, ``UnclippedGradientError`` when a trainable parameter would
         get a gradient that is not clipped (``dpgrad.guarantee``).
+
+        ``max_grad_norms``: optional per-sample bounds (B,), each between 0 and
+        ``max_grad_norm``, in place of ``max_grad_norm`` (``c_b = min(1, C_b / (norm_b + 1e-6))``):
+        e.g. the rows of one user each clipped to ``C / rows``, so that the user moves the gradient
+        by at most ``C`` (``dpgrad.hf``). A sequence or a CPU tensor is checked without waiting
+        for the device; a bound outside ``[0, max_grad_norm]`` raises ValueError.
         """
-        self.per_sample_gradient_norms = self._path.clipped_backward(loss_per_sample, self.max_grad_norm)
+        bound = self.max_grad_norm
+        if max_grad_norms is not None:
+            bound = per_sample_bounds(max_grad_norms, self.max_grad_norm, loss_per_sample)
+        self.per_sample_gradient_norms = self._path.clipped_backward(loss_per_sample, bound)
 
     def get_norm_sample(self) -> torch.Tensor:
         """Per-sample gradient norms over all trainable parameters, (B,)."""

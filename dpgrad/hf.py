@@ -1,0 +1,435 @@
+"""Private fine-tuning with the Hugging Face ``Trainer``: ``PrivacyArguments`` and ``DPTrainer``.
+
+``DPTrainer`` is a ``transformers.Trainer`` whose every optimizer step is a DP-SGD step:
+
+- the logical batch is Poisson-sampled: every row (or, with ``user_column``, every user with
+  all of their rows) is taken with probability ``q = expected / N`` on its own, the expected
+  batch size being ``per_device_train_batch_size * gradient_accumulation_steps`` (one process);
+  an epoch is ``1 / q`` steps, as Opacus's DP data loader has it;
+- the logical batch runs as physical batches of exactly ``physical_batch_size`` rows (default
+  ``per_device_train_batch_size``), the last padded with copies whose loss weighs exactly zero,
+  through dpgrad's ghost-clipping wrapper (one backward pass per physical batch with
+  ``single_backward``); the clipped gradients accumulate, and the optimizer (dpgrad's batched
+  Opacus ``DPOptimizerFastGradientClipping``) adds the noise once and steps once;
+- each row of a causal language model is one sample: its loss is the mean over its predicted
+  tokens (labels of -100 ignored); with ``user_column`` a user of ``n`` rows in the batch has
+  each row clipped to ``C / n``, so the user moves the gradient by at most ``C``;
+- the noise is ``noise_multiplier``, or the smallest that keeps ``target_epsilon`` over the
+  planned steps; Opacus's accountant ("prv" or "rdp") counts every step, ``epsilon`` is in the
+  Trainer's logs, ``privacy_spent()`` returns ``(epsilon, delta)``, and a step that would take
+  epsilon past ``target_epsilon`` is not taken: training stops there. The Trainer's
+  ``grad_norm`` (the norm of the gradient before its noise, which is not private) is not logged.
+
+It refuses what would break the guarantee or the accounting (``DPTrainer.__init__``): a
+sampler other than its own (``train_sampling_strategy`` other than "random", an overridden
+``_get_train_sampler`` or ``get_train_dataloader``), DeepSpeed, FSDP, several processes or GPUs
+(not supported yet), reentrant activation checkpointing, LOMO optimizers, an optimizer holding
+parameters that are not the model's, a dataset without a length. The Trainer's own clipping
+of the summed gradient (``max_grad_norm``, 1.0 by default) is turned off, with a log line.
+
+``transformers`` is imported here only: the rest of dpgrad does not need it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import transformers
+from torch.utils.data import DataLoader, Sampler
+
+from dpgrad.clipping_path import clipping_bound
+from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping
+from dpgrad.loss import DPLossFastGradientClipping
+
+logger = logging.getLogger(__name__)
+
+ACCOUNTANTS = ("prv", "rdp")
+IGNORE_INDEX = -100
+
+
+@dataclass
+class PrivacyArguments:
+    """The privacy settings of ``DPTrainer`` (``transformers.HfArgumentParser`` reads them).
+
+    Exactly one of ``target_epsilon`` and ``noise_multiplier``; ``target_delta`` defaults to
+    1 / N (N rows, or users with ``user_column``)."""
+
+    target_epsilon: Optional[float] = field(default=None, metadata={
+        "help": "Privacy budget: the noise is chosen so that the planned steps spend exactly it, "
+                "and training stops before a step that would spend more."})
+    noise_multiplier: Optional[float] = field(default=None, metadata={
+        "help": "Noise standard deviation over max_grad_norm (instead of target_epsilon)."})
+    target_delta: Optional[float] = field(default=None, metadata={"help": "delta; default 1 / N."})
+    max_grad_norm: float = field(default=1.0, metadata={
+        "help": "Per-sample clipping bound C (per user with user_column)."})
+    accountant: str = field(default="prv", metadata={"help": "Opacus accountant: 'prv' or 'rdp'."})
+    single_backward: bool = field(default=True, metadata={
+        "help": "One backward pass per physical batch (dpgrad's single backward)."})
+    physical_batch_size: Optional[int] = field(default=None, metadata={
+        "help": "Rows per forward/backward pass (memory); default per_device_train_batch_size."})
+    user_column: Optional[str] = field(default=None, metadata={
+        "help": "Column of the dataset holding each row's user id: user-level privacy (users are "
+                "sampled, and a user moves the gradient by at most max_grad_norm)."})
+
+    def __post_init__(self):
+        if (self.target_epsilon is None) == (self.noise_multiplier is None):
+            raise ValueError("PrivacyArguments takes exactly one of target_epsilon and noise_multiplier, "
+                             f"not target_epsilon={self.target_epsilon}, noise_multiplier={self.noise_multiplier}")
+        if self.target_epsilon is not None and not (math.isfinite(self.target_epsilon) and self.target_epsilon > 0):
+            raise ValueError(f"target_epsilon must be a finite positive number, not {self.target_epsilon}")
+        if self.noise_multiplier is not None and not (math.isfinite(self.noise_multiplier)
+                                                      and self.noise_multiplier >= 0):
+            raise ValueError(f"noise_multiplier must be a finite number >= 0, not {self.noise_multiplier}")
+        if self.target_delta is not None and not 0 < self.target_delta < 1:
+            raise ValueError(f"target_delta must lie strictly between 0 and 1, not {self.target_delta}")
+        self.max_grad_norm = clipping_bound(self.max_grad_norm)
+        if self.accountant not in ACCOUNTANTS:
+            raise ValueError(f"accountant={self.accountant!r}: use one of {', '.join(ACCOUNTANTS)}")
+        size = self.physical_batch_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"physical_batch_size must be a positive integer, not {size!r}")
+
+
+class LogicalBatch:
+    """One Poisson-sampled logical batch: the dataset's rows (uncollated), their indices and
+    each row's clipping share (1 / the rows its user has in the batch; 1 without users)."""
+
+    def __init__(self, rows: list, indices: List[int], shares: List[float]):
+        self.rows, self.indices, self.shares = rows, indices, shares
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __contains__(self, key) -> bool:  # the Trainer looks for "labels" in a batch
+        return False
+
+
+class PoissonSampler(Sampler[List[int]]):
+    """Logical batches of dataset indices, ``steps`` per epoch: each unit (a row, or a user's
+    rows) is taken with probability ``sample_rate``, independently of the others and of other
+    steps (a fresh draw each step, from ``generator``)."""
+
+    def __init__(self, units: List[List[int]], sample_rate: float, generator: torch.Generator):
+        self.units, self.sample_rate, self.generator = units, sample_rate, generator
+        self.steps = max(1, int(1 / sample_rate))
+
+    def __iter__(self) -> Iterator[List[int]]:
+        for _ in range(self.steps):
+            taken = torch.rand(len(self.units), generator=self.generator) < self.sample_rate
+            yield [i for u in taken.nonzero().flatten().tolist() for i in self.units[u]]
+
+    def __len__(self) -> int:
+        return self.steps
+
+
+def _units(dataset, user_column: Optional[str]) -> Tuple[List[List[int]], Dict[int, int]]:
+    """The sampling units (lists of row indices) and each row's unit: a row each, or a user's
+    rows (read from ``user_column`` before any column is removed)."""
+    n = len(dataset)
+    if user_column is None:
+        return [[i] for i in range(n)], {i: i for i in range(n)}
+    names = getattr(dataset, "column_names", None)
+    if names is not None:
+        if user_column not in names:
+            raise ValueError(f"user_column={user_column!r} is not a column of the training dataset ({names})")
+        users = list(dataset[user_column])
+    else:
+        users = []
+        for i in range(n):
+            row = dataset[i]
+            if not isinstance(row, dict) or user_column not in row:
+                raise ValueError(f"row {i} of the training dataset has no {user_column!r} (user_column)")
+            users.append(row[user_column])
+    by_user: Dict[object, List[int]] = {}
+    for i, user in enumerate(users):
+        by_user.setdefault(user.item() if isinstance(user, torch.Tensor) else user, []).append(i)
+    units = list(by_user.values())
+    return units, {i: u for u, rows in enumerate(units) for i in rows}
+
+
+class _Budget(transformers.TrainerCallback):
+    """Stops training after the last step the privacy budget allows."""
+
+    def __init__(self, trainer: "DPTrainer"):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.trainer._next_step_overspends():
+            control.should_training_stop = True
+        return control
+
+
+class DPTrainer(transformers.Trainer):
+    """``transformers.Trainer`` with differentially private steps (see the module docstring).
+
+    Args:
+        privacy_args: ``PrivacyArguments``.
+        *args, **kwargs: as for ``transformers.Trainer``. ``per_device_train_batch_size *
+            gradient_accumulation_steps`` is the expected logical batch size.
+    """
+
+    def __init__(self, *args, privacy_args: PrivacyArguments, **kwargs):
+        if not isinstance(privacy_args, PrivacyArguments):
+            raise TypeError(f"privacy_args must be a dpgrad.hf.PrivacyArguments, not {type(privacy_args).__name__}")
+        super().__init__(*args, **kwargs)
+        self.privacy_args = privacy_args
+        self._refuse_what_breaks_the_guarantee()
+        args = self.args
+        self.expected_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        self.physical_batch_size = privacy_args.physical_batch_size or args.per_device_train_batch_size
+        if args.max_grad_norm and args.max_grad_norm > 0:
+            logger.warning("DPTrainer: TrainingArguments.max_grad_norm=%s turned off: per-sample clipping to "
+                           "max_grad_norm=%s (PrivacyArguments) replaces it", args.max_grad_norm,
+                           privacy_args.max_grad_norm)
+            args.max_grad_norm = 0.0
+        # One Trainer step is one logical batch; its physical batches are accumulated here.
+        args.gradient_accumulation_steps = 1
+        dataset = self.train_dataset
+        self._units, self._unit_of = _units(dataset, privacy_args.user_column)
+        self.sample_rate = min(1.0, self.expected_batch_size / len(self._units))
+        self.target_delta = privacy_args.target_delta or 1 / len(self._units)
+        from opacus.accountants import create_accountant
+
+        self.accountant = create_accountant(privacy_args.accountant)
+        self.noise_multiplier = privacy_args.noise_multiplier
+        self.planned_steps: Optional[int] = None
+        self.allowed_steps: Optional[int] = None  # with target_epsilon: the steps the budget allows
+        self._wrapper: Optional[GradSampleModuleFastGradientClipping] = None
+        self._dp_optimizer = None
+        self._generator = torch.Generator().manual_seed(args.seed)
+        self.add_callback(_Budget(self))
+
+    # ------------------------------------------------------------------ refusals
+    def _refuse_what_breaks_the_guarantee(self) -> None:
+        args = self.args
+        strategy = getattr(args, "train_sampling_strategy", "random")
+        if strategy != "random" or getattr(args, "group_by_length", False):
+            raise ValueError(f"DPTrainer samples every logical batch by Poisson sampling, which the privacy "
+                             f"accounting assumes; train_sampling_strategy={strategy!r} (group_by_length) would "
+                             "replace it: leave it at 'random'")
+        for name in ("_get_train_sampler", "get_train_dataloader"):
+            if getattr(type(self), name) is not getattr(DPTrainer, name):
+                raise ValueError(f"{type(self).__name__} overrides {name}: DPTrainer's batches must come from its "
+                                 "own Poisson sampler, which the privacy accounting assumes")
+        if getattr(args, "deepspeed", None) or getattr(self, "is_deepspeed_enabled", False):
+            raise ValueError("DPTrainer does not support DeepSpeed: its engine takes the backward pass and the "
+                             "optimizer step, where per-sample clipping and the noise must happen")
+        if getattr(args, "fsdp", None) or getattr(self, "is_fsdp_enabled", False):
+            raise ValueError("DPTrainer does not support the Trainer's FSDP yet: use dpgrad.opacus.make_private "
+                             "with a model sharded by fully_shard")
+        if args.world_size > 1 or args.n_gpu > 1:
+            raise ValueError(f"DPTrainer runs in one process on one device for now (world size {args.world_size}, "
+                             f"{args.n_gpu} GPUs): for several, use dpgrad.opacus.make_private with "
+                             "DistributedDataParallel")
+        kwargs = args.gradient_checkpointing_kwargs or {}
+        if args.gradient_checkpointing and kwargs.get("use_reentrant", False):
+            raise ValueError("DPTrainer needs non-reentrant activation checkpointing (use_reentrant=False): a "
+                             "reentrant checkpoint hides its layers' inputs from the per-sample hooks")
+        if args.gradient_checkpointing:
+            args.gradient_checkpointing_kwargs = {**kwargs, "use_reentrant": False}
+        if str(getattr(args, "optim", "")).lower().endswith("lomo"):
+            raise ValueError(f"optim={args.optim}: LOMO optimizers update the weights inside the backward pass, "
+                             "before the gradients can be clipped and noised; use another optimizer")
+        dataset = self.train_dataset
+        if dataset is None:
+            raise ValueError("DPTrainer: training requires a train_dataset")
+        if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+            raise ValueError("DPTrainer needs a dataset with a length and indexable rows (Poisson sampling "
+                             "draws each row independently): not an IterableDataset")
+        if self.optimizer is not None:
+            self._check_optimizer(self.optimizer)
+
+    def _check_optimizer(self, optimizer) -> None:
+        own = {id(p) for p in self.model.parameters()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in own:
+                    raise ValueError(f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not the "
+                                     "model's: DPTrainer can only make private an optimizer over the model's "
+                                     "parameters")
+
+    # ------------------------------------------------------------------ data
+    def _get_train_sampler(self, train_dataset=None):
+        return PoissonSampler(self._units, self.sample_rate, self._generator)
+
+    def get_train_dataloader(self) -> DataLoader:
+        """Logical batches (``LogicalBatch``, uncollated) of Poisson-sampled rows; collated later,
+        a physical batch at a time. Not passed to accelerate, which would re-shard its batches."""
+        dataset = self.train_dataset
+        sampler = self._get_train_sampler(dataset)
+        unit_of = self._unit_of
+        users = self.privacy_args.user_column is not None
+
+        def logical(rows_and_indices):
+            rows = [r for r, _ in rows_and_indices]
+            indices = [i for _, i in rows_and_indices]
+            if users:
+                counts: Dict[int, int] = {}
+                for i in indices:
+                    counts[unit_of[i]] = counts.get(unit_of[i], 0) + 1
+                shares = [1.0 / counts[unit_of[i]] for i in indices]
+            else:
+                shares = [1.0] * len(indices)
+            return LogicalBatch(rows, indices, shares)
+
+        return DataLoader(_Indexed(dataset), batch_sampler=sampler, collate_fn=logical,
+                          num_workers=self.args.dataloader_num_workers)
+
+    # ------------------------------------------------------------------ optimizer, noise, accountant
+    def create_optimizer(self, model=None):
+        """The Trainer's optimizer, made private (dpgrad's batched Opacus DP optimizer) with the
+        noise for the planned steps (``state.max_steps``) and the accountant's step hook."""
+        super().create_optimizer(model)
+        self._make_private(self.state.max_steps)
+        return self.optimizer
+
+    def _make_private(self, steps: int) -> None:
+        from opacus.accountants.utils import get_noise_multiplier
+
+        if self._dp_optimizer is not None:  # a later train(): the same noise, the same accountant
+            return
+        self._check_optimizer(self.optimizer)
+        privacy = self.privacy_args
+        self.planned_steps = steps
+        if privacy.target_epsilon is not None:
+            self.noise_multiplier = get_noise_multiplier(
+                target_epsilon=privacy.target_epsilon, target_delta=self.target_delta, sample_rate=self.sample_rate,
+                steps=steps, accountant=privacy.accountant)
+            self.allowed_steps = self._allowed_steps(steps)
+        from dpgrad.opacus import DPOptimizerFastGradientClipping
+
+        optimizer = DPOptimizerFastGradientClipping(
+            self.optimizer, noise_multiplier=self.noise_multiplier, max_grad_norm=privacy.max_grad_norm,
+            expected_batch_size=self.expected_batch_size, loss_reduction="mean")
+        optimizer.attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=self.sample_rate))
+        self.optimizer = self._dp_optimizer = optimizer
+        logger.info("DPTrainer: noise multiplier %.4f, sample rate %.6g, %d planned steps, delta %.3g",
+                    self.noise_multiplier, self.sample_rate, steps, self.target_delta)
+
+    def privacy_spent(self) -> Tuple[float, float]:
+        """``(epsilon, delta)`` spent by the steps taken so far."""
+        if not self.accountant.history:
+            return 0.0, self.target_delta
+        if any(noise == 0 for noise, *_ in self.accountant.history):
+            return math.inf, self.target_delta  # a step without noise is not private
+        return float(self.accountant.get_epsilon(delta=self.target_delta)), self.target_delta
+
+    def _epsilon_after(self, steps: int) -> float:
+        accountant = type(self.accountant)()
+        accountant.history = [(self.noise_multiplier, self.sample_rate, steps)]
+        return float(accountant.get_epsilon(delta=self.target_delta))
+
+    def _allowed_steps(self, planned: int) -> int:
+        """The steps ``target_epsilon`` allows: the planned ones (the noise was chosen for
+        them, within Opacus's 1% tolerance), fewer only if they would spend more."""
+        target = self.privacy_args.target_epsilon * 1.01
+        while planned > 0 and self._epsilon_after(planned) > target:
+            planned -= 1
+        return planned
+
+    def steps_taken(self) -> int:
+        """The DP steps taken (counted by the accountant)."""
+        return sum(n for *_, n in self.accountant.history)
+
+    def _next_step_overspends(self) -> bool:
+        return self.allowed_steps is not None and self.steps_taken() + 1 > self.allowed_steps
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        """None: the norm of the clipped sum before its noise is not private, so it is neither
+        computed nor logged."""
+        return None
+
+    def log(self, logs: Dict[str, float], start_time: Optional[float] = None) -> None:
+        logs = dict(logs)
+        logs["epsilon"] = self.privacy_spent()[0]
+        super().log(logs, start_time)
+
+    # ------------------------------------------------------------------ the step
+    def _wrapped(self, model: nn.Module) -> GradSampleModuleFastGradientClipping:
+        if self._wrapper is None or self._wrapper._module is not model:
+            if self._wrapper is not None:
+                self._wrapper.remove_hooks()
+            self._wrapper = GradSampleModuleFastGradientClipping(
+                model, max_grad_norm=self.privacy_args.max_grad_norm, loss_reduction="mean",
+                single_backward=self.privacy_args.single_backward)
+        return self._wrapper
+
+    def training_step(self, model: nn.Module, inputs, num_items_in_batch=None) -> torch.Tensor:
+        """One DP step's backward: the logical batch's physical batches, each clipped, their
+        clipped gradients summed in ``p.grad`` (the optimizer then adds the noise once)."""
+        if not isinstance(inputs, LogicalBatch):
+            raise ValueError("DPTrainer got a batch that its Poisson sampler did not make (a custom "
+                             "get_train_dataloader?): the privacy accounting would not hold")
+        optimizer = self._dp_optimizer
+        optimizer.zero_grad(set_to_none=True)  # every step starts from nothing
+        if self._next_step_overspends():
+            optimizer.signal_skip_step(do_skip=True)  # no noise, no step, not counted
+            self.control.should_training_stop = True
+            logger.warning("DPTrainer: the privacy budget (epsilon %s) is spent; stopping before step %d",
+                           self.privacy_args.target_epsilon, self.state.global_step + 1)
+            return torch.zeros((), device=self.args.device)
+        model.train()
+        wrapper = self._wrapped(model)
+        size = self.physical_batch_size
+        n = len(inputs)
+        total = torch.zeros((), device=self.args.device)
+        for start in range(0, max(n, 1), size):
+            rows = inputs.rows[start:start + size]
+            shares = inputs.shares[start:start + size]
+            real = len(rows)
+            filler = rows[0] if rows else _Indexed(self.train_dataset)[0][0]
+            batch = self._collate(rows + [filler] * (size - real))
+            weights = torch.zeros(size)
+            weights[:real] = 1.0
+            bounds = torch.zeros(size, dtype=torch.float64)
+            bounds[:real] = torch.tensor(shares, dtype=torch.float64) * self.privacy_args.max_grad_norm
+            with self.compute_loss_context_manager():
+                losses = self._per_sample_losses(wrapper, batch)
+            losses = losses * weights.to(losses.device, losses.dtype)
+            wrapper.clipped_backward(losses, max_grad_norms=bounds)
+            total = total + losses.detach().sum().to(total.device)
+        return total / max(n, 1)
+
+    def _collate(self, rows: list) -> Dict[str, torch.Tensor]:
+        collator = self._get_collator_with_removed_columns(self.data_collator, description="training")
+        return self._prepare_inputs(collator(rows))
+
+    def _per_sample_losses(self, wrapper, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """Each row's causal-LM loss: the mean over its predicted tokens (labels -100 ignored)."""
+        batch = dict(batch)
+        labels = batch.pop("labels", None)
+        if labels is None:
+            raise ValueError("DPTrainer needs labels in each batch (a causal LM's input ids, -100 where "
+                             "ignored: e.g. DataCollatorForLanguageModeling(mlm=False))")
+        batch.pop(self.privacy_args.user_column or "", None)
+        ids = batch.get("input_ids")
+        if ids is not None and "position_ids" not in batch:
+            # One row of positions per sample: HF's default single row has no per-sample gradient.
+            batch["position_ids"] = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        logits = wrapper(**batch).logits
+        shifted, targets = logits[:, :-1], labels[:, 1:].to(logits.device)
+        criterion = nn.CrossEntropyLoss(ignore_index=IGNORE_INDEX)
+        loss = DPLossFastGradientClipping(wrapper, self._dp_optimizer, criterion, loss_reduction="mean")
+        return loss(shifted.reshape(-1, shifted.shape[-1]).float(), targets.reshape(-1),
+                    shape=shifted.shape[:2]).loss_per_sample
+
+
+class _Indexed(torch.utils.data.Dataset):
+    """A dataset's rows with their indices, for the logical batch to know them."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int):
+        return self.dataset[i], i
+
+
+__all__ = ["PrivacyArguments", "DPTrainer", "PoissonSampler", "LogicalBatch"]

@@ -1,0 +1,299 @@
+"""``dpgrad.hf.DPTrainer``: a DP step through the Hugging Face Trainer equals dpgrad's own DP step
+on the same Poisson batch; the noise's scale; the accountant; the budget stop; user-level
+clipping; the refusals."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("opacus")
+
+from opacus import PrivacyEngine  # noqa: E402
+from opacus.accountants import PRVAccountant, RDPAccountant  # noqa: E402
+
+import dpgrad.opacus  # noqa: E402
+from dpgrad.hf import DPTrainer, PoissonSampler, PrivacyArguments  # noqa: E402
+
+SEQ = 10
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def gpt2():
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=1)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def llama_lora():
+    peft = pytest.importorskip("peft")
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(cfg)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS)
+    model = peft.get_peft_model(model, lora)
+    with torch.no_grad():  # adapters start at zero: give them a gradient of every kind
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    return model
+
+
+MODELS = {"gpt2": gpt2, "llama_lora": llama_lora}
+
+
+def rows(n=24, users=None, seed=0):
+    """Sequences with some padding at the end (labels -100, attention 0)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        ids = torch.randint(1, 64, (SEQ,), generator=g)
+        keep = SEQ - i % 3
+        mask = (torch.arange(SEQ) < keep).long()
+        labels = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
+        row = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        if users is not None:
+            row["user"] = users[i]
+        out.append(row)
+    return out
+
+
+def training_args(tmp_path, **kw):
+    kw = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "max_steps": 1, "learning_rate": 0.5,
+          "optim": "sgd", "lr_scheduler_type": "constant", "weight_decay": 0.0, "report_to": [],
+          "save_strategy": "no", "use_cpu": True, "logging_steps": 1, "seed": 3, "disable_tqdm": True, **kw}
+    return transformers.TrainingArguments(output_dir=str(tmp_path), **kw)
+
+
+def trainer(tmp_path, model, data, privacy=None, **kw):
+    privacy = privacy or PrivacyArguments(noise_multiplier=0.0, max_grad_norm=0.05)
+    return DPTrainer(model=model, args=training_args(tmp_path, **kw), train_dataset=data, privacy_args=privacy)
+
+
+def first_batch(trainer_):
+    """The indices of the trainer's first logical batch: its sampler's first draw."""
+    sampler = PoissonSampler(trainer_._units, trainer_.sample_rate, torch.Generator().manual_seed(trainer_.args.seed))
+    return next(iter(sampler))
+
+
+def steps(trainer_):
+    """The steps the trainer's accountant counted."""
+    return sum(n for *_, n in trainer_.accountant.history)
+
+
+def reference_step(model, data, indices, lr, max_grad_norm, expected):
+    """dpgrad.opacus.make_private's DP step (noise 0, single backward) on the given rows."""
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    model, optimizer, criterion, _ = dpgrad.opacus.make_private(
+        PrivacyEngine(), module=model, data_loader=loader, noise_multiplier=0.0, max_grad_norm=max_grad_norm,
+        optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr),
+        criterion=nn.CrossEntropyLoss(ignore_index=-100), poisson_sampling=False, single_backward=True)
+    optimizer.expected_batch_size = expected  # the logical batch's expected size, as the trainer's
+    optimizer.zero_grad()
+    if indices:
+        batch = {k: torch.stack([data[i][k] for i in indices]) for k in ("input_ids", "attention_mask", "labels")}
+        positions = torch.arange(SEQ).expand(len(indices), SEQ)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=positions).logits
+        loss = criterion(logits[:, :-1].reshape(-1, logits.shape[-1]), batch["labels"][:, 1:].reshape(-1),
+                         shape=logits[:, :-1].shape[:2])
+        loss.backward()
+    optimizer.step()
+    return model
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_one_step_equals_the_clipped_step_of_make_private(tmp_path, name):
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    start = copy.deepcopy(model)
+    data = rows()
+    privacy = PrivacyArguments(noise_multiplier=0.0, max_grad_norm=0.05, physical_batch_size=3)
+    t = trainer(tmp_path, model, data, privacy=privacy)
+    indices = first_batch(t)
+    assert len(indices) > 3 and len(indices) % 3  # several physical batches, the last padded
+    t.train()
+    expected = reference_step(start, data, indices, lr=0.5, max_grad_norm=0.05, expected=8)
+    moved = 0
+    for (n, p), q in zip(model.named_parameters(), expected.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
+        moved += int(not torch.equal(p, dict(start.named_parameters())[n]))
+    assert moved > 0
+    assert steps(t) == 1
+
+
+def test_gradient_checkpointing_is_made_non_reentrant_and_gives_the_same_step(tmp_path):
+    torch.manual_seed(0)
+    model = gpt2()
+    plain = copy.deepcopy(model)
+    data = rows()
+    trainer(tmp_path / "a", plain, data).train()
+    t = trainer(tmp_path / "b", model, data, gradient_checkpointing=True)
+    assert t.args.gradient_checkpointing_kwargs == {"use_reentrant": False}
+    t.train()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_noise_has_the_scale_of_the_noise_multiplier_and_bound(tmp_path):
+    torch.manual_seed(0)
+    model = gpt2()
+    data = rows()
+    quiet, noisy = copy.deepcopy(model), copy.deepcopy(model)
+    trainer(tmp_path / "a", quiet, data).train()
+    sigma, bound, lr, expected = 2.0, 0.05, 0.5, 8
+    trainer(tmp_path / "b", noisy, data, privacy=PrivacyArguments(noise_multiplier=sigma, max_grad_norm=bound)).train()
+    # The same batch: the updates differ by lr * noise / expected batch size.
+    noise = torch.cat([(q - p).flatten() for p, q in zip(noisy.parameters(), quiet.parameters())]) * expected / lr
+    assert noise.numel() > 20000
+    assert noise.std().item() == pytest.approx(sigma * bound, rel=0.03)
+    assert abs(noise.mean().item()) < 3 * sigma * bound / math.sqrt(noise.numel())
+
+
+@pytest.mark.parametrize("accountant, cls", [("rdp", RDPAccountant), ("prv", PRVAccountant)])
+def test_epsilon_equals_opacus_accountant_and_is_logged(tmp_path, accountant, cls):
+    torch.manual_seed(0)
+    t = trainer(tmp_path, gpt2(), rows(), max_steps=3,
+                privacy=PrivacyArguments(noise_multiplier=1.1, max_grad_norm=1.0, accountant=accountant))
+    t.train()
+    reference = cls()
+    for _ in range(3):
+        reference.step(noise_multiplier=1.1, sample_rate=8 / 24)
+    epsilon, delta = t.privacy_spent()
+    assert delta == 1 / 24 and t.sample_rate == 8 / 24
+    assert epsilon == pytest.approx(reference.get_epsilon(delta=1 / 24), rel=1e-6)
+    logged = [entry["epsilon"] for entry in t.state.log_history if "epsilon" in entry and "loss" in entry]
+    assert len(logged) == 3 and logged[-1] == pytest.approx(epsilon, rel=1e-6)
+    assert all("grad_norm" not in entry for entry in t.state.log_history)  # the unnoised norm is not private
+
+
+def test_target_epsilon_is_spent_by_the_planned_steps_and_never_exceeded(tmp_path):
+    torch.manual_seed(0)
+    model = gpt2()
+    t = trainer(tmp_path, model, rows(), max_steps=4,
+                privacy=PrivacyArguments(target_epsilon=3.0, max_grad_norm=1.0, accountant="rdp"))
+    t.train()
+    epsilon, _ = t.privacy_spent()
+    assert steps(t) == 4 and 2.9 <= epsilon <= 3.0 * 1.01
+    before = [p.detach().clone() for p in model.parameters()]
+    t.train()  # the budget is spent: no further step is taken
+    assert steps(t) == 4 and t.privacy_spent()[0] == epsilon
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def _clipped_sum(tmp_path, data, user_column):
+    """The clipped sum of one step over all of ``data`` (sample rate 1, noise 0, lr 1)."""
+    torch.manual_seed(0)
+    model = gpt2()
+    start = [p.detach().clone() for p in model.parameters()]
+    privacy = PrivacyArguments(noise_multiplier=0.0, max_grad_norm=0.01, user_column=user_column)
+    t = trainer(tmp_path, model, data, privacy=privacy, per_device_train_batch_size=32, gradient_accumulation_steps=1,
+                learning_rate=1.0)
+    assert t.sample_rate == 1.0
+    t.train()
+    return torch.cat([(s - p.detach()).flatten() for s, p in zip(start, model.parameters())]) * 32
+
+
+def test_user_level_clipping_bounds_a_user_with_five_rows_by_the_bound(tmp_path):
+    users = ["a"] * 5 + ["b", "c", "d", "e", "f"]
+    data, without = rows(10, users), rows(10, users)[5:]
+    moved = (_clipped_sum(tmp_path / "u1", data, "user") - _clipped_sum(tmp_path / "u2", without, "user")).norm()
+    assert 0 < moved.item() <= 0.01 * (1 + 1e-5)
+    # The same rows as five samples move it by up to five bounds (here more than one).
+    rows_moved = (_clipped_sum(tmp_path / "r1", data, None) - _clipped_sum(tmp_path / "r2", without, None)).norm()
+    assert rows_moved.item() > 0.015
+
+
+def test_users_are_sampled_with_all_their_rows(tmp_path):
+    users = [i // 3 for i in range(24)]
+    t = trainer(tmp_path, gpt2(), rows(24, users), privacy=PrivacyArguments(noise_multiplier=1.0, user_column="user"),
+                per_device_train_batch_size=2, gradient_accumulation_steps=1)
+    assert len(t._units) == 8 and t.sample_rate == 2 / 8 and t.target_delta == 1 / 8
+    for batch in t.get_train_dataloader():
+        taken = {users[i] for i in batch.indices}
+        assert sorted(batch.indices) == [i for i in range(24) if users[i] in taken]
+        assert batch.shares == [1 / 3] * len(batch.indices)
+
+
+class _OwnLoader(DPTrainer):
+    def get_train_dataloader(self):
+        return torch.utils.data.DataLoader(self.train_dataset, batch_size=4)
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(rows())
+
+
+@pytest.mark.parametrize("case, message", [
+    ("group_by_length", "train_sampling_strategy='group_by_length'"),
+    ("own_loader", "_OwnLoader overrides get_train_dataloader"),
+    ("deepspeed", "does not support DeepSpeed"),
+    ("reentrant", "non-reentrant activation checkpointing"),
+    ("lomo", "LOMO optimizers update the weights inside the backward pass"),
+    ("foreign_optimizer", "not the model's"),
+    ("stream", "not an IterableDataset"),
+])
+def test_refusals(tmp_path, case, message):
+    model, data, kw, cls = gpt2(), rows(), {}, DPTrainer
+    if case == "group_by_length":
+        kw["train_sampling_strategy"] = "group_by_length"
+    elif case == "reentrant":
+        kw.update(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True})
+    elif case == "lomo":
+        kw["optim"] = "lomo"
+    elif case == "stream":
+        data = _Stream()
+    elif case == "own_loader":
+        cls = _OwnLoader
+    args = training_args(tmp_path, **kw)
+    if case == "deepspeed":
+        args.deepspeed = {"zero_optimization": {"stage": 2}}
+    extra = {}
+    if case == "foreign_optimizer":
+        extra["optimizers"] = (torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.1), None)
+    with pytest.raises(ValueError, match=message):
+        cls(model=model, args=args, train_dataset=data, privacy_args=PrivacyArguments(noise_multiplier=1.0), **extra)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({}, "exactly one of target_epsilon and noise_multiplier"),
+    ({"target_epsilon": 8.0, "noise_multiplier": 1.0}, "exactly one of"),
+    ({"target_epsilon": -1.0}, "target_epsilon must be a finite positive number"),
+    ({"noise_multiplier": float("nan")}, "noise_multiplier must be a finite number"),
+    ({"noise_multiplier": 1.0, "max_grad_norm": 0.0}, "max_grad_norm must be a finite positive number"),
+    ({"noise_multiplier": 1.0, "accountant": "gdp"}, "accountant='gdp'"),
+    ({"noise_multiplier": 1.0, "target_delta": 1.5}, "target_delta must lie strictly between 0 and 1"),
+    ({"noise_multiplier": 1.0, "physical_batch_size": 0}, "physical_batch_size must be a positive integer"),
+])
+def test_privacy_arguments_refuse_what_is_not_a_budget(kw, message):
+    with pytest.raises(ValueError, match=message):
+        PrivacyArguments(**kw)
+
+
+def test_privacy_arguments_are_read_by_hf_argument_parser():
+    parser = transformers.HfArgumentParser(PrivacyArguments)
+    (privacy,) = parser.parse_args_into_dataclasses(["--target_epsilon", "8", "--user_column", "author"])
+    assert privacy.target_epsilon == 8.0 and privacy.user_column == "author" and privacy.single_backward
+
+
+def test_the_trainers_own_clipping_is_turned_off_with_a_log_line(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="dpgrad.hf"):
+        t = trainer(tmp_path, gpt2(), rows(), max_grad_norm=1.0)
+    assert t.args.max_grad_norm == 0.0 and "max_grad_norm=1.0 turned off" in caplog.text
+
+
+def test_per_sample_bounds_above_the_bound_are_refused():
+    import dpgrad
+
+    model = dpgrad.GradSampleModuleFastGradientClipping(nn.Linear(3, 2), max_grad_norm=1.0, single_backward=True)
+    losses = model(torch.randn(4, 3)).sum(dim=1)
+    with pytest.raises(ValueError, match="between 0 and max_grad_norm=1.0"):
+        model.clipped_backward(losses, max_grad_norms=[0.5, 0.5, 1.5, 0.5])
+    with pytest.raises(ValueError, match="one bound per sample"):
+        model.clipped_backward(losses, max_grad_norms=[0.5, 0.5])
