@@ -297,3 +297,15 @@ def test_per_sample_bounds_above_the_bound_are_refused():
         model.clipped_backward(losses, max_grad_norms=[0.5, 0.5, 1.5, 0.5])
     with pytest.raises(ValueError, match="one bound per sample"):
         model.clipped_backward(losses, max_grad_norms=[0.5, 0.5])
+
+
+def test_an_empty_poisson_batch_is_a_step_of_noise_alone(tmp_path):
+    """A logical batch with no row (Poisson sampling allows it) runs one padded physical batch
+    whose rows weigh nothing: at noise 0 the weights do not move, and the step is counted."""
+    torch.manual_seed(0)
+    model = gpt2()
+    before = [p.detach().clone() for p in model.parameters()]
+    t = trainer(tmp_path, model, rows(), per_device_train_batch_size=1, gradient_accumulation_steps=1, seed=6)
+    assert first_batch(t) == []
+    t.train()
+    assert steps(t) == 1 and all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
