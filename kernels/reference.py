@@ -29,6 +29,13 @@ CHUNK_ELEMENTS = 1 << 24
 EMBEDDING_GRAD_SAMPLE_WARN_ELEMENTS = 1 << 28
 
 
+def same_layout(tensors) -> bool:
+    """Whether tensors share shape, dtype and strides: one grouped kernel launch reads them all
+    where they are (``triton_common.grouped``)."""
+    first = tensors[0]
+    return all(t.shape == first.shape and t.dtype == first.dtype and t.stride() == first.stride() for t in tensors)
+
+
 def accumulation_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """float64 if any input is float64, else float32 (half inputs accumulate in fp32)."""
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .reference import same_layout
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 # Test hook: when True, every buffer a launcher allocates starts as NaN (or -1 for integers),
@@ -104,9 +106,8 @@ def grouped(tensors: Sequence[torch.Tensor]) -> Grouped:
     first = tensors[0]
     if len(tensors) == 1:
         return Grouped(placeholder(first.device), first.stride(), False)
-    for t in tensors[1:]:
-        if t.stride() != first.stride() or t.shape != first.shape or t.dtype != first.dtype:
-            raise ValueError("a grouped launch takes tensors of one shape, dtype and strides")
+    if not same_layout(tensors):
+        raise ValueError("a grouped launch takes tensors of one shape, dtype and strides")
     table = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
     if first.device.type == "cuda":
         table = table.pin_memory().to(first.device, non_blocking=True)

@@ -43,12 +43,6 @@ def stackable(tensors: Sequence[torch.Tensor]) -> bool:
     return len(tensors) > 1 and sum(t.numel() for t in tensors) <= STACK_ELEMENTS
 
 
-def one_layout(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether tensors share shape, dtype and strides: one grouped kernel launch reads them all."""
-    first = tensors[0]
-    return all(t.shape == first.shape and t.dtype == first.dtype and t.stride() == first.stride() for t in tensors)
-
-
 def cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """The tensors concatenated along the batch (a single one as it is)."""
     return tensors[0] if len(tensors) == 1 else torch.cat(list(tensors))

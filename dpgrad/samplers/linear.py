@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from dpgrad.backend import guarded, ops_for
 from dpgrad.kernels import reference
-from dpgrad.kernels.reference import accumulation_dtype
+from dpgrad.kernels.reference import accumulation_dtype, same_layout
 from dpgrad.registry import (
     register_clipped_sum_sampler,
     register_factor_sampler,
@@ -29,7 +29,7 @@ from dpgrad.registry import (
     register_norm_group,
     register_norm_sampler,
 )
-from dpgrad.samplers.groups import Coefficients, Group, cat, clipped_sums_of, one_layout, row_norms, stackable
+from dpgrad.samplers.groups import Coefficients, Group, cat, clipped_sums_of, row_norms, stackable
 from dpgrad.tuning import get_tuner
 
 CONV1D = "transformers.pytorch_utils.Conv1D"
@@ -167,7 +167,7 @@ class LinearGroup(Group):
 
             def token_sums(ops):
                 # Triton: one launch for the group's layers; eager: a sum per layer.
-                if ops is reference or len(Gs) == 1 or not one_layout(Gs):
+                if ops is reference or len(Gs) == 1 or not same_layout(Gs):
                     return cat([G.sum(dim=1, dtype=acc) for G in Gs])
                 return ops.linear_bias_grad_sample_grouped(Gs, out_dtype=acc)
 
@@ -180,7 +180,7 @@ class LinearGroup(Group):
         tensors share a layout; else ``by_layer(candidate)``. Through the tuner: a failing
         Triton launch is done again by the eager candidate, for good."""
         def work(chosen):
-            if chosen.backend == "triton" and len(inputs) > 1 and all(one_layout(t) for t in zip(*inputs)):
+            if chosen.backend == "triton" and len(inputs) > 1 and all(same_layout(t) for t in zip(*inputs)):
                 return grouped(chosen)
             return by_layer(chosen)
 

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 from dpgrad.backend import guarded
 from dpgrad.kernels import reference
-from dpgrad.kernels.reference import accumulation_dtype
+from dpgrad.kernels.reference import accumulation_dtype, same_layout
 from dpgrad.registry import register_grad_sample_group, register_grad_sampler
-from dpgrad.samplers.groups import Group, cat, clipped_sums_of, one_layout, row_norms, stackable
+from dpgrad.samplers.groups import Group, cat, clipped_sums_of, row_norms, stackable
 
 # Classes whose forward is exactly Llama's RMSNorm (checked against torch.func in the tests).
 HF_RMS_NORMS = [f"transformers.models.{m}.modeling_{m}.{c}RMSNorm" for m, c in (
@@ -136,7 +136,7 @@ class NormLayerGroup(Group):
         gs = [backprops for _, _, backprops in self.records]
         self.records = []
         layer = layers[0]
-        if len(_shape(layer)) == 1 and one_layout(xs) and one_layout(gs):
+        if len(_shape(layer)) == 1 and same_layout(xs) and same_layout(gs):
             grads = guarded("per-sample gradients", layer, (xs[0], gs[0]),
                             lambda ops: _group_grads(ops, layers, xs, gs))
         else:
