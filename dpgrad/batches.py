@@ -28,6 +28,16 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 
+def padded_parts(items: list, size: int, empty_filler) -> Iterator[Tuple[list, int]]:
+    """A logical batch's ``items`` as parts of exactly ``size``: ``(part, real items)`` for each,
+    the last part padded with copies of its first item (``empty_filler`` for an empty batch,
+    which gives one part of padding alone)."""
+    parts = [items[i:i + size] for i in range(0, len(items), size)] or [[]]
+    for part in parts:
+        filler = part[0] if part else empty_filler
+        yield part + [filler] * (size - len(part)), len(part)
+
+
 class PaddedBatchSampler(Sampler[List[int]]):
     """The index lists of ``sampler`` (logical batches) as lists of exactly ``size`` indices,
     each logical batch split and its last part padded; for every list made, ``(real samples,
@@ -39,12 +49,10 @@ class PaddedBatchSampler(Sampler[List[int]]):
     def __iter__(self) -> Iterator[List[int]]:
         size = self.size
         for indices in self.sampler:
-            indices = list(indices)
-            parts = [indices[i:i + size] for i in range(0, len(indices), size)] or [[]]
-            for k, part in enumerate(parts):
-                filler = part[0] if part else 0
-                self.plan.append((len(part), k == len(parts) - 1))
-                yield part + [filler] * (size - len(part))
+            parts = list(padded_parts(list(indices), size, 0))  # the dataset's first row pads an empty batch
+            for k, (part, real) in enumerate(parts):
+                self.plan.append((real, k == len(parts) - 1))
+                yield part
 
     def __len__(self) -> int:
         expected = getattr(self.sampler, "sample_rate", 0) * getattr(self.sampler, "num_samples", 0)

@@ -42,6 +42,7 @@ import torch.nn as nn
 import transformers
 from torch.utils.data import DataLoader, Sampler
 
+from dpgrad.batches import padded_parts
 from dpgrad.clipping_path import clipping_bound
 from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping
 from dpgrad.loss import DPLossFastGradientClipping
@@ -127,12 +128,13 @@ class PoissonSampler(Sampler[List[int]]):
         return self.steps
 
 
-def _units(dataset, user_column: Optional[str]) -> Tuple[List[List[int]], Dict[int, int]]:
-    """The sampling units (lists of row indices) and each row's unit: a row each, or a user's
-    rows (read from ``user_column`` before any column is removed)."""
+def _units(dataset, user_column: Optional[str]) -> Tuple[List[List[int]], List[float]]:
+    """The sampling units (lists of row indices: a row each, or a user's rows, read from
+    ``user_column`` before any column is removed) and each row's clipping share, 1 / the rows
+    of its unit (a sampled user brings all of them)."""
     n = len(dataset)
     if user_column is None:
-        return [[i] for i in range(n)], {i: i for i in range(n)}
+        return [[i] for i in range(n)], [1.0] * n
     names = getattr(dataset, "column_names", None)
     if names is not None:
         if user_column not in names:
@@ -149,7 +151,11 @@ def _units(dataset, user_column: Optional[str]) -> Tuple[List[List[int]], Dict[i
     for i, user in enumerate(users):
         by_user.setdefault(user.item() if isinstance(user, torch.Tensor) else user, []).append(i)
     units = list(by_user.values())
-    return units, {i: u for u, rows in enumerate(units) for i in rows}
+    shares = [0.0] * n
+    for unit in units:
+        for i in unit:
+            shares[i] = 1.0 / len(unit)
+    return units, shares
 
 
 class _Budget(transformers.TrainerCallback):
@@ -190,16 +196,16 @@ class DPTrainer(transformers.Trainer):
         # One Trainer step is one logical batch; its physical batches are accumulated here.
         args.gradient_accumulation_steps = 1
         dataset = self.train_dataset
-        self._units, self._unit_of = _units(dataset, privacy_args.user_column)
+        self._units, self._shares = _units(dataset, privacy_args.user_column)
         self.sample_rate = min(1.0, self.expected_batch_size / len(self._units))
         self.target_delta = privacy_args.target_delta or 1 / len(self._units)
         from opacus.accountants import create_accountant
 
         self.accountant = create_accountant(privacy_args.accountant)
         self.noise_multiplier = privacy_args.noise_multiplier
-        self.planned_steps: Optional[int] = None
         self.allowed_steps: Optional[int] = None  # with target_epsilon: the steps the budget allows
         self._wrapper: Optional[GradSampleModuleFastGradientClipping] = None
+        self._loss: Optional[DPLossFastGradientClipping] = None
         self._dp_optimizer = None
         self._generator = torch.Generator().manual_seed(args.seed)
         self.add_callback(_Budget(self))
@@ -262,20 +268,11 @@ class DPTrainer(transformers.Trainer):
         a physical batch at a time. Not passed to accelerate, which would re-shard its batches."""
         dataset = self.train_dataset
         sampler = self._get_train_sampler(dataset)
-        unit_of = self._unit_of
-        users = self.privacy_args.user_column is not None
+        shares = self._shares
 
         def logical(rows_and_indices):
-            rows = [r for r, _ in rows_and_indices]
             indices = [i for _, i in rows_and_indices]
-            if users:
-                counts: Dict[int, int] = {}
-                for i in indices:
-                    counts[unit_of[i]] = counts.get(unit_of[i], 0) + 1
-                shares = [1.0 / counts[unit_of[i]] for i in indices]
-            else:
-                shares = [1.0] * len(indices)
-            return LogicalBatch(rows, indices, shares)
+            return LogicalBatch([r for r, _ in rows_and_indices], indices, [shares[i] for i in indices])
 
         return DataLoader(_Indexed(dataset), batch_sampler=sampler, collate_fn=logical,
                           num_workers=self.args.dataloader_num_workers)
@@ -295,7 +292,6 @@ class DPTrainer(transformers.Trainer):
             return
         self._check_optimizer(self.optimizer)
         privacy = self.privacy_args
-        self.planned_steps = steps
         if privacy.target_epsilon is not None:
             self.noise_multiplier = get_noise_multiplier(
                 target_epsilon=privacy.target_epsilon, target_delta=self.target_delta, sample_rate=self.sample_rate,
@@ -351,12 +347,16 @@ class DPTrainer(transformers.Trainer):
 
     # ------------------------------------------------------------------ the step
     def _wrapped(self, model: nn.Module) -> GradSampleModuleFastGradientClipping:
+        """dpgrad's wrapper around ``model`` and its per-sequence loss (each row's mean over its
+        predicted tokens, labels -100 ignored), made once."""
         if self._wrapper is None or self._wrapper._module is not model:
             if self._wrapper is not None:
                 self._wrapper.remove_hooks()
             self._wrapper = GradSampleModuleFastGradientClipping(
                 model, max_grad_norm=self.privacy_args.max_grad_norm, loss_reduction="mean",
                 single_backward=self.privacy_args.single_backward)
+            self._loss = DPLossFastGradientClipping(self._wrapper, self._dp_optimizer,
+                                                    nn.CrossEntropyLoss(ignore_index=IGNORE_INDEX), "mean")
         return self._wrapper
 
     def training_step(self, model: nn.Module, inputs, num_items_in_batch=None) -> torch.Tensor:
@@ -375,29 +375,21 @@ class DPTrainer(transformers.Trainer):
             return torch.zeros((), device=self.args.device)
         model.train()
         wrapper = self._wrapped(model)
-        size = self.physical_batch_size
-        n = len(inputs)
+        size, bound = self.physical_batch_size, self.privacy_args.max_grad_norm
+        users = self.privacy_args.user_column is not None
+        collator = self._get_collator_with_removed_columns(self.data_collator, description="training")
         total = torch.zeros((), device=self.args.device)
-        for start in range(0, max(n, 1), size):
-            rows = inputs.rows[start:start + size]
-            shares = inputs.shares[start:start + size]
-            real = len(rows)
-            filler = rows[0] if rows else _Indexed(self.train_dataset)[0][0]
-            batch = self._collate(rows + [filler] * (size - real))
-            weights = torch.zeros(size)
-            weights[:real] = 1.0
-            bounds = torch.zeros(size, dtype=torch.float64)
-            bounds[:real] = torch.tensor(shares, dtype=torch.float64) * self.privacy_args.max_grad_norm
+        # Physical batches padded as dpgrad.batches pads them: the padding's losses weigh zero.
+        for part, real in padded_parts(list(zip(inputs.rows, inputs.shares)), size, (self.train_dataset[0], 0.0)):
+            batch = self._prepare_inputs(collator([row for row, _ in part]))
             with self.compute_loss_context_manager():
                 losses = self._per_sample_losses(wrapper, batch)
-            losses = losses * weights.to(losses.device, losses.dtype)
+            losses = losses * (torch.arange(size) < real).to(losses.device, losses.dtype)
+            # A user's n rows are each clipped to C / n; every row to C without users.
+            bounds = [share * bound for _, share in part] if users else None
             wrapper.clipped_backward(losses, max_grad_norms=bounds)
             total = total + losses.detach().sum().to(total.device)
-        return total / max(n, 1)
-
-    def _collate(self, rows: list) -> Dict[str, torch.Tensor]:
-        collator = self._get_collator_with_removed_columns(self.data_collator, description="training")
-        return self._prepare_inputs(collator(rows))
+        return total / max(len(inputs), 1)
 
     def _per_sample_losses(self, wrapper, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         """Each row's causal-LM loss: the mean over its predicted tokens (labels -100 ignored)."""
@@ -413,10 +405,8 @@ class DPTrainer(transformers.Trainer):
             batch["position_ids"] = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         logits = wrapper(**batch).logits
         shifted, targets = logits[:, :-1], labels[:, 1:].to(logits.device)
-        criterion = nn.CrossEntropyLoss(ignore_index=IGNORE_INDEX)
-        loss = DPLossFastGradientClipping(wrapper, self._dp_optimizer, criterion, loss_reduction="mean")
-        return loss(shifted.reshape(-1, shifted.shape[-1]).float(), targets.reshape(-1),
-                    shape=shifted.shape[:2]).loss_per_sample
+        return self._loss(shifted.reshape(-1, shifted.shape[-1]).float(), targets.reshape(-1),
+                          shape=shifted.shape[:2]).loss_per_sample
 
 
 class _Indexed(torch.utils.data.Dataset):
