@@ -60,10 +60,14 @@ class BenchRow:
         self.status = reason
         pytest.skip(f"{self.provider}: {reason}")
 
+    def rounds(self) -> List[float]:
+        """pytest-benchmark's timed rounds (seconds); none when timing is disabled."""
+        stats = getattr(self.benchmark_fixture, "stats", None)
+        return list(getattr(getattr(stats, "stats", None), "data", None) or [])
+
     def to_result(self) -> Optional[dict]:
         if self.status == "ok":
-            stats = getattr(self.benchmark_fixture, "stats", None)
-            data = getattr(getattr(stats, "stats", None), "data", None)
+            data = self.rounds()
             if self.time_metric not in self.metrics:
                 if not data:
                     return None  # timing disabled: nothing measured
@@ -89,8 +93,7 @@ def _merged(rows: List[BenchRow]) -> Optional[dict]:
         values = [result["metrics"][name]["p50"] for result in done]
         merged["metrics"][name] = results.repeated(name, values)
     time_metric = rows[0].time_metric
-    pooled = [x for row in rows for x in (getattr(getattr(getattr(row.benchmark_fixture, "stats", None),
-                                                               "stats", None), "data", None) or [])]
+    pooled = [x for row in rows for x in row.rounds()]
     if pooled:
         merged["metrics"][time_metric].update(results.quantiles(pooled, 1e3))
         merged["metrics"][time_metric]["p50"] = statistics.median(merged["metrics"][time_metric]["repeats"])
