@@ -21,11 +21,21 @@ The sampling, the expected batch size and the accountant are the data loader's, 
 
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 from typing import Deque, Dict, Iterator, List, Tuple
 
 import torch
 from torch.utils.data import DataLoader, Sampler
+
+
+def rank_generator(seed: int, rank: int) -> torch.Generator:
+    """A generator for the Poisson sampler of process ``rank`` of a run seeded with ``seed``:
+    each rank its own draws (ranks seeded alike would otherwise take the same positions of
+    their shares together, where the accountant assumes independent samples), reproducible
+    from the seed."""
+    digest = hashlib.sha256(f"{seed}:{rank}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
 def padded_parts(items: list, size: int, empty_filler) -> Iterator[Tuple[list, int]]:

@@ -4,8 +4,13 @@
 
 - the logical batch is Poisson-sampled: every row (or, with ``user_column``, every user with
   all of their rows) is taken with probability ``q = expected / N`` on its own, the expected
-  batch size being ``per_device_train_batch_size * gradient_accumulation_steps`` (one process);
+  batch size being ``per_device_train_batch_size * gradient_accumulation_steps * world_size``;
   an epoch is ``1 / q`` steps, as Opacus's DP data loader has it;
+- under DDP (``torchrun``), rank ``r`` draws the rows (users) ``r, r + world, ...`` with its own
+  generator (seeded from ``seed`` and the rank), runs its share as physical batches of its own
+  (ranks need not run as many), and the distributed DP optimizer adds the noise once, on rank 0,
+  and sums the ranks' clipped gradients (DDP's own reduction is not used: each physical batch
+  goes through the module inside DistributedDataParallel);
 - the logical batch runs as physical batches of exactly ``physical_batch_size`` rows (default
   ``per_device_train_batch_size``), the last padded with copies whose loss weighs exactly zero,
   through dpgrad's ghost-clipping wrapper (one backward pass per physical batch with
@@ -22,10 +27,14 @@
 
 It refuses what would break the guarantee or the accounting (``DPTrainer.__init__``): a
 sampler other than its own (``train_sampling_strategy`` other than "random", an overridden
-``_get_train_sampler`` or ``get_train_dataloader``), DeepSpeed, FSDP, several processes or GPUs
-(not supported yet), reentrant activation checkpointing, LOMO optimizers, an optimizer holding
-parameters that are not the model's, a dataset without a length. The Trainer's own clipping
-of the summed gradient (``max_grad_norm``, 1.0 by default) is turned off, with a log line.
+``_get_train_sampler`` or ``get_train_dataloader``), DeepSpeed, FSDP, several GPUs in one
+process (DataParallel), reentrant activation checkpointing, LOMO optimizers, an optimizer holding
+parameters that are not the model's, a dataset without a length, a ``compute_loss_func``
+(the loss clipped is each row's mean token cross-entropy, label-smoothed by
+``label_smoothing_factor``), and TRL's ``packing``, ``padding_free``, ``loss_type`` other than
+"nll" and ``activation_offloading`` (TRL's ``SFTTrainer`` goes after ``DPTrainer`` in a subclass:
+``class DPSFTTrainer(DPTrainer, trl.SFTTrainer)``). The Trainer's own clipping of the summed
+gradient (``max_grad_norm``, 1.0 by default) is turned off, with a log line.
 
 ``transformers`` is imported here only: the rest of dpgrad does not need it.
 """
@@ -42,7 +51,7 @@ import torch.nn as nn
 import transformers
 from torch.utils.data import DataLoader, Sampler
 
-from dpgrad.batches import padded_parts
+from dpgrad.batches import padded_parts, rank_generator
 from dpgrad.clipping_path import clipping_bound
 from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping
 from dpgrad.loss import DPLossFastGradientClipping
@@ -158,6 +167,25 @@ def _units(dataset, user_column: Optional[str]) -> Tuple[List[List[int]], List[f
     return units, shares
 
 
+_OWN_LOSS = ("DPTrainer trains on each row's mean token cross-entropy (label_smoothing_factor applies), which "
+             "it computes per sample: {} would not be the loss it clips")
+
+
+def _refuse_trl_settings(args) -> None:
+    """Refuse, before TRL's ``SFTTrainer`` (when it comes after ``DPTrainer`` in a subclass)
+    acts on them, the settings of its ``SFTConfig`` that per-sample clipping cannot honour."""
+    if getattr(args, "packing", False) or getattr(args, "padding_free", False):
+        raise ValueError("DPTrainer clips each row as one sample: packing (or padding_free) puts several examples "
+                         "into one row, whose clipping would not bound each example; set packing=False and "
+                         "padding_free=False")
+    loss_type = getattr(args, "loss_type", "nll")
+    if loss_type != "nll":
+        raise ValueError(_OWN_LOSS.format(f"loss_type={loss_type!r}"))
+    if getattr(args, "activation_offloading", False):
+        raise ValueError("DPTrainer does not support TRL's activation_offloading: set it to False (activation "
+                         "checkpointing, non-reentrant, is supported)")
+
+
 class _Budget(transformers.TrainerCallback):
     """Stops training after the last step the privacy budget allows."""
 
@@ -182,11 +210,13 @@ class DPTrainer(transformers.Trainer):
     def __init__(self, *args, privacy_args: PrivacyArguments, **kwargs):
         if not isinstance(privacy_args, PrivacyArguments):
             raise TypeError(f"privacy_args must be a dpgrad.hf.PrivacyArguments, not {type(privacy_args).__name__}")
+        _refuse_trl_settings(kwargs.get("args", args[1] if len(args) > 1 else None))
         super().__init__(*args, **kwargs)
         self.privacy_args = privacy_args
         self._refuse_what_breaks_the_guarantee()
         args = self.args
-        self.expected_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        self.world_size, self.rank = args.world_size, args.process_index
+        self.expected_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * self.world_size
         self.physical_batch_size = privacy_args.physical_batch_size or args.per_device_train_batch_size
         if args.max_grad_norm and args.max_grad_norm > 0:
             logger.warning("DPTrainer: TrainingArguments.max_grad_norm=%s turned off: per-sample clipping to "
@@ -207,7 +237,7 @@ class DPTrainer(transformers.Trainer):
         self._wrapper: Optional[GradSampleModuleFastGradientClipping] = None
         self._loss: Optional[DPLossFastGradientClipping] = None
         self._dp_optimizer = None
-        self._generator = torch.Generator().manual_seed(args.seed)
+        self._generator = _sampling_generator(args.seed, self.rank, self.world_size)
         self.add_callback(_Budget(self))
 
     # ------------------------------------------------------------------ refusals
@@ -228,10 +258,12 @@ class DPTrainer(transformers.Trainer):
         if getattr(args, "fsdp", None) or getattr(self, "is_fsdp_enabled", False):
             raise ValueError("DPTrainer does not support the Trainer's FSDP yet: use dpgrad.opacus.make_private "
                              "with a model sharded by fully_shard")
-        if args.world_size > 1 or args.n_gpu > 1:
-            raise ValueError(f"DPTrainer runs in one process on one device for now (world size {args.world_size}, "
-                             f"{args.n_gpu} GPUs): for several, use dpgrad.opacus.make_private with "
-                             "DistributedDataParallel")
+        if args.n_gpu > 1:
+            raise ValueError(f"DPTrainer runs one device per process, not {args.n_gpu} GPUs in one (DataParallel, "
+                             "whose module replicas the per-sample hooks do not see): launch one process per GPU "
+                             "with torchrun (DDP)")
+        if self.compute_loss_func is not None:
+            raise ValueError(_OWN_LOSS.format("a compute_loss_func"))
         kwargs = args.gradient_checkpointing_kwargs or {}
         if args.gradient_checkpointing and kwargs.get("use_reentrant", False):
             raise ValueError("DPTrainer needs non-reentrant activation checkpointing (use_reentrant=False): a "
@@ -261,7 +293,8 @@ class DPTrainer(transformers.Trainer):
 
     # ------------------------------------------------------------------ data
     def _get_train_sampler(self, train_dataset=None):
-        return PoissonSampler(self._units, self.sample_rate, self._generator)
+        """This rank's Poisson sampler, over its share of the units (every unit in one process)."""
+        return PoissonSampler(self._units[self.rank::self.world_size], self.sample_rate, self._generator)
 
     def get_train_dataloader(self) -> DataLoader:
         """Logical batches (``LogicalBatch``, uncollated) of Poisson-sampled rows; collated later,
@@ -297,11 +330,16 @@ class DPTrainer(transformers.Trainer):
                 target_epsilon=privacy.target_epsilon, target_delta=self.target_delta, sample_rate=self.sample_rate,
                 steps=steps, accountant=privacy.accountant)
             self.allowed_steps = self._allowed_steps(steps)
-        from dpgrad.opacus import DPOptimizerFastGradientClipping
+        if self.world_size > 1:
+            # Noise on rank 0 only, then the ranks' sums added (Opacus's distributed optimizer,
+            # as make_private uses it): its expected batch size is per rank, as Opacus has it.
+            from opacus.optimizers import DistributedDPOptimizerFastGradientClipping as optimizer_class
+        else:
+            from dpgrad.opacus import DPOptimizerFastGradientClipping as optimizer_class
 
-        optimizer = DPOptimizerFastGradientClipping(
+        optimizer = optimizer_class(
             self.optimizer, noise_multiplier=self.noise_multiplier, max_grad_norm=privacy.max_grad_norm,
-            expected_batch_size=self.expected_batch_size, loss_reduction="mean")
+            expected_batch_size=self.expected_batch_size / self.world_size, loss_reduction="mean")
         optimizer.attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=self.sample_rate))
         self.optimizer = self._dp_optimizer = optimizer
         logger.info("DPTrainer: noise multiplier %.4f, sample rate %.6g, %d planned steps, delta %.3g",
@@ -355,8 +393,8 @@ class DPTrainer(transformers.Trainer):
             self._wrapper = GradSampleModuleFastGradientClipping(
                 model, max_grad_norm=self.privacy_args.max_grad_norm, loss_reduction="mean",
                 single_backward=self.privacy_args.single_backward)
-            self._loss = DPLossFastGradientClipping(self._wrapper, self._dp_optimizer,
-                                                    nn.CrossEntropyLoss(ignore_index=IGNORE_INDEX), "mean")
+            criterion = nn.CrossEntropyLoss(ignore_index=IGNORE_INDEX, label_smoothing=self.args.label_smoothing_factor)
+            self._loss = DPLossFastGradientClipping(self._wrapper, self._dp_optimizer, criterion, "mean")
         return self._wrapper
 
     def training_step(self, model: nn.Module, inputs, num_items_in_batch=None) -> torch.Tensor:
@@ -373,6 +411,11 @@ class DPTrainer(transformers.Trainer):
             logger.warning("DPTrainer: the privacy budget (epsilon %s) is spent; stopping before step %d",
                            self.privacy_args.target_epsilon, self.state.global_step + 1)
             return torch.zeros((), device=self.args.device)
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            # The distributed DP optimizer sums the ranks' clipped gradients once, after the noise:
+            # DDP's forward (which would have its hooks reduce every physical batch, in lock step
+            # between ranks) is not used.
+            model = model.module
         model.train()
         wrapper = self._wrapped(model)
         size, bound = self.physical_batch_size, self.privacy_args.max_grad_norm
@@ -392,7 +435,9 @@ class DPTrainer(transformers.Trainer):
         return total / max(len(inputs), 1)
 
     def _per_sample_losses(self, wrapper, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-        """Each row's causal-LM loss: the mean over its predicted tokens (labels -100 ignored)."""
+        """Each row's causal-LM loss: the mean over its predicted tokens (labels -100 ignored) of
+        the cross-entropy (label-smoothed by ``label_smoothing_factor``); ``compute_loss`` serves
+        evaluation only."""
         batch = dict(batch)
         labels = batch.pop("labels", None)
         if labels is None:
@@ -407,6 +452,12 @@ class DPTrainer(transformers.Trainer):
         shifted, targets = logits[:, :-1], labels[:, 1:].to(logits.device)
         return self._loss(shifted.reshape(-1, shifted.shape[-1]).float(), targets.reshape(-1),
                           shape=shifted.shape[:2]).loss_per_sample
+
+
+def _sampling_generator(seed: int, rank: int, world: int) -> torch.Generator:
+    """The generator of a rank's Poisson sampler: ``seed`` itself in one process, one of each
+    rank's own with several (``dpgrad.batches.rank_generator``)."""
+    return torch.Generator().manual_seed(seed) if world == 1 else rank_generator(seed, rank)
 
 
 class _Indexed(torch.utils.data.Dataset):

@@ -20,7 +20,6 @@ where Opacus is installed (``pip install dpgrad[opacus]``).
 
 from __future__ import annotations
 
-import hashlib
 from itertools import chain
 from typing import Dict, Iterable, List, Optional, Tuple, Type
 
@@ -34,7 +33,7 @@ from opacus.optimizers import DPOptimizerFastGradientClipping as _OpacusDPOptimi
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
 from dpgrad import registry
-from dpgrad.batches import FixedShapeBatches
+from dpgrad.batches import FixedShapeBatches, rank_generator
 from dpgrad.clipping_path import clipping_bound
 from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping, GradSampleModuleFastGradientClippingFSDP
 from dpgrad.fsdp import sharded_modules
@@ -230,8 +229,7 @@ def _sample_independently(data_loader) -> None:
 
     sampler = getattr(data_loader, "batch_sampler", None)
     if isinstance(sampler, DistributedUniformWithReplacementSampler) and sampler.generator is None:
-        digest = hashlib.sha256(f"{torch.initial_seed()}:{sampler.rank}".encode()).digest()
-        sampler.generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        sampler.generator = rank_generator(torch.initial_seed(), sampler.rank)
 
 
 def _check_optimizer_params(module: nn.Module, optimizer) -> None:

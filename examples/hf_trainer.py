@@ -69,10 +69,10 @@ def main(non_private: bool = False, epsilon: float = 8.0, steps: int = 100, batc
     if not non_private:
         result["epsilon"], result["delta"] = trainer.privacy_spent()
         result["noise_multiplier"] = trainer.noise_multiplier
-    if not quiet:
+    if not quiet and trainer.is_world_process_zero():
         what = "non-private" if non_private else (f"DP: epsilon {result['epsilon']:.2f} (delta {result['delta']:.1e}), "
                                                   f"noise multiplier {result['noise_multiplier']:.3f}")
-        print(f"{what}; {len(train)} rows of {SEQ} bytes, {steps} steps of {batch_size} rows "
+        print(f"{what}; {len(train)} rows of {SEQ} bytes, {steps} steps of {batch_size * args.world_size} rows "
               f"({'expected, Poisson-sampled' if not non_private else 'shuffled'}) in {seconds:.0f} s")
         print(f"held-out perplexity per byte: {before:.2f} before, {after:.2f} after")
     return result

@@ -1,6 +1,6 @@
 """``dpgrad.hf.DPTrainer``: a DP step through the Hugging Face Trainer equals dpgrad's own DP step
-on the same Poisson batch; the noise's scale; the accountant; the budget stop; user-level
-clipping; the refusals."""
+on the same Poisson batch, in one process and under DDP (2 processes on gloo); the noise's
+scale, added once; the accountant; the budget stop; user-level clipping; the refusals."""
 
 from __future__ import annotations
 
@@ -20,15 +20,9 @@ from opacus.accountants import PRVAccountant, RDPAccountant  # noqa: E402
 
 import dpgrad.opacus  # noqa: E402
 from dpgrad.hf import DPTrainer, PoissonSampler, PrivacyArguments  # noqa: E402
+from hf_trainer_worker import SEQ, gpt2, rows, training_args  # noqa: E402
 
-SEQ = 10
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def gpt2():
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32, resid_pdrop=0.0,
-                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=1)
-    return transformers.GPT2LMHeadModel(cfg)
 
 
 def llama_lora():
@@ -48,29 +42,6 @@ def llama_lora():
 MODELS = {"gpt2": gpt2, "llama_lora": llama_lora}
 
 
-def rows(n=24, users=None, seed=0):
-    """Sequences with some padding at the end (labels -100, attention 0)."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        ids = torch.randint(1, 64, (SEQ,), generator=g)
-        keep = SEQ - i % 3
-        mask = (torch.arange(SEQ) < keep).long()
-        labels = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
-        row = {"input_ids": ids, "attention_mask": mask, "labels": labels}
-        if users is not None:
-            row["user"] = users[i]
-        out.append(row)
-    return out
-
-
-def training_args(tmp_path, **kw):
-    kw = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "max_steps": 1, "learning_rate": 0.5,
-          "optim": "sgd", "lr_scheduler_type": "constant", "weight_decay": 0.0, "report_to": [],
-          "save_strategy": "no", "use_cpu": True, "logging_steps": 1, "seed": 3, "disable_tqdm": True, **kw}
-    return transformers.TrainingArguments(output_dir=str(tmp_path), **kw)
-
-
 def trainer(tmp_path, model, data, privacy=None, **kw):
     privacy = privacy or PrivacyArguments(noise_multiplier=0.0, max_grad_norm=0.05)
     return DPTrainer(model=model, args=training_args(tmp_path, **kw), train_dataset=data, privacy_args=privacy)
@@ -87,18 +58,21 @@ def steps(trainer_):
     return sum(n for *_, n in trainer_.accountant.history)
 
 
-def reference_step(model, data, indices, lr, max_grad_norm, expected):
-    """dpgrad.opacus.make_private's DP step (noise 0, single backward) on the given rows."""
+def reference_step(model, data, indices, lr, max_grad_norm, expected, smoothing=0.0):
+    """dpgrad.opacus.make_private's DP step (noise 0, single backward) on the given rows (of
+    one length)."""
     loader = torch.utils.data.DataLoader(data, batch_size=8)
     model, optimizer, criterion, _ = dpgrad.opacus.make_private(
         PrivacyEngine(), module=model, data_loader=loader, noise_multiplier=0.0, max_grad_norm=max_grad_norm,
         optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr),
-        criterion=nn.CrossEntropyLoss(ignore_index=-100), poisson_sampling=False, single_backward=True)
+        criterion=nn.CrossEntropyLoss(ignore_index=-100, label_smoothing=smoothing), poisson_sampling=False,
+        single_backward=True)
     optimizer.expected_batch_size = expected  # the logical batch's expected size, as the trainer's
     optimizer.zero_grad()
     if indices:
         batch = {k: torch.stack([data[i][k] for i in indices]) for k in ("input_ids", "attention_mask", "labels")}
-        positions = torch.arange(SEQ).expand(len(indices), SEQ)
+        length = batch["input_ids"].shape[1]
+        positions = torch.arange(length).expand(len(indices), length)
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=positions).logits
         loss = criterion(logits[:, :-1].reshape(-1, logits.shape[-1]), batch["labels"][:, 1:].reshape(-1),
                          shape=logits[:, :-1].shape[:2])
@@ -125,6 +99,23 @@ def test_one_step_equals_the_clipped_step_of_make_private(tmp_path, name):
         moved += int(not torch.equal(p, dict(start.named_parameters())[n]))
     assert moved > 0
     assert steps(t) == 1
+
+
+def test_label_smoothing_is_the_clipped_loss(tmp_path):
+    """label_smoothing_factor smooths the per-sample loss that is clipped, as the Trainer's
+    own loss would be."""
+    torch.manual_seed(0)
+    model = gpt2()
+    start = copy.deepcopy(model)
+    data = rows()
+    t = trainer(tmp_path, model, data, label_smoothing_factor=0.2)
+    indices = first_batch(t)
+    t.train()
+    plain = reference_step(copy.deepcopy(start), data, indices, lr=0.5, max_grad_norm=0.05, expected=8)
+    expected = reference_step(start, data, indices, lr=0.5, max_grad_norm=0.05, expected=8, smoothing=0.2)
+    for p, q, r in zip(model.parameters(), expected.parameters(), plain.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert any(not torch.allclose(q, r) for q, r in zip(expected.parameters(), plain.parameters()))
 
 
 def test_gradient_checkpointing_is_made_non_reentrant_and_gives_the_same_step(tmp_path):
@@ -238,6 +229,7 @@ class _Stream(torch.utils.data.IterableDataset):
     ("lomo", "LOMO optimizers update the weights inside the backward pass"),
     ("foreign_optimizer", "not the model's"),
     ("stream", "not an IterableDataset"),
+    ("loss_func", "a compute_loss_func would not be the loss it clips"),
 ])
 def test_refusals(tmp_path, case, message):
     model, data, kw, cls = gpt2(), rows(), {}, DPTrainer
@@ -257,6 +249,8 @@ def test_refusals(tmp_path, case, message):
     extra = {}
     if case == "foreign_optimizer":
         extra["optimizers"] = (torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.1), None)
+    elif case == "loss_func":
+        extra["compute_loss_func"] = lambda outputs, labels, num_items_in_batch=None: outputs.logits.mean()
     with pytest.raises(ValueError, match=message):
         cls(model=model, args=args, train_dataset=data, privacy_args=PrivacyArguments(noise_multiplier=1.0), **extra)
 
@@ -309,3 +303,132 @@ def test_an_empty_poisson_batch_is_a_step_of_noise_alone(tmp_path):
     assert first_batch(t) == []
     t.train()
     assert steps(t) == 1 and all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+# ---------------------------------------------------------------------- TRL's SFTTrainer
+def _sft(tmp_path, data, **kw):
+    """DPTrainer with TRL's SFTTrainer after it (its dataset preparation, collator, evaluation
+    loss), on a word-level tokenizer built here (nothing downloaded)."""
+    trl = pytest.importorskip("trl")
+    tokenizers = pytest.importorskip("tokenizers")
+
+    class DPSFTTrainer(DPTrainer, trl.SFTTrainer):
+        pass
+
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(64)}, unk_token="t0"))
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1")
+    base = training_args(tmp_path).to_dict()
+    base = {k: v for k, v in base.items() if k in {
+        "per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "learning_rate", "optim",
+        "lr_scheduler_type", "weight_decay", "report_to", "save_strategy", "use_cpu", "logging_steps", "seed",
+        "disable_tqdm"}}
+    config = trl.SFTConfig(output_dir=str(tmp_path), bf16=False, gradient_checkpointing=False,
+                           completion_only_loss=True, **{**base, **kw})
+    torch.manual_seed(0)
+    model = gpt2()
+    start = copy.deepcopy(model)
+    privacy = PrivacyArguments(noise_multiplier=0.0, max_grad_norm=0.05, physical_batch_size=3)
+    t = DPSFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer, privacy_args=privacy)
+    return t, model, start
+
+
+def _prompt_completion_rows(n=24):
+    """Tokenized prompt-completion rows (TRL's completion_mask), all of length SEQ."""
+    datasets = pytest.importorskip("datasets")
+    g = torch.Generator().manual_seed(0)
+    return datasets.Dataset.from_list([
+        {"input_ids": torch.randint(2, 64, (SEQ,), generator=g).tolist(),
+         "completion_mask": [0] * (2 + i % 4) + [1] * (SEQ - 2 - i % 4)} for i in range(n)])
+
+
+def test_trl_sft_trainer_subclasses_cleanly_and_takes_the_clipped_step(tmp_path):
+    """``class DPSFTTrainer(DPTrainer, SFTTrainer)``: TRL prepares the dataset (labels -100 on
+    the prompt: completion-only loss) and collates; the step is make_private's clipped step on
+    the same rows and labels."""
+    t, model, start = _sft(tmp_path, _prompt_completion_rows())
+    prepared = [{"input_ids": torch.tensor(r["input_ids"]), "labels": torch.tensor(r["labels"]),
+                 "attention_mask": torch.ones(SEQ, dtype=torch.long)} for r in t.train_dataset]
+    assert all((r["labels"][:2] == -100).all() and (r["labels"][-1] != -100) for r in prepared)
+    indices = first_batch(t)
+    assert len(indices) > 3 and len(indices) % 3
+    t.train()
+    assert steps(t) == 1
+    expected = reference_step(start, prepared, indices, lr=0.5, max_grad_norm=0.05, expected=8)
+    for (n, p), q in zip(model.named_parameters(), expected.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
+    assert math.isfinite(t.evaluate(_prompt_completion_rows(6))["eval_loss"])
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"packing": True}, "packing \\(or padding_free\\) puts several examples into one row"),
+    ({"padding_free": True}, "packing \\(or padding_free\\)"),
+    ({"loss_type": "dft"}, "loss_type='dft' would not be the loss it clips"),
+    ({"activation_offloading": True}, "activation_offloading"),
+])
+def test_trl_settings_that_break_per_sample_clipping_are_refused(tmp_path, kw, message):
+    with pytest.raises(ValueError, match=message):
+        _sft(tmp_path, _prompt_completion_rows(), **kw)
+
+
+# ---------------------------------------------------------------------- DDP (2 processes, gloo)
+WORLD = 2
+
+
+def _start():
+    """The workers' model before the step."""
+    torch.manual_seed(0)
+    return gpt2()
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    if not torch.distributed.is_available():
+        pytest.skip("torch without distributed")
+    from dpgrad.tools.ranks import spawn
+
+    out = str(tmp_path_factory.mktemp("ddp"))
+    jobs = [("ddp_step", dict(noise=noise, out=out)) for noise in (0.0, 2.0)]
+    return dict(zip((0.0, 2.0), zip(*spawn(WORLD, jobs, "hf_trainer_worker"))))
+
+
+def test_ddp_step_is_the_one_process_clipped_step_of_the_ranks_batches(ddp):
+    """Under the Trainer's DDP each rank Poisson-samples its share of the rows at the global
+    rate (expected batch: per device x world), runs its own number of physical batches, and
+    the step is make_private's clipped step over the union of the ranks' batches."""
+    ranks = ddp[0.0]
+    taken = []
+    for rank, got in enumerate(ranks):
+        assert got["model"] == "DistributedDataParallel"  # the Trainer wrapped it, as under torchrun
+        assert got["world_size"] == WORLD and got["expected_batch_size"] == 8
+        assert got["sample_rate"] == pytest.approx(8 / 24)
+        assert got["optimizer"] == "DistributedDPOptimizerFastGradientClipping"
+        assert got["indices"] and all(i % WORLD == rank for i in got["indices"]), got["indices"]
+        taken += got["indices"]
+    physical = [math.ceil(len(got["indices"]) / 2) for got in ranks]
+    assert physical[0] != physical[1], "the ranks should run different numbers of physical batches"
+    expected = reference_step(_start(), rows(), taken, lr=0.5, max_grad_norm=0.05, expected=8)
+    start = list(_start().named_parameters())
+    for rank, got in enumerate(ranks):
+        moved = 0
+        for (n, before), q in zip(start, expected.parameters()):
+            p = torch.from_numpy(got["params"][n])
+            torch.testing.assert_close(p, q.detach(), rtol=1e-5, atol=1e-6, msg=f"rank {rank} {n}")
+            moved += int(not torch.equal(p, before.detach()))
+        assert moved > 0
+
+
+def test_ddp_noise_is_added_once_and_accounted_at_the_global_rate(ddp):
+    quiet, noisy = ddp[0.0], ddp[2.0]
+    for a, b in zip(quiet, noisy):
+        assert a["indices"] == b["indices"]  # the same seed: the same batches
+    for n, p in noisy[0]["params"].items():
+        assert (p == noisy[1]["params"][n]).all(), n  # every rank took the same step
+    sigma, bound, lr, expected = 2.0, 0.05, 0.5, 8
+    noise = torch.cat([torch.from_numpy(noisy[0]["params"][n] - quiet[0]["params"][n]).flatten()
+                       for n in quiet[0]["params"]]) * expected / lr
+    # Noise from every rank would be larger: sqrt(world) times if drawn independently.
+    assert noise.std().item() == pytest.approx(sigma * bound, rel=0.03)
+    accountant = PRVAccountant()
+    accountant.history = [(sigma, 8 / 24, 1)]
+    for got in noisy:
+        assert got["epsilon"] == pytest.approx(accountant.get_epsilon(delta=1 / 24), rel=1e-6)

@@ -1,0 +1,69 @@
+"""What each process of test_hf_trainer.py's DDP tests runs (spawned; gloo on CPU), and the
+tiny models and rows the tests share."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import transformers
+
+SEQ = 10
+
+
+def gpt2():
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=1)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def rows(n=24, users=None, seed=0):
+    """Sequences with some padding at the end (labels -100, attention 0)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        ids = torch.randint(1, 64, (SEQ,), generator=g)
+        keep = SEQ - i % 3
+        mask = (torch.arange(SEQ) < keep).long()
+        labels = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
+        row = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        if users is not None:
+            row["user"] = users[i]
+        out.append(row)
+    return out
+
+
+def training_args(tmp_path, **kw):
+    kw = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "max_steps": 1, "learning_rate": 0.5,
+          "optim": "sgd", "lr_scheduler_type": "constant", "weight_decay": 0.0, "report_to": [],
+          "save_strategy": "no", "use_cpu": True, "logging_steps": 1, "seed": 3, "disable_tqdm": True, **kw}
+    return transformers.TrainingArguments(output_dir=str(tmp_path), **kw)
+
+
+def ddp_step(rank: int, world: int, noise: float, out: str) -> dict:
+    """One DPTrainer step under DDP (the Trainer's own, as under torchrun): this rank's logical
+    batch, its physical batches, and the weights after the step."""
+    from dpgrad.hf import DPTrainer, PrivacyArguments
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    seen = {}
+
+    class Recording(DPTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            seen.update(indices=list(inputs.indices), model=type(model).__name__)
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    torch.manual_seed(0)  # the same weights on every rank (DDP broadcasts rank 0's anyway)
+    model = gpt2()
+    privacy = PrivacyArguments(noise_multiplier=noise, max_grad_norm=0.05, physical_batch_size=2)
+    args = training_args(f"{out}/{rank}", per_device_train_batch_size=4,
+                         gradient_accumulation_steps=1, seed=5)
+    t = Recording(model=model, args=args, train_dataset=rows(), privacy_args=privacy)
+    t.train()
+    return {"indices": seen["indices"], "model": seen["model"], "world_size": t.world_size,
+            "sample_rate": t.sample_rate, "expected_batch_size": t.expected_batch_size,
+            "optimizer": type(t._dp_optimizer).__name__, "epsilon": t.privacy_spent()[0],
+            "params": {n: p.detach().clone().numpy() for n, p in model.named_parameters()}}
+
+
+SCENARIOS = {"ddp_step": ddp_step}
