@@ -118,6 +118,28 @@ def test_label_smoothing_is_the_clipped_loss(tmp_path):
     assert any(not torch.allclose(q, r) for q, r in zip(expected.parameters(), plain.parameters()))
 
 
+def test_bf16_mixed_precision_is_the_clipped_step_under_autocast(tmp_path):
+    """bf16=True (the Trainer's autocast): the step is make_private's clipped step under the
+    same autocast, to bf16's precision (1% of each parameter's update, and the float32
+    rounding of the weights; every sample is clipped, so a step without clipping would be
+    many times larger)."""
+    torch.manual_seed(0)
+    model = gpt2()
+    start = copy.deepcopy(model)
+    data = rows()
+    t = trainer(tmp_path, model, data, bf16=True)
+    indices = first_batch(t)
+    t.train()
+    before = [p.detach().clone() for p in start.parameters()]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = reference_step(start, data, indices, lr=0.5, max_grad_norm=0.05, expected=8)
+    for (n, p), q, b in zip(model.named_parameters(), expected.parameters(), before):
+        assert p.dtype == torch.float32
+        update = (q - b).abs().max().item()
+        ulp = torch.finfo(torch.float32).eps * b.abs().max().item()  # of the stored weights
+        assert (p - q).abs().max().item() <= 1e-2 * update + 2 * ulp, n
+
+
 def test_gradient_checkpointing_is_made_non_reentrant_and_gives_the_same_step(tmp_path):
     torch.manual_seed(0)
     model = gpt2()
