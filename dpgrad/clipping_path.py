@@ -145,11 +145,14 @@ class ClippingPath(BackwardPath):
     UNCLIPPED = ("these trainable parameters would get gradients that are not clipped per sample: the "
                  "uses below are not in the per-sample norms, so one sample could move the summed "
                  "gradient by more than max_grad_norm. Nothing has reached p.grad from this pass.")
-    TRANSIENT = BackwardPath.TRANSIENT + ("_records", "_norm_pass", "_kept", "_finite", "pass_norm", "_plans",
-                                          "_row_indices", "_constants")
+    TRANSIENT = BackwardPath.TRANSIENT + ("_records", "_norm_pass", "_kept", "_finite", "pass_norm", "group_norms",
+                                          "_plans", "_row_indices", "_constants")
 
-    def __init__(self, model: nn.Module, *, ghost: bool, single_backward: bool, **settings):
-        self.ghost, self.single_backward = ghost, single_backward
+    def __init__(self, model: nn.Module, *, ghost: bool, single_backward: bool, clip_groups=None, **settings):
+        # Clipping groups (dpgrad.clipping_groups.ClipGroups) clip in one backward pass: a second
+        # pass of sum_b c_b loss_b has one coefficient per sample, not one per sample and group.
+        self.ghost, self.single_backward = ghost, single_backward or clip_groups is not None
+        self.clip_groups = clip_groups
         super().__init__(model, **settings)
 
     def _init_transient(self) -> None:
@@ -159,6 +162,7 @@ class ClippingPath(BackwardPath):
         self._kept: List[Tuple[Group, Optional[int]]] = []  # (group, FSDP2 group) a single backward sums next
         self._finite: Optional[FiniteCheck] = None
         self.pass_norm: Optional[torch.Tensor] = None  # (B,) total norm of the last pass
+        self.group_norms: Optional[torch.Tensor] = None  # (G, B) with clipping groups
         self._plans: Dict[tuple, FinishPlan] = {}
         self._row_indices: Dict[tuple, torch.Tensor] = {}
         self._constants: Dict[tuple, torch.Tensor] = {}
@@ -289,6 +293,8 @@ class ClippingPath(BackwardPath):
         if self.loss_reduction == "mean":
             rows = rows * B
         self.pass_norm = torch.linalg.vector_norm(rows, dim=0)
+        if self.clip_groups is not None:
+            self.group_norms = self.clip_groups.norms(params, rows)
         for p, norm in zip(params, rows.unbind(0)):
             p._norm_sample = norm
             p.grad_sample = None
@@ -406,13 +412,22 @@ class ClippingPath(BackwardPath):
         """Records clipped from their norms: batched by their layer type's norm group where it
         has one (``registry.register_norm_group``), else one ``SamplerGroup`` each."""
         return [PlannedGroup(make, indices, shard) for shard, part in self._by_shard(records, at)
-                for make, indices in group_records(records, part, _norm_group_class, SamplerGroup)]
+                for make, indices in group_records(records, part, _norm_group_class, SamplerGroup, self._clip_key())]
 
     def _grad_sample_groups(self, records: List[Record], at: List[int]) -> List[PlannedGroup]:
         """Records clipped from their own per-sample gradients: batched by their layer type's
         group where it has one (``registry.register_grad_sample_group``)."""
         return [PlannedGroup(make, indices, shard) for shard, part in self._by_shard(records, at)
-                for make, indices in group_records(records, part, self._grad_sample_group_class, self._grad_sample_group)]
+                for make, indices in group_records(records, part, self._grad_sample_group_class,
+                                                   self._grad_sample_group, self._clip_key())]
+
+    def _clip_key(self) -> Optional[Callable[[nn.Module], tuple]]:
+        """With clipping groups: a layer's trainable parameters' groups (records batched into
+        one group share them), checked to exist when a plan is made."""
+        groups = self.clip_groups
+        if groups is None:
+            return None
+        return lambda layer: tuple(groups.group_of(p) for p in self.layer_params(layer) if p.requires_grad)
 
     def _summed_groups(self, records: List[Record], at: List[int]) -> List[PlannedGroup]:
         """Records whose per-sample gradients are summed per parameter before their norms."""
@@ -525,10 +540,13 @@ class ClippingPath(BackwardPath):
             del targets
             self._edges.release()
             norms = self.norm_sample()
-            coef = clipping_coefficients(norms, max_grad_norm)
-            if coef.shape != loss_per_sample.shape:
+            if self.clip_groups is not None:
+                coef = self.clip_groups.coefficients(self.group_norms)  # (G, B)
+            else:
+                coef = clipping_coefficients(norms, max_grad_norm)
+            if coef.shape[-1:] != loss_per_sample.shape:
                 raise ValueError(
-                    f"{loss_per_sample.shape[0]} losses for a batch of {coef.shape[0]} samples: "
+                    f"{loss_per_sample.shape[0]} losses for a batch of {coef.shape[-1]} samples: "
                     "give one loss per sample"
                 )
             if self.single_backward:
@@ -579,8 +597,13 @@ class ClippingPath(BackwardPath):
             if self.check_finite:
                 FiniteCheck([self.pass_norm], lambda: [(self.param_name(p), n) for p, n in zip(params, rows)],
                             "gradient norms").wait()
-            coef = clipping_coefficients(self.pass_norm, max_grad_norm)
-            torch._foreach_mul_(grads, coef.view(()))
+            groups = self.clip_groups
+            if groups is None:
+                torch._foreach_mul_(grads, clipping_coefficients(self.pass_norm, max_grad_norm).view(()))
+            else:  # each parameter by its group's coefficient
+                self.group_norms = groups.norms(params, rows.view(-1, 1))
+                coef = groups.coefficients(self.group_norms).view(-1)
+                torch._foreach_mul_(grads, coef.index_select(0, groups.rows(params, coef.device)).unbind(0))
         held = [dict(zip(params, grads))]
         del grads, reached
         out = _ClippedGradients.apply(held.pop, params, *params)
@@ -642,9 +665,10 @@ class ClippingPath(BackwardPath):
         return sums
 
     def _coefficients(self, coef: torch.Tensor) -> Coefficients:
+        """``coef``: (B,), or (G, B) with clipping groups."""
         if self.loss_reduction == "mean":
-            coef = coef * coef.shape[0]  # the records' backprops are those of the mean
-        return Coefficients(coef)
+            coef = coef * coef.shape[-1]  # the records' backprops are those of the mean
+        return Coefficients(coef, self.clip_groups)
 
     def _sum_groups(self, groups: List[Group], coefs: Coefficients, sums: Dict[nn.Parameter, torch.Tensor]) -> None:
         """Add the clipped sums of ``groups`` to ``sums``, emptying the list (each group lets go

@@ -26,6 +26,7 @@ from typing import List
 import torch
 import torch.nn as nn
 
+from dpgrad.clipping_groups import ClipGroups
 from dpgrad.clipping_path import ClippingPath, clipping_bound, clipping_coefficients, per_sample_bounds
 from dpgrad.fsdp import sharded_modules
 from dpgrad.grad_sample_module import GradSampleModule, _delegated
@@ -49,6 +50,19 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
             ``dpgrad.DPLossFastGradientClipping`` or ``clipped_backward``. With False (the
             default) ``clipped_backward`` runs two passes, as Opacus does, and a plain
             backward works as in Opacus.
+        clipping: "flat" (the default: one ``max_grad_norm`` C over all parameters),
+            "per_layer" (Opacus's: each trainable parameter clipped on its own, ``max_grad_norm``
+            a list of one threshold per trainable parameter, in ``m.parameters()`` order) or
+            "groups" (each group of ``clipping_groups`` clipped on its own, ``max_grad_norm``
+            one threshold per group). See ``dpgrad.clipping_groups``: a sample then moves the
+            gradient by at most ``max_grad_norm`` = ``sqrt(sum C_g^2)``, the bound the
+            optimizer's noise must be scaled to (``max_grad_norms`` holds the thresholds).
+            Per-layer and group-wise clipping take one backward pass in either mode (Opacus's
+            second pass has one coefficient per sample, not one per sample and group), and
+            are not available on a model sharded by FSDP2.
+        clipping_groups: for "groups": lists of parameters (every trainable parameter in one),
+            or a rule from a parameter's qualified name to its group's label, such as
+            ``dpgrad.clipping_groups.per_block`` (one group per transformer block).
     """
 
     use_ghost_clipping = _delegated("ghost", "Norms without per-sample gradients where a norm sampler exists.")
@@ -66,13 +80,30 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         use_ghost_clipping: bool = True,
         check_finite: bool = True,
         single_backward: bool = False,
+        clipping: str = "flat",
+        clipping_groups=None,
     ):
-        clipping_bound(max_grad_norm)
+        groups = None
+        if clipping == "flat" and clipping_groups is None:
+            if isinstance(max_grad_norm, (list, tuple)):
+                raise ValueError("flat clipping takes one max_grad_norm, not a list: for one threshold per "
+                                 "parameter or group, give clipping='per_layer' or 'groups'")
+            clipping_bound(max_grad_norm)
+        else:
+            if clipping == "flat":
+                raise ValueError("clipping_groups needs clipping='groups'")
+            groups = ClipGroups(m, clipping, max_grad_norm, clipping_groups)
+            if sharded_modules(m):
+                raise ValueError(f"clipping={clipping!r} is not available on a model sharded by FSDP2 yet: use "
+                                 "flat clipping, or DistributedDataParallel")
         self._wrap(m, ClippingPath(m, batch_first=batch_first, loss_reduction=loss_reduction,
                                    check_finite=check_finite, force_functorch=force_functorch, strict=strict,
-                                   ghost=use_ghost_clipping, single_backward=single_backward))
-        self.max_grad_norm = max_grad_norm
+                                   ghost=use_ghost_clipping, single_backward=single_backward, clip_groups=groups))
+        self.clipping = clipping
+        self.max_grad_norms = None if groups is None else list(groups.bounds)
+        self._max_grad_norm = clipping_bound(max_grad_norm if groups is None else groups.total)
         self._per_sample_gradient_norms = None
+        self.per_sample_group_norms = None
 
     @property
     def max_grad_norm(self) -> float:
@@ -81,6 +112,9 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
 
     @max_grad_norm.setter
     def max_grad_norm(self, value: float) -> None:
+        if self._path.clip_groups is not None:
+            raise ValueError(f"with clipping={self.clipping!r}, max_grad_norm is the total of the groups' "
+                             "thresholds: wrap the model again to change them")
         self._max_grad_norm = clipping_bound(value)
 
     @property
@@ -114,8 +148,14 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         """
         bound = self.max_grad_norm
         if max_grad_norms is not None:
+            if self._path.clip_groups is not None:
+                raise ValueError(f"per-sample bounds (max_grad_norms) are for flat clipping, not clipping="
+                                 f"{self.clipping!r}")
             bound = per_sample_bounds(max_grad_norms, self.max_grad_norm, loss_per_sample)
         self.per_sample_gradient_norms = self._path.clipped_backward(loss_per_sample, bound)
+        if self._path.clip_groups is not None:
+            # (G, B): each group's per-sample norms (not private, for debugging, as the total's).
+            self.per_sample_group_norms = self._path.group_norms
 
     def get_norm_sample(self) -> torch.Tensor:
         """Per-sample gradient norms over all trainable parameters, (B,)."""
@@ -124,7 +164,13 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         return norm_sample
 
     def get_clipping_coef(self) -> torch.Tensor:
-        """Per-sample clipping factors ``min(1, C / (norm + 1e-6))``, (B,) (Opacus's formula)."""
+        """Per-sample clipping factors ``min(1, C / (norm + 1e-6))``, (B,) (Opacus's formula).
+        Flat clipping only: per-layer and group-wise clipping have one per sample and group,
+        applied by ``clipped_backward``."""
+        if self._path.clip_groups is not None:
+            raise RuntimeError(f"clipping={self.clipping!r} has one coefficient per sample and group, not per "
+                               "sample: clip with clipped_backward (dpgrad.DPLossFastGradientClipping does), not "
+                               "with Opacus's loss wrapper")
         return clipping_coefficients(self.get_norm_sample(), self.max_grad_norm)
 
     @property

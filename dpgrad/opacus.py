@@ -248,8 +248,9 @@ def _wrap(
     grad_sample_mode: str,
     batch_first: bool,
     loss_reduction: str,
-    max_grad_norm: float,
+    max_grad_norm,
     single_backward: bool,
+    clipping_groups=None,
 ):
     cls = _WRAPPERS[grad_sample_mode]
     if isinstance(module, GradSampleModule):
@@ -262,7 +263,9 @@ def _wrap(
             or module.batch_first != batch_first
             or module.loss_reduction != loss_reduction
             or module.force_functorch != (grad_sample_mode == "functorch")
-            or (ghost and (module.max_grad_norm != max_grad_norm or module.single_backward != single_backward))
+            or (ghost and (module.clipping != ("flat" if clipping_groups is None else "groups")
+                           or (module.max_grad_norms or module.max_grad_norm) != max_grad_norm
+                           or module.single_backward != single_backward))
         )
         if mismatch:
             raise ValueError(
@@ -278,6 +281,8 @@ def _wrap(
         kwargs["force_functorch"] = True
     if cls is GradSampleModuleFastGradientClipping:
         kwargs.update(max_grad_norm=max_grad_norm, single_backward=single_backward)
+        if clipping_groups is not None:
+            kwargs.update(clipping="groups", clipping_groups=clipping_groups)
     return cls(module, **kwargs)
 
 
@@ -340,7 +345,12 @@ def make_private(
             default), "hooks" (``dpgrad.GradSampleModule``) or "functorch" (the same with
             ``force_functorch=True``); "ghost_fsdp", Opacus's name for ghost clipping of a
             model sharded by FSDP2, is "ghost" on such a model.
-        clipping: only "flat" (one ``max_grad_norm`` over all parameters).
+        clipping: "flat" (one ``max_grad_norm`` over all parameters) or "per_layer" (Opacus's:
+            ``max_grad_norm`` a list, one bound per parameter of the optimizer, in its order).
+            Under "ghost" each parameter is clipped in the backward pass
+            (``GradSampleModuleFastGradientClipping(clipping="groups")``, one backward pass in
+            either mode) and the optimizer adds noise for ``sqrt(sum C_l^2)``; under "hooks",
+            Opacus's ``DPPerLayerOptimizer`` clips the per-sample gradients.
         single_backward: under "ghost", one backward pass per step instead of two
             (``GradSampleModuleFastGradientClipping(single_backward=True)``).
         physical_batch_size: under "ghost" with Poisson sampling in one process, serve every
@@ -358,8 +368,9 @@ def make_private(
 
     Raises:
         ValueError: for a module sharded by FSDP2 under a mode other than "ghost" (or
-            "ghost_fsdp" for one that is not), clipping other than "flat", several clipping
-            bounds, a ``max_grad_norm`` that is not a finite positive number, an unknown
+            "ghost_fsdp" for one that is not), clipping other than "flat" or "per_layer", a list
+            of bounds for "flat" (or not one per optimizer parameter for "per_layer"), a bound
+            that is not a finite positive number, an unknown
             ``grad_sample_mode``, ``physical_batch_size`` other than a positive integer or
             without Poisson sampling, "ghost" or one process, ``single_backward`` without "ghost", or
             optimizer parameters that are not the module's.
@@ -399,14 +410,28 @@ def make_private(
             f"grad_sample_mode={grad_sample_mode!r} is not supported by dpgrad.opacus.make_private: "
             f"use one of {sorted(_WRAPPERS)}"
         )
-    if clipping != "flat":
+    if clipping not in ("flat", "per_layer"):
         raise ValueError(
-            f"clipping={clipping!r} is not supported by dpgrad.opacus.make_private: only 'flat' "
-            "(one max_grad_norm over all parameters)"
+            f"clipping={clipping!r} is not supported by dpgrad.opacus.make_private: use 'flat' (one "
+            "max_grad_norm over all parameters) or 'per_layer' (one per parameter of the optimizer)"
         )
-    if isinstance(max_grad_norm, (list, tuple)):
-        raise ValueError("flat clipping takes one max_grad_norm, not a list of per-layer bounds")
-    max_grad_norm = clipping_bound(max_grad_norm)
+    clipping_groups = None
+    if clipping == "flat":
+        if isinstance(max_grad_norm, (list, tuple)):
+            raise ValueError("flat clipping takes one max_grad_norm, not a list of per-layer bounds: give "
+                             "clipping='per_layer' for those")
+        max_grad_norm = clipping_bound(max_grad_norm)
+    else:
+        # Opacus's per-layer clipping: one bound per parameter of the optimizer, in its order.
+        optimizer_params = [p for group in optimizer.param_groups for p in group["params"]]
+        if not isinstance(max_grad_norm, (list, tuple)) or len(max_grad_norm) != len(optimizer_params):
+            raise ValueError(
+                f"clipping='per_layer' takes one max_grad_norm per parameter of the optimizer "
+                f"({len(optimizer_params)}), not {max_grad_norm!r}"
+            )
+        max_grad_norm = [clipping_bound(b, f"max_grad_norm[{i}]") for i, b in enumerate(max_grad_norm)]
+        if grad_sample_mode == "ghost":
+            clipping_groups = [[p] for p in optimizer_params]
     if not wrap_model:
         raise ValueError("dpgrad always wraps the model: wrap_model=False is not supported")
     if single_backward and grad_sample_mode != "ghost":
@@ -441,7 +466,12 @@ def make_private(
         loss_reduction=loss_reduction,
         max_grad_norm=max_grad_norm,
         single_backward=single_backward,
+        clipping_groups=clipping_groups,
     )
+    if clipping_groups is not None:
+        # Ghost clipping clips in the backward pass: the optimizer only adds noise, scaled to the
+        # most a sample moves the gradient by, sqrt(sum C_l^2) (Opacus's per-layer total).
+        clipping, max_grad_norm = "flat", module.max_grad_norm
     if poisson_sampling:
         module.forbid_grad_accumulation()
 

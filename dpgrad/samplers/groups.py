@@ -56,16 +56,41 @@ def row_norms(x: torch.Tensor) -> torch.Tensor:
 class Coefficients:
     """The clipping coefficients of a pass, (B,), and the forms of them groups use, each made
     once per pass: in a tensor's accumulation dtype and device, or in its own dtype, repeated
-    over T positions (for a (B*T, n) operand), or expanded to L rows (for a batched product)."""
+    over T positions (for a (B*T, n) operand), or expanded to L rows (for a batched product).
 
-    def __init__(self, coef: torch.Tensor):
+    With clipping groups (``dpgrad.clipping_groups``) they are a table (K, B), a row per group,
+    and ``groups`` maps each parameter to its row: a group of records takes the coefficients of
+    its parameters with ``of`` (records batched together share their parameters' groups)."""
+
+    def __init__(self, coef: torch.Tensor, groups=None):
         self._coef = coef
+        self._groups = groups
         self._made: dict = {}
 
-    def _form(self, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def _form(self, key: tuple, make: Callable[[], torch.Tensor]):
         if key not in self._made:
             self._made[key] = make()
         return self._made[key]
+
+    def of(self, params: Sequence[nn.Parameter]) -> "Coefficients":
+        """The coefficients of ``params``, which are in one clipping group (all of them without
+        groups)."""
+        if self._groups is None:
+            return self
+        rows = {self._groups.group_of(p) for p in params}
+        if len(rows) != 1:
+            raise RuntimeError(f"parameters of clipping groups {sorted(rows)} batched into one clipped sum")
+        row = rows.pop()
+        return self._form(("of", row), lambda: Coefficients(self._coef[row]))
+
+    def split(self, params: Sequence[nn.Parameter]) -> List[List[nn.Parameter]]:
+        """``params`` by clipping group (one part without groups)."""
+        if self._groups is None:
+            return [list(params)]
+        parts: dict = {}
+        for p in params:
+            parts.setdefault(self._groups.group_of(p), []).append(p)
+        return list(parts.values())
 
     def like(self, x: torch.Tensor) -> torch.Tensor:
         """(B,) in x's accumulation dtype, on x's device."""
@@ -81,10 +106,14 @@ class Coefficients:
         return self._form(("token", T, accumulation_dtype(x), x.device),
                           lambda: self.like(x).repeat_interleave(T).view(-1, 1))
 
-    def rows(self, L: int, x: torch.Tensor) -> torch.Tensor:
-        """(L, 1, B): the coefficients as the left operand of L batched products."""
-        return self._form(("rows", L, accumulation_dtype(x), x.device),
-                          lambda: self.like(x).view(1, 1, -1).expand(L, 1, self._coef.shape[0]))
+    def rows(self, params: Sequence[nn.Parameter], x: torch.Tensor) -> torch.Tensor:
+        """(L, 1, B): the coefficients of L parameters as the left operand of L batched products."""
+        L = len(params)
+        if self._groups is None:
+            return self._form(("rows", L, accumulation_dtype(x), x.device),
+                              lambda: self.like(x).view(1, 1, -1).expand(L, 1, self._coef.shape[-1]))
+        table = self._coef.to(device=x.device, dtype=accumulation_dtype(x))
+        return table.index_select(0, self._groups.rows(params, x.device)).view(L, 1, -1)
 
 
 def clipped_sums_of(params: Sequence[nn.Parameter], coef: Coefficients, grads: torch.Tensor) -> ParamTensors:
@@ -93,7 +122,7 @@ def clipped_sums_of(params: Sequence[nn.Parameter], coef: Coefficients, grads: t
     batched product, each sum in its parameter's shape and dtype (cast once for the group when
     they share a dtype)."""
     x = grads.view(len(params), -1, math.prod(grads.shape[1:]))
-    sums = torch.bmm(coef.rows(x.shape[0], x), x.to(accumulation_dtype(x))).view(len(params), *grads.shape[1:])
+    sums = torch.bmm(coef.rows(params, x), x.to(accumulation_dtype(x))).view(len(params), *grads.shape[1:])
     dtypes = {p.dtype for p in params}
     if len(dtypes) == 1:
         sums = sums.to(dtypes.pop())
@@ -141,8 +170,14 @@ class SamplerGroup(Group):
     def clipped_sums(self, coef):
         (layer, activations, backprops), = self.records
         self.records = []
-        sums = registry.CLIPPED_SUM_SAMPLERS[type(layer)](layer, activations, backprops, coef.like(backprops))
-        return [(p, s) for p, s in sums.items() if p.requires_grad]
+        sampler = registry.CLIPPED_SUM_SAMPLERS[type(layer)]
+        # One call per clipping group among the layer's parameters (one without groups).
+        parts = coef.split([p for p in layer.parameters(recurse=False) if p.requires_grad])
+        out = []
+        for part in parts:
+            sums = sampler(layer, activations, backprops, coef.of(part).like(backprops))
+            out += [(p, s) for p, s in sums.items() if p.requires_grad and (len(parts) == 1 or p in part)]
+        return out
 
 
 class GradSampleGroup(Group):
@@ -170,15 +205,17 @@ class GradSampleGroup(Group):
         out = []
         for p, g in grads.items():
             acc = accumulation_dtype(g)
-            s = torch.mv(g.flatten(1).to(acc).t(), coef.like(g))
+            s = torch.mv(g.flatten(1).to(acc).t(), coef.of([p]).like(g))
             out.append((p, (s if s.shape == p.shape else s.view(p.shape)).to(p.dtype)))
         return out
 
 
 def group_records(records: List[Record], at: Sequence[int], group_class: Callable[[nn.Module], Optional[type]],
-                  default: Callable[[List[Record]], Group]) -> List[Tuple[Callable[[List[Record]], Group], Tuple[int, ...]]]:
+                  default: Callable[[List[Record]], Group], clip_key: Optional[Callable[[nn.Module], Hashable]] = None,
+                  ) -> List[Tuple[Callable[[List[Record]], Group], Tuple[int, ...]]]:
     """``records[i]`` for i in ``at``, grouped: by ``group_class(layer)`` and its key where there
-    is one, else one ``default`` group per record. Each group as (what makes it from its
+    is one (and, with clipping groups, by ``clip_key(layer)``, the groups of the layer's
+    parameters), else one ``default`` group per record. Each group as (what makes it from its
     records, their indices in ``records``): a plan that serves every pass of the same shapes."""
     keyed: dict = {}
     singles = []
@@ -189,5 +226,5 @@ def group_records(records: List[Record], at: Sequence[int], group_class: Callabl
         if key is None:
             singles.append((cls if cls is not None else default, (i,)))
         else:
-            keyed.setdefault((cls, key), []).append(i)
-    return [(cls, tuple(idx)) for (cls, _), idx in keyed.items()] + singles
+            keyed.setdefault((cls, key, clip_key(rec[0]) if clip_key is not None else None), []).append(i)
+    return [(cls, tuple(idx)) for (cls, *_), idx in keyed.items()] + singles

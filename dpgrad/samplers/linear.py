@@ -214,7 +214,8 @@ class LinearGroup(Group):
         self._inputs = []
         out = []
         if weight:
-            out += zip([layer.weight for layer in layers], self._weight_sums(inputs, coef))
+            weights = [layer.weight for layer in layers]
+            out += zip(weights, self._weight_sums(inputs, coef.of(weights)))
         if bias:
             out += clipped_sums_of([layer.bias for layer in layers], coef, bias_sums)
         self._bias_sums = None

@@ -1,0 +1,372 @@
+"""Per-layer and group-wise clipping (``clipping="per_layer"`` / ``"groups"``) in the ghost-clipping
+wrapper, both modes: each group's per-sample norms equal the float64 reference's (fp32 rel 1e-5),
+and ``p.grad`` is ``sum_b c_{b,g(p)} g_b`` with ``c_{b,g} = min(1, C_g / (norm_{b,g} + 1e-6))``,
+on models mixing every supported layer, tied weights and a batch of one; the refusals."""
+
+from __future__ import annotations
+
+import copy
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+
+import dpgrad
+import dpgrad.opacus
+from dpgrad.clipping_groups import even_split, per_block, total_bound
+from mixed_net import FREEZES, NetConfig, build, clipped_from_norms, make_batch, per_sample_loss
+from per_sample_reference import assert_norms_close, assert_tensor_close, per_sample_grads
+from test_single_backward import TiedClassifier
+
+MODES = ["single", "double"]
+# Net's parameters by layer: a rule on names (per "block": the part before the first dot).
+LAYER_RULE = staticmethod(lambda name: name.split(".")[0])
+
+
+def wrap(model, mode, clipping, bounds, groups=None, loss_reduction="sum"):
+    return dpgrad.GradSampleModuleFastGradientClipping(
+        model, loss_reduction=loss_reduction, max_grad_norm=bounds, single_backward=mode == "single",
+        clipping=clipping, clipping_groups=groups)
+
+
+def criterion(wrapped, loss_reduction):
+    return dpgrad.DPLossFastGradientClipping(wrapped, SimpleNamespace(loss_reduction=loss_reduction),
+                                             nn.CrossEntropyLoss(reduction=loss_reduction), loss_reduction)
+
+
+def reference_groups(model, clipping, groups):
+    """{parameter name: group index} as the specification says, independently of dpgrad."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    if clipping == "per_layer":
+        return {n: i for i, n in enumerate(names)}
+    if callable(groups):
+        labels = list(dict.fromkeys(groups(n) for n in names))
+        return {n: labels.index(groups(n)) for n in names}
+    ids = {id(p): n for n, p in model.named_parameters()}
+    return {ids[id(p)]: g for g, ps in enumerate(groups) for p in ps if p.requires_grad}
+
+
+def group_norms(ref, group_of, G):
+    squares = torch.zeros(G, next(iter(ref.values())).shape[0], dtype=torch.float64)
+    for n, g in ref.items():
+        squares[group_of[n]] += g.flatten(1).square().sum(1)
+    return squares.sqrt()
+
+
+def check(model, batches, mode, clipping, groups=None, loss_reduction="sum", wrapped=None):
+    """Clip ``batches`` (accumulated) through the wrapper; every group's norms and every
+    ``p.grad`` against the float64 reference. Returns the wrapper."""
+    refs = [per_sample_grads(model, x, y, per_sample_loss) for x, y in batches]
+    group_of = reference_groups(model, clipping, groups)
+    G = max(group_of.values()) + 1
+    # Each group's bound between its middle reference norms: about half its samples clipped.
+    first = group_norms(refs[0], group_of, G).sort(dim=1).values
+    middle = first.shape[1] // 2
+    bounds = [max(float(first[g, max(middle - 1, 0)] + first[g, middle]) / 2, 1e-3) for g in range(G)]
+    if wrapped is None:
+        copied = copy.deepcopy(model)
+        if groups is not None and not callable(groups):  # the same parameters, of the copy
+            names, mine = {id(p): n for n, p in model.named_parameters()}, dict(copied.named_parameters())
+            groups = [[mine[names[id(p)]] for p in ps] for ps in groups]
+        wrapped = wrap(copied, mode, clipping, bounds, groups, loss_reduction)
+    assert wrapped.max_grad_norms == pytest.approx(bounds) and wrapped.max_grad_norm == pytest.approx(
+        math.sqrt(sum(b * b for b in bounds)))
+    loss_fn = criterion(wrapped, loss_reduction)
+    expected = {n: 0 for n in refs[0]}
+    scale = {n: 0.0 for n in refs[0]}
+    C = torch.tensor(bounds, dtype=torch.float64)[:, None]
+    for (x, y), ref in zip(batches, refs):
+        loss_fn(wrapped(x), y).backward()
+        norms = wrapped.per_sample_group_norms
+        assert norms.shape == (G, x.shape[0])
+        want = group_norms(ref, group_of, G)
+        for g in range(G):
+            assert_norms_close(norms[g], want[g], f"group {g} norms ({mode})")
+        coef = (C / (norms.double() + 1e-6)).clamp(max=1.0)
+        assert (coef < 1).any() and (coef == 1).any()
+        for n, g in ref.items():
+            c = coef[group_of[n]]
+            expected[n] = expected[n] + torch.einsum("b,b...->...", c, g)
+            scale[n] += (c[:, None] * g.flatten(1).abs()).sum(0).max().item()
+    for n, p in wrapped._module.named_parameters():
+        if n not in expected:
+            assert p.grad is None, n
+            continue
+        got = torch.zeros_like(p) if p.grad is None else p.grad
+        assert_tensor_close(got, torch.zeros_like(p, dtype=torch.float64) + expected[n], f"clipped {n}.grad",
+                            scale[n])
+    return wrapped
+
+
+def layer_lists(model):
+    """Net's parameters as lists by layer (a list of lists of parameters)."""
+    groups = {}
+    for n, p in model.named_parameters():
+        groups.setdefault(n.split(".")[0], []).append(p)
+    return list(groups.values())
+
+
+SPECS = {
+    "per_layer": ("per_layer", None),
+    "lists": ("groups", layer_lists),
+    "rule": ("groups", lambda model: LAYER_RULE.__func__),
+}
+
+
+@pytest.mark.parametrize("policy", ["", "-norms"])
+@pytest.mark.parametrize("freeze", ["none", "layer"])
+@pytest.mark.parametrize("spec", list(SPECS))
+@pytest.mark.parametrize("mode", MODES)
+def test_group_norms_and_clipped_sums_match_float64(mode, spec, freeze, policy):
+    cfg = NetConfig()
+    model = build(cfg, seed=0, freeze=FREEZES[freeze])
+    clipping, make = SPECS[spec]
+    groups = make(model) if make is not None else None
+    batches = [make_batch(cfg, B=6, T=3, seed=10), make_batch(cfg, B=4, T=3, seed=11)]
+    if policy:
+        with clipped_from_norms():
+            check(model, batches, mode, clipping, groups)
+    else:
+        check(model, batches, mode, clipping, groups)
+
+
+@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+@pytest.mark.parametrize("mode", MODES)
+def test_mean_reduction_and_a_batch_of_one(mode, loss_reduction):
+    cfg = NetConfig()
+    model = build(cfg, seed=1)
+    check(model, [make_batch(cfg, B=5, T=3, seed=12)], mode, "per_layer", loss_reduction=loss_reduction)
+    # A batch of one is clipped from its plain gradient, each parameter by its own group.
+    one = [make_batch(cfg, B=1, T=3, seed=13), make_batch(cfg, B=1, T=3, seed=14)]
+    refs = [per_sample_grads(model, x, y, per_sample_loss) for x, y in one]
+    group_of = reference_groups(model, "per_layer", None)
+    G = len(group_of)
+    norms = group_norms(refs[0], group_of, G)[:, 0]
+    bounds = [float(n) * (0.5 if g % 2 else 2.0) for g, n in enumerate(norms)]  # every other one clipped
+    wrapped = wrap(copy.deepcopy(model), mode, "per_layer", bounds, loss_reduction=loss_reduction)
+    loss_fn = criterion(wrapped, loss_reduction)
+    expected = {n: 0 for n in refs[0]}
+    for (x, y), ref in zip(one, refs):
+        loss_fn(wrapped(x), y).backward()
+        got_norms = wrapped.per_sample_group_norms
+        want = group_norms(ref, group_of, G)
+        assert_norms_close(got_norms[:, 0], want[:, 0], "group norms of one sample")
+        coef = (torch.tensor(bounds, dtype=torch.float64)[:, None] / (got_norms.double() + 1e-6)).clamp(max=1.0)
+        for n, g in ref.items():
+            expected[n] = expected[n] + coef[group_of[n], 0] * g[0]
+    for n, p in wrapped._module.named_parameters():
+        assert_tensor_close(p.grad, expected[n], f"clipped {n}.grad of one sample")
+
+
+@pytest.mark.parametrize("mode", MODES + ["single-norms"])
+def test_tied_weights_share_their_group(mode):
+    """The tied embedding/output weight is one parameter: its group's norm includes both uses
+    (and their cross term, clipped from norms)."""
+    torch.manual_seed(5)
+    g = torch.Generator().manual_seed(6)
+    batches = []
+    for B in (5, 3):
+        ids = torch.randint(0, 9, (B, 4), generator=g)
+        batches.append((ids, torch.randint(0, 9, (B,), generator=g)))
+    model = TiedClassifier()
+    rule = lambda name: "emb" if name.startswith(("emb", "out.weight")) else "rest"  # noqa: E731
+    if mode.endswith("-norms"):
+        with clipped_from_norms():
+            check(model, batches, "single", "groups", rule)
+    else:
+        check(model, batches, mode, "groups", rule)
+        check(model, batches, mode, "per_layer")
+
+
+class Blocks(nn.Module):
+    """Embedding -> three blocks of one shape (Linear, LayerNorm) -> mean -> output layer: layers
+    of one shape in different groups, which the finish step batches by shape."""
+
+    def __init__(self, V: int = 9, d: int = 6, c: int = 4):
+        super().__init__()
+        self.emb = nn.Embedding(V, d)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.LayerNorm(d)) for _ in range(3))
+        self.head = nn.Linear(d, c)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        return self.head(x.mean(1))
+
+
+@pytest.mark.parametrize("policy", ["", "-norms"])
+@pytest.mark.parametrize("clipping", ["per_block", "per_layer"])
+@pytest.mark.parametrize("mode", MODES)
+def test_layers_of_one_shape_in_different_groups(mode, clipping, policy):
+    torch.manual_seed(7)
+    g = torch.Generator().manual_seed(8)
+    batches = [(torch.randint(0, 9, (B, 5), generator=g), torch.randint(0, 4, (B,), generator=g)) for B in (6, 4)]
+    model = Blocks()
+    args = ("groups", per_block) if clipping == "per_block" else ("per_layer",)
+    assert len(set(per_block(n) for n, _ in model.named_parameters())) == 4
+    if policy:
+        with clipped_from_norms():
+            check(model, batches, mode, *args)
+    else:
+        check(model, batches, mode, *args)
+
+
+def test_per_block_rule_and_even_split():
+    assert per_block("transformer.h.3.attn.c_attn.weight") == "transformer.h.3"
+    assert per_block("model.layers.11.mlp.up_proj.lora_A.default.weight") == "model.layers.11"
+    assert per_block("transformer.wte.weight") == "other" and per_block("lm_head.weight") == "other"
+    assert even_split(2.0, 4) == [1.0] * 4 and total_bound(even_split(3.0, 7)) == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="groups must be a positive integer"):
+        even_split(1.0, 0)
+
+
+def _params(model):
+    return dict(model.named_parameters())
+
+
+@pytest.mark.parametrize("case, message", [
+    ("flat_list", "flat clipping takes one max_grad_norm, not a list"),
+    ("one_number", "takes one max_grad_norm per group"),
+    ("count", "6 max_grad_norm values for 7 trainable parameters"),
+    ("negative", r"max_grad_norm\[2\] must be a finite positive number"),
+    ("missing", r"trainable parameters \['head.weight', 'head.bias'\] are in no clipping group"),
+    ("twice", "parameter 'lin1.weight' is in clipping groups 0 and 1"),
+    ("foreign", r"holds a parameter of shape \(3,\) that is not the model.s"),
+    ("tied_apart", "parameter 'emb.weight' is tied to 'out.weight', and the rule puts them in different groups"),
+    ("groups_without_groups", "clipping='groups' needs clipping_groups"),
+    ("groups_with_flat", "clipping_groups needs clipping='groups'"),
+    ("unknown", "clipping='adaptive': use one of flat, per_layer, groups"),
+])
+def test_refusals(case, message):
+    cfg = NetConfig(norm1=None, norm2=None, affine=False, gated=False)
+    model = build(cfg, seed=0)
+    p = _params(model)
+    n = len(p)
+    kw = dict(clipping="per_layer", max_grad_norm=[1.0] * n)
+    if case == "flat_list":
+        kw = dict(max_grad_norm=[1.0] * n)
+    elif case == "one_number":
+        kw["max_grad_norm"] = 1.0
+    elif case == "count":
+        kw["max_grad_norm"] = [1.0] * (n - 1)
+    elif case == "negative":
+        kw["max_grad_norm"] = [1.0, 1.0, -1.0] + [1.0] * (n - 3)
+    elif case == "missing":
+        kw = dict(clipping="groups", max_grad_norm=[1.0], clipping_groups=[[v for k, v in p.items() if "head" not in k]])
+    elif case == "twice":
+        kw = dict(clipping="groups", max_grad_norm=[1.0, 1.0], clipping_groups=[list(p.values()), [p["lin1.weight"]]])
+    elif case == "foreign":
+        kw = dict(clipping="groups", max_grad_norm=[1.0], clipping_groups=[[*p.values(), nn.Parameter(torch.ones(3))]])
+    elif case == "tied_apart":
+        model = TiedClassifier()
+        kw = dict(clipping="groups", max_grad_norm=[1.0, 1.0], clipping_groups=lambda name: name.split(".")[0])
+    elif case == "groups_without_groups":
+        kw = dict(clipping="groups", max_grad_norm=[1.0])
+    elif case == "groups_with_flat":
+        kw = dict(max_grad_norm=1.0, clipping_groups=[list(p.values())])
+    elif case == "unknown":
+        kw = dict(clipping="adaptive", max_grad_norm=[1.0])
+    with pytest.raises(ValueError, match=message):
+        dpgrad.GradSampleModuleFastGradientClipping(model, single_backward=True, **kw)
+
+
+def test_what_groups_cannot_do_is_refused():
+    cfg = NetConfig()
+    model = build(cfg, seed=0, freeze=FREEZES["bias"])
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    wrapped = wrap(model, "single", "per_layer", [1.0] * sum(p.requires_grad for p in model.parameters()))
+    x, y = make_batch(cfg, B=4, T=3, seed=1)
+    losses = per_sample_loss(wrapped(x), y)
+    with pytest.raises(ValueError, match="per-sample bounds .* are for flat clipping"):
+        wrapped.clipped_backward(losses, max_grad_norms=[0.5] * 4)
+    with pytest.raises(RuntimeError, match="one coefficient per sample and group"):
+        wrapped.get_clipping_coef()
+    with pytest.raises(ValueError, match="max_grad_norm is the total"):
+        wrapped.max_grad_norm = 2.0
+    # A parameter made trainable after wrapping is in no group: refused before p.grad is touched.
+    dict(wrapped._module.named_parameters())[frozen[0]].requires_grad_(True)
+    losses = per_sample_loss(wrapped(x), y)
+    with pytest.raises(ValueError, match=f"trainable parameter '{frozen[0]}' is in no clipping group"):
+        wrapped.clipped_backward(losses)
+    assert all(p.grad is None for p in wrapped._module.parameters())
+
+
+# ---------------------------------------------------------------------- make_private
+@pytest.mark.parametrize("mode", ["ghost-single", "ghost-double", "hooks"])
+def test_make_private_per_layer_takes_the_per_parameter_clipped_step(mode):
+    """make_private(clipping="per_layer", max_grad_norm=[one per optimizer parameter]): the step
+    is the per-parameter clipped sum over the expected batch size (noise 0), under ghost
+    clipping (clipped in the backward pass) and hooks (Opacus's per-layer optimizer)."""
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    cfg = NetConfig()
+    model = build(cfg, seed=2)
+    start = copy.deepcopy(model)
+    x, y = make_batch(cfg, B=6, T=3, seed=15)
+    ref = per_sample_grads(model, x, y, per_sample_loss)
+    names = list(ref)
+    norms = {n: g.flatten(1).norm(dim=1) for n, g in ref.items()}
+    bounds = [float(norms[n].median()) for n in names]  # about half of each parameter's samples clipped
+    ghost = mode.startswith("ghost")
+    out = dpgrad.opacus.make_private(
+        PrivacyEngine(), module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=6), noise_multiplier=0.0, max_grad_norm=bounds,
+        clipping="per_layer", poisson_sampling=False, grad_sample_mode="ghost" if ghost else "hooks",
+        single_backward=mode == "ghost-single", criterion=nn.CrossEntropyLoss())
+    wrapped, optimizer = out[0], out[1]
+    assert optimizer.max_grad_norm == pytest.approx(total_bound(bounds), rel=1e-6)
+    optimizer.zero_grad()
+    logits = wrapped(x)
+    if ghost:
+        out[2](logits, y).backward()
+    else:
+        nn.functional.cross_entropy(logits, y).backward()
+    optimizer.step()
+    for n, C, p, q in zip(names, bounds, model.parameters(), start.parameters()):
+        coef = (C / (norms[n] + 1e-6)).clamp(max=1.0)
+        want = q.detach().double() - torch.einsum("b,b...->...", coef, ref[n]) / 6
+        assert_tensor_close(p.detach(), want, f"{n} after the step ({mode})")
+
+
+def test_make_private_per_layer_noise_is_scaled_to_the_total_bound():
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 200), torch.randint(0, 100, (4,))
+    steps = {}
+    for sigma in (0.0, 3.0):
+        torch.manual_seed(1)
+        model = nn.Linear(200, 100)
+        wrapped, optimizer, criterion, _ = dpgrad.opacus.make_private(
+            PrivacyEngine(), module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            data_loader=DataLoader(TensorDataset(x, y), batch_size=4), noise_multiplier=sigma,
+            max_grad_norm=[0.3, 0.4], clipping="per_layer", poisson_sampling=False, single_backward=True,
+            criterion=nn.CrossEntropyLoss())
+        optimizer.zero_grad()
+        criterion(wrapped(x), y).backward()
+        optimizer.step()
+        steps[sigma] = torch.cat([p.detach().flatten() for p in model.parameters()])
+    noise = (steps[3.0] - steps[0.0]) * 4  # lr 1, expected batch 4
+    assert noise.std().item() == pytest.approx(3.0 * 0.5, rel=0.03)  # sqrt(0.3^2 + 0.4^2) = 0.5
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(clipping="per_layer", max_grad_norm=1.0), "one max_grad_norm per parameter of the optimizer"),
+    (dict(clipping="per_layer", max_grad_norm=[1.0]), r"one max_grad_norm per parameter of the optimizer \(2\)"),
+    (dict(max_grad_norm=[1.0, 1.0]), "flat clipping takes one max_grad_norm, not a list"),
+    (dict(clipping="adaptive", max_grad_norm=1.0), "clipping='adaptive' is not supported"),
+])
+def test_make_private_refusals(kw, message):
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model = nn.Linear(3, 2)
+    with pytest.raises(ValueError, match=message):
+        dpgrad.opacus.make_private(
+            PrivacyEngine(), module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            data_loader=DataLoader(TensorDataset(torch.randn(4, 3)), batch_size=2), noise_multiplier=1.0, **kw)
