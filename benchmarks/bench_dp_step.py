@@ -1,7 +1,8 @@
 """One training step of a language model, every way of doing it, in one run on the same
 weights and batch: non-private; Opacus's hooks (per-sample gradients, DPOptimizer); torch.func
 (vmap of the per-sample gradients over the whole model, then Opacus's DPOptimizer); Opacus's
-ghost clipping; dpgrad's double and single backward.
+ghost clipping; dpgrad's double and single backward, and single backward with per-block and
+per-layer clipping.
 
 A DP step is forward, backward and the DP optimizer's step (noise 1.0, C = 1.0): Opacus's
 ``DPOptimizer`` / ``DPOptimizerFastGradientClipping`` for Opacus's rows, and for dpgrad's the
@@ -70,8 +71,12 @@ CASES = (
           ("hf-llama-1b", 1, 8192, "bf16"), ("hf-gpt2-16k", 1, 16384, "bf16")]
 )
 # The providers measured with activation checkpointing (Opacus's hooks and torch.func are not).
-CHECKPOINTED = ("non-private", "dpgrad-double", "dpgrad-single")
-PROVIDERS = ["non-private", "opacus-hooks", "torch-func", "opacus-ghost", "dpgrad-double", "dpgrad-single"]
+CHECKPOINTED = ("non-private", "dpgrad-double", "dpgrad-single", "dpgrad-single-per-block", "dpgrad-single-per-layer")
+# dpgrad's single backward also with group-wise clipping: one threshold per transformer block
+# (dpgrad.clipping_groups.per_block), or per parameter (Opacus's per-layer clipping), the total
+# bound split evenly (1.0 in all).
+PROVIDERS = ["non-private", "opacus-hooks", "torch-func", "opacus-ghost", "dpgrad-double", "dpgrad-single",
+             "dpgrad-single-per-block", "dpgrad-single-per-layer"]
 ROUNDS = 15 if CUDA else 10
 # Each case runs this many times in one run, its providers in turn each time: its figures are
 # the median of the repeats, with their spread (a GPU's clocks drift from one minute to the next).
@@ -181,14 +186,14 @@ def make_step(provider: str, name: str, batch: int, seq_len: int, dtype: str) ->
         optimizer_cls = DPOptimizerFastGradientClipping
     else:
         wrapped = dpgrad.GradSampleModuleFastGradientClipping(
-            model, max_grad_norm=1.0, loss_reduction="mean", single_backward=provider == "dpgrad-single"
-        )
+            model, loss_reduction="mean", single_backward=provider.startswith("dpgrad-single"),
+            **_clipping(provider, model))
         loss_cls = dpgrad.DPLossFastGradientClipping
         optimizer_cls = dpgrad.opacus.DPOptimizerFastGradientClipping
     optimizer = optimizer_cls(
         torch.optim.SGD(trainable, lr=1e-3),
         noise_multiplier=1.0,
-        max_grad_norm=1.0,
+        max_grad_norm=wrapped.max_grad_norm,  # the total of the groups' thresholds: 1.0
         expected_batch_size=batch,
         loss_reduction="mean",
     )
@@ -201,6 +206,20 @@ def make_step(provider: str, name: str, batch: int, seq_len: int, dtype: str) ->
         optimizer.step()
 
     return step
+
+
+def _clipping(provider: str, model: nn.Module) -> dict:
+    """The wrapper's clipping arguments of a dpgrad provider: flat C = 1, or C = 1 split evenly
+    over the blocks or the parameters."""
+    from dpgrad.clipping_groups import even_split, per_block
+
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    if provider.endswith("-per-block"):
+        blocks = len({per_block(n) for n in names})
+        return dict(clipping="groups", clipping_groups=per_block, max_grad_norm=even_split(1.0, blocks))
+    if provider.endswith("-per-layer"):
+        return dict(clipping="per_layer", max_grad_norm=even_split(1.0, len(names)))
+    return dict(max_grad_norm=1.0)
 
 
 def _per_sample_gradient_step(provider, built, model, inputs, targets, criterion, trainable, batch):

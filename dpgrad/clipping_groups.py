@@ -96,7 +96,7 @@ class ClipGroups:
         if len(bounds) != len(members):
             what = "trainable parameters" if clipping == "per_layer" else "groups"
             raise ValueError(f"{len(bounds)} max_grad_norm values for {len(members)} {what}: give one per group")
-        self.labels, self.bounds = labels, bounds
+        self.labels, self.bounds, self.members = labels, bounds, members
         self.index: Dict[nn.Parameter, int] = {p: g for g, ps in enumerate(members) for p in ps}
         self.total = total_bound(bounds)
         self._names = {p: n for n, p in model.named_parameters()}
@@ -132,10 +132,14 @@ class ClipGroups:
             found = self._tensors[key] = torch.tensor([self.group_of(p) for p in params], device=device)
         return found
 
+    def squares(self, params: Sequence[nn.Parameter], rows: torch.Tensor) -> torch.Tensor:
+        """Each group's per-sample squared norm (G, B) from its parameters' norms ``rows`` (P, B)."""
+        squares = torch.zeros(len(self.bounds), rows.shape[1], dtype=rows.dtype, device=rows.device)
+        return squares.index_add_(0, self.rows(params, rows.device), rows.square())
+
     def norms(self, params: Sequence[nn.Parameter], rows: torch.Tensor) -> torch.Tensor:
         """Each group's per-sample norm (G, B) from its parameters' norms ``rows`` (P, B)."""
-        squares = torch.zeros(len(self.bounds), rows.shape[1], dtype=rows.dtype, device=rows.device)
-        return squares.index_add_(0, self.rows(params, rows.device), rows.square()).sqrt()
+        return self.squares(params, rows).sqrt()
 
     def coefficients(self, norms: torch.Tensor) -> torch.Tensor:
         """``min(1, C_g / (norm + 1e-6))`` (G, B) from the groups' norms (G, B)."""

@@ -10,6 +10,13 @@ each group's clipped sums, which reach ``p.grad`` through autograd's own accumul
 group letting go of its inputs as it is summed (single backward), or a second backward pass
 of ``sum_b c_b loss_b`` with the hooks off (double backward, Opacus's protocol).
 
+With clipping groups (``dpgrad.clipping_groups``: per-layer or per-block clipping) a group's
+coefficients need only its own norms, so single backward clips each group as soon as the
+records of all its layers are in (``_flush_complete``: in the backward hook of its last
+layer), and lets go of their inputs there: a pass holds the records of the groups not yet
+complete, not the whole model's. The sums wait (on the device) for the pass's finite check
+before they reach ``p.grad``, as flat clipping's do.
+
 A parameter used more than once (an input embedding tied to the output layer, a layer
 called twice) gets the exact norm of its summed per-sample gradient, ``sqrt(sum_i |g_i|^2 +
 2 sum_{i<j} <g_i, g_j>)``: each use's norm from its norm sampler, each cross term from the
@@ -146,7 +153,8 @@ class ClippingPath(BackwardPath):
                  "uses below are not in the per-sample norms, so one sample could move the summed "
                  "gradient by more than max_grad_norm. Nothing has reached p.grad from this pass.")
     TRANSIENT = BackwardPath.TRANSIENT + ("_records", "_norm_pass", "_kept", "_finite", "pass_norm", "group_norms",
-                                          "_plans", "_row_indices", "_constants")
+                                          "_held", "_flushed", "records_peak", "_plans", "_row_indices",
+                                          "_constants")
 
     def __init__(self, model: nn.Module, *, ghost: bool, single_backward: bool, clip_groups=None, **settings):
         # Clipping groups (dpgrad.clipping_groups.ClipGroups) clip in one backward pass: a second
@@ -163,6 +171,11 @@ class ClippingPath(BackwardPath):
         self._finite: Optional[FiniteCheck] = None
         self.pass_norm: Optional[torch.Tensor] = None  # (B,) total norm of the last pass
         self.group_norms: Optional[torch.Tensor] = None  # (G, B) with clipping groups
+        # Clipping groups in single backward: each group clipped as soon as its records are all
+        # in (``_flush``), its sums held here until the pass's norms are known to be finite.
+        self._held: Dict[nn.Parameter, torch.Tensor] = {}
+        self._flushed: List[Tuple[List[nn.Parameter], torch.Tensor]] = []  # (params, norm rows)
+        self.records_peak = 0  # the most records held at once in the last pass
         self._plans: Dict[tuple, FinishPlan] = {}
         self._row_indices: Dict[tuple, torch.Tensor] = {}
         self._constants: Dict[tuple, torch.Tensor] = {}
@@ -265,6 +278,56 @@ class ClippingPath(BackwardPath):
                 "DPLossFastGradientClipping needs single_backward=False."
             )
         self._records.append(record)
+        self.records_peak = max(self.records_peak, len(self._records))
+        if self._norm_pass is NormPass.KEEP_FOR_CLIPPING and self.clip_groups is not None:
+            self._flush_complete(record)
+
+    def _flush_complete(self, record: Record) -> None:
+        """Clip the kept records whose clipping groups are complete now that ``record`` is in:
+        every call of their parameters in the forward pass has its record
+        (``_forward_counter`` counts the calls not yet recorded; it is lowered for ``record``
+        after this), and no kept record of another, incomplete group shares a group with them
+        (a group's norm takes all of its records at once)."""
+        groups = self.clip_groups
+        arriving = set(self.layer_params(record.layer))
+        complete: Dict[int, bool] = {}
+
+        def done(g: int) -> bool:
+            if g not in complete:
+                complete[g] = all(getattr(p, "_forward_counter", 0) - (p in arriving) <= 0 for p in groups.members[g])
+            return complete[g]
+
+        touched = [{groups.group_of(p) for p in self.layer_params(rec.layer) if p.requires_grad}
+                   for rec in self._records]
+        if not all(done(g) for g in touched[-1]):
+            return
+        ready = [all(done(g) for g in gs) for gs in touched]
+        while True:  # a group that a record not ready touches is held back, and its records
+            held = {g for gs, r in zip(touched, ready) if not r for g in gs}
+            blocked = [i for i, (gs, r) in enumerate(zip(touched, ready)) if r and gs & held]
+            if not blocked:
+                break
+            for i in blocked:
+                ready[i] = False
+        now = [rec for rec, r in zip(self._records, ready) if r]
+        if not now:
+            return
+        self._records = [rec for rec, r in zip(self._records, ready) if not r]
+        with torch.no_grad(), region("dpgrad.clip_group"):
+            self._flush(now)
+
+    def _flush(self, records: List[Record]) -> None:
+        """The norms of ``records`` (whole clipping groups), their groups' coefficients, and
+        their clipped sums into ``_held``; the records' inputs are let go of."""
+        params, rows, kernel_groups = self._norm_rows([self.batch_front(rec) for rec in records])
+        records.clear()
+        if rows is None:
+            return
+        if self.loss_reduction == "mean":
+            rows = rows * rows.shape[1]
+        self._flushed.append((params, rows))
+        coefs = self._coefficients(self.clip_groups.coefficients(self.clip_groups.norms(params, rows)))
+        self._sum_groups([group for group, _ in kernel_groups], coefs, self._held)
 
     def _open_pass(self) -> None:
         # Norms belong to one backward pass: a parameter this pass does not reach has a zero
@@ -272,9 +335,10 @@ class ClippingPath(BackwardPath):
         for p in self.trainable_parameters:
             p._norm_sample = None
         self.pass_norm = None
+        self.records_peak = 0
 
     def _clear_pass(self) -> None:
-        self._records = []
+        self._records, self._flushed = [], []
         super()._clear_pass()
 
     def finish(self) -> None:
@@ -282,16 +346,24 @@ class ClippingPath(BackwardPath):
         backward, the groups kept for the clipped sums."""
         if self._norm_pass is NormPass.ONE_SAMPLE:
             return
-        records = [self.batch_front(rec) for rec in self._records]
-        self._records = []
-        params, rows, groups = self._norm_rows(records)
-        if self._norm_pass is NormPass.KEEP_FOR_CLIPPING:
-            self._kept = groups
-        if rows is None:
-            return
-        B = rows.shape[1]
-        if self.loss_reduction == "mean":
-            rows = rows * B
+        if self._norm_pass is NormPass.KEEP_FOR_CLIPPING and self.clip_groups is not None:
+            # The records of groups not complete (a layer whose output reached no loss).
+            self._flush(self._records)
+            if not self._flushed:
+                return
+            params = [p for ps, _ in self._flushed for p in ps]
+            rows = torch.cat([r for _, r in self._flushed]) if len(self._flushed) > 1 else self._flushed[0][1]
+            self._flushed = []
+        else:
+            records = [self.batch_front(rec) for rec in self._records]
+            self._records = []
+            params, rows, groups = self._norm_rows(records)
+            if self._norm_pass is NormPass.KEEP_FOR_CLIPPING:
+                self._kept = groups
+            if rows is None:
+                return
+            if self.loss_reduction == "mean":
+                rows = rows * rows.shape[1]
         self.pass_norm = torch.linalg.vector_norm(rows, dim=0)
         if self.clip_groups is not None:
             self.group_norms = self.clip_groups.norms(params, rows)
@@ -557,7 +629,7 @@ class ClippingPath(BackwardPath):
                     (coef.to(loss_per_sample.device) * loss_per_sample).sum().backward()
         finally:
             self._norm_pass = NormPass.PLAIN
-            self._kept, self._finite = [], None
+            self._kept, self._finite, self._held = [], None, {}
         return norms
 
     def _one_sample_is_plain(self) -> bool:
@@ -629,7 +701,7 @@ class ClippingPath(BackwardPath):
         is set or added to as by any backward pass, with no copy, and the hooks others put on
         parameters run (DistributedDataParallel reduces the gradients there).
         """
-        if not self._kept:
+        if not self._kept and not self._held:
             raise RuntimeError(
                 "the norm pass reached no hooked layer (hooks disabled after the forward pass?): "
                 "nothing to clip"
@@ -639,7 +711,10 @@ class ClippingPath(BackwardPath):
                 self._reduce_scatter_clipped(coef)
             return
         with torch.no_grad():
-            held = [self._clipped_sums(coef)]
+            held = [self._clipped_sums(coef) if self._kept else {}]
+        if self._held:  # clipped group by group during the pass
+            held[0].update(self._held)
+            self._held = {}
         self._wait_finite()
         params = list(held[0])
         if params:

@@ -214,6 +214,48 @@ def test_layers_of_one_shape_in_different_groups(mode, clipping, policy):
         check(model, batches, mode, *args)
 
 
+@pytest.mark.parametrize("clipping, peak", [("flat", 8), ("per_block", 3), ("per_layer", 1)])
+def test_a_group_is_clipped_as_soon_as_its_records_are_in(clipping, peak):
+    """Single backward keeps a pass's records (each layer's inputs and backprops) until their
+    clipping group is complete, then clips it and lets them go: Blocks' 8 records (the output
+    layer, three blocks of a Linear and a LayerNorm, the embedding) are held all at once under
+    flat clipping; per block, at most the output layer's (its group, "other", waits for the
+    embedding) and one block's; per layer, one at a time."""
+    torch.manual_seed(7)
+    g = torch.Generator().manual_seed(9)
+    x, y = torch.randint(0, 9, (5, 4), generator=g), torch.randint(0, 4, (5,), generator=g)
+    model = Blocks()
+    n = sum(1 for _ in model.parameters())
+    args = {"flat": dict(max_grad_norm=1.0), "per_layer": dict(clipping="per_layer", max_grad_norm=[1.0] * n),
+            "per_block": dict(clipping="groups", clipping_groups=per_block, max_grad_norm=[1.0] * 4)}[clipping]
+    with clipped_from_norms():
+        wrapped = dpgrad.GradSampleModuleFastGradientClipping(model, loss_reduction="sum", single_backward=True,
+                                                              **args)
+        criterion(wrapped, "sum")(wrapped(x), y).backward()
+    assert wrapped._path.records_peak == peak
+
+
+class WithUnusedLayer(Blocks):
+    """A layer called whose output reaches no loss: its group is never complete in the pass."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = nn.Linear(6, 6)
+
+    def forward(self, ids):
+        self.unused(self.emb(ids))
+        return super().forward(ids)
+
+
+@pytest.mark.parametrize("clipping", ["per_block", "per_layer"])
+def test_a_group_never_complete_is_clipped_at_the_end_of_the_pass(clipping):
+    torch.manual_seed(7)
+    g = torch.Generator().manual_seed(10)
+    batches = [(torch.randint(0, 9, (5, 4), generator=g), torch.randint(0, 4, (5,), generator=g))]
+    args = ("groups", per_block) if clipping == "per_block" else ("per_layer",)
+    check(WithUnusedLayer(), batches, "single", *args)
+
+
 def test_per_block_rule_and_even_split():
     assert per_block("transformer.h.3.attn.c_attn.weight") == "transformer.h.3"
     assert per_block("model.layers.11.mlp.up_proj.lora_A.default.weight") == "model.layers.11"
