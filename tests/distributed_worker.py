@@ -66,6 +66,29 @@ def clipped_gradients(rank: int, world: int, single: bool, order: str) -> dict:
     return {"grads": _grads(net), "norms": norms.detach().numpy()}
 
 
+def group_clipped_gradients(rank: int, world: int, order: str) -> dict:
+    """``clipped_gradients`` with one clipping group per block (``dpgrad.clipping_groups``),
+    and this rank's per-sample group norms."""
+    from dpgrad.clipping_groups import per_block
+
+    net = model()
+    kw = dict(clipping="groups", clipping_groups=per_block, max_grad_norm=[C] * GROUPS, single_backward=True)
+    if order == "dpgrad(ddp)":
+        wrapped = dpgrad.GradSampleModuleFastGradientClipping(DDP(net), **kw)
+    else:
+        wrapped = DDP(dpgrad.GradSampleModuleFastGradientClipping(net, **kw))
+    criterion = dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss(), "mean")
+    ids = share(global_ids(), rank, world)
+    for _ in range(2):
+        net.zero_grad(set_to_none=True)
+        lm_step(wrapped, criterion, ids)
+    norms = dpgrad.loss.clipping_wrapper(wrapped).per_sample_group_norms
+    return {"grads": _grads(net), "norms": norms.detach().numpy()}
+
+
+GROUPS = 2  # CFG's one block, and the rest (embeddings, final norm)
+
+
 def all_reduce_calls(rank: int, world: int, protocol: str) -> list:
     """The passes in which DistributedDataParallel reduces a bucket during one step of
     ``protocol``: "norms" (before the clipping factors exist) or "clipped" (after)."""
@@ -145,9 +168,10 @@ def fsdp_refused(rank: int, world: int) -> str:
 SCENARIOS = {
     "fsdp_refused": fsdp_refused,
     "clipped_gradients": clipped_gradients,
+    "group_clipped_gradients": group_clipped_gradients,
     "all_reduce_calls": all_reduce_calls,
     "privacy_engine_step": privacy_engine_step,
 }
 
 
-__all__ = ["C", "CFG", "SCENARIOS", "global_ids", "lm_step", "model", "np", "share"]
+__all__ = ["C", "CFG", "GROUPS", "SCENARIOS", "global_ids", "lm_step", "model", "np", "share"]

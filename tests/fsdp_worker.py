@@ -186,6 +186,9 @@ def refusal(rank: int, world: int, case: str) -> str:
                 FSDPState._root_post_backward_final_callback = callback
         elif case == "opacus name, not sharded":
             dpgrad.GradSampleModuleFastGradientClippingFSDP(net)
+        elif case == "clipping groups":
+            dpgrad.GradSampleModuleFastGradientClipping(shard(net), clipping="per_layer",
+                                                        max_grad_norm=[1.0] * len(list(net.parameters())))
         elif case == "blocks only":
             for block in net.blocks:
                 fully_shard(block)

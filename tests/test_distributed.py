@@ -33,6 +33,7 @@ OPACUS = importlib.util.find_spec("opacus") is not None
 @pytest.fixture(scope="module")
 def ranks():
     jobs = [("clipped_gradients", dict(single=s, order=o)) for s in MODES.values() for o in ORDERS]
+    jobs += [("group_clipped_gradients", dict(order=o)) for o in ORDERS]
     jobs += [("all_reduce_calls", dict(protocol=p)) for p in ("dpgrad", "opacus")]
     jobs += [("fsdp_refused", {})]
     if OPACUS:
@@ -61,6 +62,27 @@ def test_gradients_are_the_one_process_clipped_sum_averaged(ranks, mode, order):
     assert (norms > W.C).all(), "every sample should be clipped"
     for rank, got in enumerate(_result(ranks, "clipped_gradients", single=MODES[mode], order=order)):
         assert_norms_close(torch.from_numpy(got["norms"]), norms[W.share(ids, rank, WORLD)].double(), f"rank {rank}")
+        for n, p in net.named_parameters():
+            assert_tensor_close(torch.from_numpy(got["grads"][n]), p.grad.double() / WORLD, f"rank {rank} {n}")
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_group_clipped_gradients_are_the_one_process_sums_averaged(ranks, order):
+    """Per-block clipping (each group clipped in its last layer's hook): DDP reduces the
+    clipped sums, which are the one-process ones over the global batch / world size."""
+    from dpgrad.clipping_groups import per_block
+
+    net = W.model()
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(
+        net, clipping="groups", clipping_groups=per_block, max_grad_norm=[W.C] * W.GROUPS, single_backward=True)
+    W.lm_step(wrapped, dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss()), W.global_ids())
+    norms = wrapped.per_sample_group_norms
+    assert norms.shape == (W.GROUPS, W.GLOBAL_BATCH) and (norms > W.C).all(), "every group of every sample clipped"
+    ids = torch.arange(W.GLOBAL_BATCH)
+    for rank, got in enumerate(_result(ranks, "group_clipped_gradients", order=order)):
+        for g in range(W.GROUPS):
+            assert_norms_close(torch.from_numpy(got["norms"][g]), norms[g, W.share(ids, rank, WORLD)].double(),
+                               f"rank {rank} group {g}")
         for n, p in net.named_parameters():
             assert_tensor_close(torch.from_numpy(got["grads"][n]), p.grad.double() / WORLD, f"rank {rank} {n}")
 
