@@ -162,7 +162,7 @@ def _by_lists(model: nn.Module, groups) -> tuple:
                 raise ValueError(f"parameter '{names[p]}' is in clipping groups {seen[p]} and {g}: a parameter "
                                  "(tied weights included) must be in one group")
             seen[p] = g
-        members.append([p for p in params if p.requires_grad])
+        members.append(params)  # frozen ones too: made trainable later, they have their group
     missing = [n for n, p in model.named_parameters() if p.requires_grad and p not in seen]
     if missing:
         raise ValueError(f"trainable parameters {missing} are in no clipping group: put each trainable parameter "
