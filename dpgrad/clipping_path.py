@@ -297,10 +297,12 @@ class ClippingPath(BackwardPath):
                 complete[g] = all(getattr(p, "_forward_counter", 0) - (p in arriving) <= 0 for p in groups.members[g])
             return complete[g]
 
-        touched = [{groups.group_of(p) for p in self.layer_params(rec.layer) if p.requires_grad}
-                   for rec in self._records]
-        if not all(done(g) for g in touched[-1]):
-            return
+        def groups_of(rec: Record) -> set:
+            return {groups.group_of(p) for p in self.layer_params(rec.layer) if p.requires_grad}
+
+        if not all(done(g) for g in groups_of(record)):
+            return  # the common case of a layer in the middle of its group: no scan of the others
+        touched = [groups_of(rec) for rec in self._records]
         ready = [all(done(g) for g in gs) for gs in touched]
         while True:  # a group that a record not ready touches is held back, and its records
             held = {g for gs, r in zip(touched, ready) if not r for g in gs}
