@@ -100,7 +100,8 @@ class ClipGroups:
         self.index: Dict[nn.Parameter, int] = {p: g for g, ps in enumerate(members) for p in ps}
         self.total = total_bound(bounds)
         self._names = {p: n for n, p in model.named_parameters()}
-        self._tensors: Dict[tuple, torch.Tensor] = {}
+        self._bounds: Dict[torch.device, torch.Tensor] = {}
+        self._rows: Dict[tuple, torch.Tensor] = {}
 
     def __len__(self) -> int:
         return len(self.bounds)
@@ -118,18 +119,17 @@ class ClipGroups:
 
     def bounds_like(self, x: torch.Tensor) -> torch.Tensor:
         """The thresholds (G, 1) on x's device, in fp32, made once."""
-        key = (x.device,)
-        found = self._tensors.get(key)
+        found = self._bounds.get(x.device)
         if found is None:
-            found = self._tensors[key] = torch.tensor(self.bounds, dtype=torch.float32, device=x.device).view(-1, 1)
+            found = self._bounds[x.device] = torch.tensor(self.bounds, dtype=torch.float32, device=x.device).view(-1, 1)
         return found
 
     def rows(self, params: Sequence[nn.Parameter], device: torch.device) -> torch.Tensor:
         """The groups of ``params`` as an index tensor on ``device``, made once per list."""
         key = (device, *map(id, params))
-        found = self._tensors.get(key)
+        found = self._rows.get(key)
         if found is None:
-            found = self._tensors[key] = torch.tensor([self.group_of(p) for p in params], device=device)
+            found = self._rows[key] = torch.tensor([self.group_of(p) for p in params], device=device)
         return found
 
     def squares(self, params: Sequence[nn.Parameter], rows: torch.Tensor) -> torch.Tensor:

@@ -153,8 +153,8 @@ class ClippingPath(BackwardPath):
                  "uses below are not in the per-sample norms, so one sample could move the summed "
                  "gradient by more than max_grad_norm. Nothing has reached p.grad from this pass.")
     TRANSIENT = BackwardPath.TRANSIENT + ("_records", "_norm_pass", "_kept", "_finite", "pass_norm", "group_norms",
-                                          "_held", "_flushed", "records_peak", "_plans", "_row_indices",
-                                          "_constants")
+                                          "_held", "_flushed", "records_peak", "_layer_groups", "_plans",
+                                          "_row_indices", "_constants")
 
     def __init__(self, model: nn.Module, *, ghost: bool, single_backward: bool, clip_groups=None, **settings):
         # Clipping groups (dpgrad.clipping_groups.ClipGroups) clip in one backward pass: a second
@@ -176,6 +176,7 @@ class ClippingPath(BackwardPath):
         self._held: Dict[nn.Parameter, torch.Tensor] = {}
         self._flushed: List[Tuple[List[nn.Parameter], torch.Tensor]] = []  # (params, norm rows)
         self.records_peak = 0  # the most records held at once in the last pass
+        self._layer_groups: Dict[nn.Module, frozenset] = {}  # a layer's clipping groups, per hooking
         self._plans: Dict[tuple, FinishPlan] = {}
         self._row_indices: Dict[tuple, torch.Tensor] = {}
         self._constants: Dict[tuple, torch.Tensor] = {}
@@ -243,6 +244,7 @@ class ClippingPath(BackwardPath):
 
     def _rescan(self) -> None:
         super()._rescan()
+        self._layer_groups.clear()
         self.trainable_parameters = [p for p in self.model.parameters() if p.requires_grad]
         self._plans.clear()
 
@@ -288,21 +290,18 @@ class ClippingPath(BackwardPath):
         (``_forward_counter`` counts the calls not yet recorded; it is lowered for ``record``
         after this), and no kept record of another, incomplete group shares a group with them
         (a group's norm takes all of its records at once)."""
-        groups = self.clip_groups
+        members = self.clip_groups.members
         arriving = set(self.layer_params(record.layer))
         complete: Dict[int, bool] = {}
 
         def done(g: int) -> bool:
             if g not in complete:
-                complete[g] = all(getattr(p, "_forward_counter", 0) - (p in arriving) <= 0 for p in groups.members[g])
+                complete[g] = all(getattr(p, "_forward_counter", 0) - (p in arriving) <= 0 for p in members[g])
             return complete[g]
 
-        def groups_of(rec: Record) -> set:
-            return {groups.group_of(p) for p in self.layer_params(rec.layer) if p.requires_grad}
-
-        if not all(done(g) for g in groups_of(record)):
+        if not all(done(g) for g in self._groups_of_layer(record.layer)):
             return  # the common case of a layer in the middle of its group: no scan of the others
-        touched = [groups_of(rec) for rec in self._records]
+        touched = [self._groups_of_layer(rec.layer) for rec in self._records]
         ready = [all(done(g) for g in gs) for gs in touched]
         while True:  # a group that a record not ready touches is held back, and its records
             held = {g for gs, r in zip(touched, ready) if not r for g in gs}
@@ -495,13 +494,18 @@ class ClippingPath(BackwardPath):
                 for make, indices in group_records(records, part, self._grad_sample_group_class,
                                                    self._grad_sample_group, self._clip_key())]
 
-    def _clip_key(self) -> Optional[Callable[[nn.Module], tuple]]:
-        """With clipping groups: a layer's trainable parameters' groups (records batched into
-        one group share them), checked to exist when a plan is made."""
-        groups = self.clip_groups
-        if groups is None:
-            return None
-        return lambda layer: tuple(groups.group_of(p) for p in self.layer_params(layer) if p.requires_grad)
+    def _clip_key(self) -> Optional[Callable[[nn.Module], frozenset]]:
+        """With clipping groups: what records batched into one group must share, their layers'
+        clipping groups."""
+        return None if self.clip_groups is None else self._groups_of_layer
+
+    def _groups_of_layer(self, layer: nn.Module) -> frozenset:
+        """The clipping groups of a layer's trainable parameters, found once per hooking of the
+        model (``group_of`` refuses a parameter in none)."""
+        found = self._layer_groups.get(layer)
+        if found is None:
+            found = self._layer_groups[layer] = frozenset(map(self.clip_groups.group_of, self.layer_params(layer)))
+        return found
 
     def _summed_groups(self, records: List[Record], at: List[int]) -> List[PlannedGroup]:
         """Records whose per-sample gradients are summed per parameter before their norms."""
@@ -614,15 +618,13 @@ class ClippingPath(BackwardPath):
             del targets
             self._edges.release()
             norms = self.norm_sample()
-            if self.clip_groups is not None:
-                coef = self.clip_groups.coefficients(self.group_norms)  # (G, B)
-            else:
-                coef = clipping_coefficients(norms, max_grad_norm)
-            if coef.shape[-1:] != loss_per_sample.shape:
+            if norms.shape != loss_per_sample.shape:
                 raise ValueError(
-                    f"{loss_per_sample.shape[0]} losses for a batch of {coef.shape[-1]} samples: "
+                    f"{loss_per_sample.shape[0]} losses for a batch of {norms.shape[0]} samples: "
                     "give one loss per sample"
                 )
+            # With clipping groups each group was clipped with its own coefficients (``_flush``).
+            coef = clipping_coefficients(norms, max_grad_norm) if self.clip_groups is None else None
             if self.single_backward:
                 self._add_clipped_gradients(coef)
             else:
@@ -694,7 +696,7 @@ class ClippingPath(BackwardPath):
         if key not in self._verified:
             self._verify(key, [root], [], lambda node: node in outputs or edges.marked(node), in_loss=True)
 
-    def _add_clipped_gradients(self, coef: torch.Tensor) -> None:
+    def _add_clipped_gradients(self, coef: Optional[torch.Tensor]) -> None:
         """``p.grad += sum_b c_b g_b`` for every parameter the norm pass reached.
 
         The sums are queued first; the host then waits for the norms' finite check (the sums
@@ -713,10 +715,9 @@ class ClippingPath(BackwardPath):
                 self._reduce_scatter_clipped(coef)
             return
         with torch.no_grad():
-            held = [self._clipped_sums(coef) if self._kept else {}]
-        if self._held:  # clipped group by group during the pass
-            held[0].update(self._held)
-            self._held = {}
+            # With clipping groups (no ``coef``) the sums were taken group by group (``_flush``).
+            held = [self._held if coef is None else self._clipped_sums(coef)]
+        self._held = {}
         self._wait_finite()
         params = list(held[0])
         if params:
