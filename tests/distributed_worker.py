@@ -49,30 +49,16 @@ def lm_step(wrapped: nn.Module, criterion, ids: torch.Tensor) -> None:
     criterion(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1), shape=logits.shape[:2]).backward()
 
 
-def clipped_gradients(rank: int, world: int, single: bool, order: str) -> dict:
+def clipped_gradients(rank: int, world: int, single: bool, order: str, per_block: bool = False) -> dict:
     """p.grad after two steps' clipped backward (the second checks that DDP finished the
-    first's reduction), and this rank's per-sample norms."""
-    net = model()
-    if order == "dpgrad(ddp)":
-        wrapped = dpgrad.GradSampleModuleFastGradientClipping(DDP(net), max_grad_norm=C, single_backward=single)
-    else:
-        wrapped = DDP(dpgrad.GradSampleModuleFastGradientClipping(net, max_grad_norm=C, single_backward=single))
-    criterion = dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss(), "mean")
-    ids = share(global_ids(), rank, world)
-    for _ in range(2):
-        net.zero_grad(set_to_none=True)
-        lm_step(wrapped, criterion, ids)
-    norms = dpgrad.loss.clipping_wrapper(wrapped).per_sample_gradient_norms
-    return {"grads": _grads(net), "norms": norms.detach().numpy()}
-
-
-def group_clipped_gradients(rank: int, world: int, order: str) -> dict:
-    """``clipped_gradients`` with one clipping group per block (``dpgrad.clipping_groups``),
-    and this rank's per-sample group norms."""
-    from dpgrad.clipping_groups import per_block
+    first's reduction), and this rank's per-sample norms (with ``per_block``, one clipping
+    group per block, ``dpgrad.clipping_groups``: the per-sample group norms)."""
+    from dpgrad.clipping_groups import per_block as by_block
 
     net = model()
-    kw = dict(clipping="groups", clipping_groups=per_block, max_grad_norm=[C] * GROUPS, single_backward=True)
+    kw = dict(max_grad_norm=C, single_backward=single)
+    if per_block:
+        kw.update(clipping="groups", clipping_groups=by_block, max_grad_norm=[C] * GROUPS)
     if order == "dpgrad(ddp)":
         wrapped = dpgrad.GradSampleModuleFastGradientClipping(DDP(net), **kw)
     else:
@@ -82,7 +68,8 @@ def group_clipped_gradients(rank: int, world: int, order: str) -> dict:
     for _ in range(2):
         net.zero_grad(set_to_none=True)
         lm_step(wrapped, criterion, ids)
-    norms = dpgrad.loss.clipping_wrapper(wrapped).per_sample_group_norms
+    wrapper = dpgrad.loss.clipping_wrapper(wrapped)
+    norms = wrapper.per_sample_group_norms if per_block else wrapper.per_sample_gradient_norms
     return {"grads": _grads(net), "norms": norms.detach().numpy()}
 
 
@@ -168,7 +155,6 @@ def fsdp_refused(rank: int, world: int) -> str:
 SCENARIOS = {
     "fsdp_refused": fsdp_refused,
     "clipped_gradients": clipped_gradients,
-    "group_clipped_gradients": group_clipped_gradients,
     "all_reduce_calls": all_reduce_calls,
     "privacy_engine_step": privacy_engine_step,
 }

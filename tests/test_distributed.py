@@ -33,7 +33,7 @@ OPACUS = importlib.util.find_spec("opacus") is not None
 @pytest.fixture(scope="module")
 def ranks():
     jobs = [("clipped_gradients", dict(single=s, order=o)) for s in MODES.values() for o in ORDERS]
-    jobs += [("group_clipped_gradients", dict(order=o)) for o in ORDERS]
+    jobs += [("clipped_gradients", dict(single=True, order=o, per_block=True)) for o in ORDERS]
     jobs += [("all_reduce_calls", dict(protocol=p)) for p in ("dpgrad", "opacus")]
     jobs += [("fsdp_refused", {})]
     if OPACUS:
@@ -79,7 +79,7 @@ def test_group_clipped_gradients_are_the_one_process_sums_averaged(ranks, order)
     norms = wrapped.per_sample_group_norms
     assert norms.shape == (W.GROUPS, W.GLOBAL_BATCH) and (norms > W.C).all(), "every group of every sample clipped"
     ids = torch.arange(W.GLOBAL_BATCH)
-    for rank, got in enumerate(_result(ranks, "group_clipped_gradients", order=order)):
+    for rank, got in enumerate(_result(ranks, "clipped_gradients", single=True, order=order, per_block=True)):
         for g in range(W.GROUPS):
             assert_norms_close(torch.from_numpy(got["norms"][g]), norms[g, W.share(ids, rank, WORLD)].double(),
                                f"rank {rank} group {g}")
