@@ -106,15 +106,15 @@ class ClipGroups:
     def __len__(self) -> int:
         return len(self.bounds)
 
-    def group_of(self, p: nn.Parameter) -> int:
-        """The group of a trainable parameter; ValueError naming it if it is in none (made
-        trainable after the groups were given)."""
+    def group_of(self, p: nn.Parameter, name: str = "") -> int:
+        """The group of a trainable parameter; ValueError naming it (``name``: its name in the
+        model as it is now) if it is in none: made trainable, or added, after the groups were given."""
         g = self.index.get(p)
         if g is None:
-            name = self._names.get(p, f"of shape {tuple(p.shape)}")
-            raise ValueError(f"trainable parameter '{name}' is in no clipping group (made trainable after the "
-                             "model was wrapped?): its gradient could not be clipped. Wrap the model again with "
-                             "groups that include it, or freeze it")
+            name = name or self._names.get(p, f"of shape {tuple(p.shape)}")
+            raise ValueError(f"trainable parameter '{name}' is in no clipping group (made trainable, or added, "
+                             "after the model was wrapped?): its gradient could not be clipped. Wrap the model "
+                             "again with groups that include it, or freeze it")
         return g
 
     def bounds_like(self, x: torch.Tensor) -> torch.Tensor:

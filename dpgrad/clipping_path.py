@@ -504,7 +504,8 @@ class ClippingPath(BackwardPath):
         model (``group_of`` refuses a parameter in none)."""
         found = self._layer_groups.get(layer)
         if found is None:
-            found = self._layer_groups[layer] = frozenset(map(self.clip_groups.group_of, self.layer_params(layer)))
+            found = self._layer_groups[layer] = frozenset(self.clip_groups.group_of(p, self.param_name(p))
+                                                          for p in self.layer_params(layer))
         return found
 
     def _summed_groups(self, records: List[Record], at: List[int]) -> List[PlannedGroup]:

@@ -358,6 +358,13 @@ def test_what_groups_cannot_do_is_refused():
     with pytest.raises(ValueError, match=f"trainable parameter '{frozen[0]}' is in no clipping group"):
         wrapped.clipped_backward(losses)
     assert all(p.grad is None for p in wrapped._module.parameters())
+    # So is a layer added after wrapping, named as the model has it now.
+    dict(wrapped._module.named_parameters())[frozen[0]].requires_grad_(False)
+    wrapped._module.head = nn.Linear(cfg.k * cfg.r, cfg.c)
+    losses = per_sample_loss(wrapped(x), y)
+    with pytest.raises(ValueError, match="trainable parameter 'head.weight' is in no clipping group"):
+        wrapped.clipped_backward(losses)
+    assert all(p.grad is None for p in wrapped._module.parameters())
 
 
 # ---------------------------------------------------------------------- make_private
