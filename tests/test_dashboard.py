@@ -25,6 +25,7 @@ import pytest
 from dpgrad.tools import cli, dashboard, results
 
 REPO = Path(__file__).parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
 COMMITTED = sorted((REPO / "benchmarks" / "results").glob("*.json"))
 
 
@@ -319,6 +320,44 @@ def test_repeated_cases_give_the_median_repeat_and_each_repeat(tmp_path):
     if not rows["dpgrad-single"]["flags"]:
         spread = f"({min(ratios):.2f}-{max(ratios):.2f})"
         assert f"{statistics.median(ratios):.2f} {spread}" in table
+
+
+def test_parts_of_one_run_merge_into_one_file_and_other_runs_are_refused(tmp_path, capsys):
+    """A suite run case by case (one call each) is written as one file: every row once, the
+    tables of the parts together; parts of another commit or machine, another suite, or a case
+    in two parts are refused and nothing is written."""
+    _, gpu_steps, _ = sample_docs()
+    other = dict(model="hf-gpt2", batch=64, seq_len=128, dtype="bf16")
+    second = dict(gpu_steps, machine=dict(gpu_steps["machine"], date="2026-11-22T00:05:00+00:00"),
+                  settings={"dtype": ["fp32"]},
+                  results=[_row("dp_step", other, p, step_time=t, throughput_over_non_private=50.0 / t)
+                           for p, t in (("non-private", 50.0), ("dpgrad-single", 55.0))])
+    parts = _write(tmp_path, [dict(gpu_steps, settings={"dtype": ["bf16"]}), second])
+    merge = __import__("merge_results")
+    out = tmp_path / "out" / "dp_step_merged.json"
+    assert merge.main([str(out), *map(str, parts)]) == 0
+    (doc,) = results.load([out])
+    loaded = results.load(parts)
+    assert doc["results"] == [row for part in loaded for row in part["results"]]
+    assert doc["machine"]["date"] == gpu_steps["machine"]["date"]
+    assert doc["machine"]["dates"] == [gpu_steps["machine"]["date"], second["machine"]["date"]]
+    assert doc["settings"]["dtype"] == ["bf16", "fp32"]
+    table = results.markdown([doc])
+    rows = [line.split(" | ")[:4] for line in table.splitlines() if line.startswith("| hf-gpt2")]
+    assert rows == [["| hf-gpt2", "8", "1024", "bf16"], ["| hf-gpt2", "64", "128", "bf16"]]
+    refused = {
+        "commit": dict(second, machine=dict(second["machine"], commit="def5678")),
+        "device": dict(second, machine=dict(second["machine"], device="NVIDIA H200")),
+        "suite": sample_docs()[0],
+        "also in": dict(second, results=gpu_steps["results"][:1]),
+    }
+    for message, doc in refused.items():
+        sub = tmp_path / message.replace(" ", "_")
+        sub.mkdir()
+        bad = tmp_path / "refused.json"
+        assert merge.main([str(bad), str(parts[0]), str(_write(sub, [doc])[0])]) == 1
+        assert message in capsys.readouterr().err and not bad.exists()
+    assert merge.main([str(out)]) == 2
 
 
 def test_implausible_and_noisy_rows_are_flagged_not_shown_as_figures():

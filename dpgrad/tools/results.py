@@ -322,6 +322,45 @@ def load(paths: Iterable[Path]) -> List[dict]:
     return docs
 
 
+# What must agree between the parts of one suite's run taken in several calls.
+SAME_RUN = ("device", "commit", "torch", "triton", "cuda")
+
+
+def merge(docs: Sequence[dict]) -> dict:
+    """One results document from the parts of one suite's run, each holding other cases (a
+    suite run case by case, to fit each part in a time limit): the rows together, the first
+    part's machine with the dates of all parts, the settings' dtypes together. Raises
+    ValueError where the parts are of different suites, machines, commits or versions, or
+    where a case is in two parts (its ratios were taken within one part)."""
+    if not docs:
+        raise ValueError("nothing to merge")
+    first = docs[0]
+    for doc in docs[1:]:
+        if doc["suite"] != first["suite"]:
+            raise ValueError(f"{doc.get('path')}: suite {doc['suite']!r}, not {first['suite']!r}")
+        for key in SAME_RUN:
+            if doc["machine"].get(key) != first["machine"].get(key):
+                raise ValueError(f"{doc.get('path')}: {key} {doc['machine'].get(key)!r}, not "
+                                 f"{first['machine'].get(key)!r} as in {first.get('path')}")
+    keys = SHAPE_KEYS[first["suite"]]
+    seen: Dict[tuple, str] = {}
+    for doc in docs:
+        for case in by_case(doc["results"], keys):
+            if case in seen and seen[case] != doc.get("path"):
+                raise ValueError(f"{doc.get('path')}: case {dict(zip(keys, case))} is also in {seen[case]}")
+            seen[case] = doc.get("path")
+    machine = dict(first["machine"], date=min(doc["machine"]["date"] for doc in docs))
+    dates = sorted(doc["machine"]["date"] for doc in docs)
+    if len(set(dates)) > 1:
+        machine["dates"] = dates
+    settings = dict(first.get("settings", {}))
+    dtypes = sorted({d for doc in docs for d in doc.get("settings", {}).get("dtype", [])})
+    if dtypes:
+        settings["dtype"] = dtypes
+    return {"schema": SCHEMA, "suite": first["suite"], "machine": machine, "settings": settings,
+            "results": [row for doc in docs for row in doc["results"]]}
+
+
 def flat_records(docs: Iterable[dict]) -> List[dict]:
     """One record per result and metric: ``{"benchmark", "shape", "provider", "metric":
     {"name", "unit", "p20", "p50", "p80"}, "machine"}``. Results that did not run have no

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The GPU measurements, in parts that each fit one ten-minute command on a lent machine (one
+# H100 or H200 whose python3 holds torch, Triton, transformers, peft and pytest-benchmark),
+# run from the repository root there:
+#
+#   bash benchmarks/gpu_session.sh check           the GPU tests (Triton compiled for the device,
+#                                                   the DP step on CUDA against float64), then
+#                                                   `dpgrad autotune-report` on gpt2-small with an
+#                                                   empty tune store (first-use tuning, timed)
+#   bash benchmarks/gpu_session.sh step CASE...     bench_dp_step.py, full sizes, the cases named
+#                                                   as in its test ids: hf-gpt2-64-128 hf-llama-1b-8-1024
+#   bash benchmarks/gpu_session.sh kernels          bench_kernels.py, full sizes
+#   bash benchmarks/gpu_session.sh profile [ARGS]   profile_dp_step.py (default: GPT-2 small B=64
+#                                                   T=128 bf16, non-private and dpgrad single)
+#
+# What each part writes goes to $OUT (./gpu-out where OUT is unset): its log and its results
+# files. The parts of bench_dp_step run in several calls are one file again with
+# `python benchmarks/merge_results.py`. Opacus is not on that machine: put its wheel in .whl/
+# here (`pip download --no-deps opacus==1.6.0 -d .whl`, .whl/ ignored through
+# .git/info/exclude) and carry .whl; without it Opacus's providers record why they did not run.
+set -u -o pipefail
+part=${1:-}
+case $part in
+    check | step | kernels | profile) shift ;;
+    *) echo "usage: bash benchmarks/gpu_session.sh check | step CASE... | kernels | profile [ARGS]" >&2; exit 2 ;;
+esac
+[ "$part" != step ] || [ $# -gt 0 ] || { echo "step: name the cases, e.g. hf-gpt2-64-128" >&2; exit 2; }
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=python3
+
+# Installed for the entry point and subprocesses; from the repository root it imports without.
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
+    || echo "gpu_session: pip could not install the checkout; running it from the repository root"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || exit 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export DPGRAD_TUNE_DIR=${DPGRAD_TUNE_DIR:-$(mktemp -d)}
+$PY -c "from dpgrad.tools import results; print(results.machine_info())" 2>&1 | tee -a "$OUT/$part.log"
+
+# pytest over a benchmark suite at full size, its results into $OUT; at most 570 s.
+bench() {
+    DPGRAD_RESULTS_DIR=$OUT timeout 570 $PY -m pytest -q -p no:cacheprovider --benchmark-enable \
+        --benchmark-columns=median,rounds "$@" 2>&1 | tee -a "$OUT/$part.log"
+}
+
+case $part in
+    check)
+        timeout 300 $PY -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee -a "$OUT/check.log"
+        echo "gpu tests: exit $?" | tee -a "$OUT/check.log"
+        # The model tests with CUDA cases, every sampler on the Triton kernels.
+        DPGRAD_BACKEND=triton timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_gpu_dp_step.py \
+            tests/test_triton_kernels.py tests/test_hf_models.py 2>&1 | tee -a "$OUT/check.log"
+        echo "model tests, triton: exit $?" | tee -a "$OUT/check.log"
+        start=$(date +%s%N)
+        timeout 120 $PY -m dpgrad autotune-report --json "$OUT/autotune-report.json" 2>&1 | tee -a "$OUT/check.log"
+        echo "autotune-report (empty store): exit $?, $(( ($(date +%s%N) - start) / 1000000 )) ms" \
+            | tee -a "$OUT/check.log"
+        ;;
+    step)
+        expr=""
+        for c in "$@"; do expr="${expr:+$expr or }[$c-"; done
+        bench benchmarks/bench_dp_step.py -k "$expr"
+        ;;
+    kernels)
+        bench benchmarks/bench_kernels.py
+        ;;
+    profile)
+        [ $# -gt 0 ] || set -- --model hf-gpt2 --batch 64 --seq-len 128 --dtype bf16 \
+            --provider non-private dpgrad-single
+        timeout 300 $PY benchmarks/profile_dp_step.py "$@" --json "$OUT/profile.json" 2>&1 | tee -a "$OUT/profile.log"
+        ;;
+esac
