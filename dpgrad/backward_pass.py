@@ -170,7 +170,7 @@ class BackwardPath:
     # What a copy or a pickle of a path leaves out: the state of passes in flight, caches of the
     # model's layout, and autograd nodes (which cannot be copied).
     TRANSIENT = ("_forward_batch", "_forward_seen", "_pass_open", "_edges", "_verified", "_seen_version",
-                 "_seen_layout", "_seen_flags", "_checked")
+                 "_seen_layout", "_seen_flags", "_checked", "_unrecorded")
     sharded = None  # the model's FSDP2 parameter groups (dpgrad.fsdp.ShardedParameters)
 
     def __init__(self, model: nn.Module, *, batch_first: bool, loss_reduction: str, check_finite: bool,
@@ -193,6 +193,9 @@ class BackwardPath:
         """What a new path, or a copy, starts with in place of ``TRANSIENT``."""
         self._forward_batch: Optional[int] = None
         self._forward_seen: Set[nn.Module] = set()
+        # Hooked calls of each layer in forward passes whose backward has not recorded them yet
+        # (the wrapper's own count: zero_grad() and user code leave it alone).
+        self._unrecorded: Dict[nn.Module, int] = {}
         self._pass_open = False
         self._edges = ForwardEdges()
         self._verified = VerifiedLayouts()  # graph layouts found to be clipped throughout
@@ -403,6 +406,8 @@ class BackwardPath:
         if not (self.hooks_enabled and torch.is_grad_enabled()):
             return None
         out = output if isinstance(output, torch.Tensor) else _first_tensor(output)
+        if out is None and isinstance(output, dict) and self.layer_params(layer):
+            self._refuse_mapping_output(layer, output)
         if out is None or not out.requires_grad:
             return None
         params = self.layer_params(layer)
@@ -423,9 +428,27 @@ class BackwardPath:
         out.register_hook(partial(self._record, layer, params, list(inputs), self._edges.forward_id))
         return None
 
+    def _refuse_mapping_output(self, layer: nn.Module, output: dict) -> None:
+        """Raise for a layer taken whole by torch.func whose output is a mapping of tensors
+        (a Hugging Face ModelOutput, a dict): its per-sample gradients follow its first output
+        tensor, and a mapping has none to follow."""
+        if not any(isinstance(v, torch.Tensor) and v.requires_grad for v in output.values()):
+            return
+        name = self.layer_names[layer]
+        own = [n for n, p in layer.named_parameters(recurse=False) if p.requires_grad]
+        who = f"layer '{name}'" if name else "the model itself"
+        raise ValueError(
+            f"{who} holds trainable parameters of its own ({own}), so its per-sample gradients come "
+            f"from torch.func, taking it whole, through its output; it returned a {type(output).__name__}, "
+            "whose tensors cannot be followed. Move those parameters into a submodule that returns a "
+            "tensor (e.g. a small nn.Module holding them, called in forward), or have the layer return a "
+            "tensor or a tuple."
+        )
+
     def _note_call(self, layer: nn.Module, name: str, params: List[nn.Parameter]) -> None:
         """A hooked call of ``layer`` in this forward pass."""
         self._forward_seen.add(layer)
+        self._unrecorded[layer] = self._unrecorded.get(layer, 0) + 1
         for p in params:
             p._forward_counter = getattr(p, "_forward_counter", 0) + 1
 
@@ -522,6 +545,7 @@ class BackwardPath:
         if not self.hooks_enabled:
             return None
         if not self._pass_open:
+            self._check_trainable_since_forward()
             torch.autograd.Variable._execution_engine.queue_callback(self._close_pass)
             self._pass_open = True
             self._open_pass()
@@ -537,6 +561,7 @@ class BackwardPath:
             inputs = activations.copy()
             activations.clear()
             self._edges.consumed(forward_id)
+            self._unrecorded[layer] = max(0, self._unrecorded.get(layer, 0) - 1)
             self.keep(Record(layer, inputs, grad))
             for p in params:
                 p._forward_counter = max(0, p._forward_counter - 1)
@@ -579,7 +604,25 @@ class BackwardPath:
         for p in self.model.parameters():
             if hasattr(p, "_forward_counter"):
                 p._forward_counter = 0
+        self._unrecorded.clear()
         self._clear_pass()
+
+    def _check_trainable_since_forward(self) -> None:
+        """Raise, before anything reaches a gradient, if a parameter was frozen or made
+        trainable after the last forward pass: its per-sample state and autograd's graph follow
+        the forward pass, what would be clipped and summed follows ``requires_grad`` now."""
+        params = self._seen_layout[1]
+        if self._seen_flags is None or all(p.requires_grad == was for p, was in zip(params, self._seen_flags)):
+            return
+        changed = [f"'{self.param_name(p)}' ({'trainable' if p.requires_grad else 'frozen'} now)"
+                   for p, was in zip(params, self._seen_flags) if p.requires_grad != was]
+        self._abort_pass()
+        raise RuntimeError(
+            f"parameters {', '.join(changed)} changed requires_grad between the forward pass and its "
+            "backward pass: the forward pass decided which gradients autograd computes, and they would "
+            "be clipped as the parameters are now. Freeze or unfreeze parameters before the forward "
+            "pass (then the wrapper takes the model as it is). Nothing has reached p.grad from this pass."
+        )
 
     @contextlib.contextmanager
     def hooks_off(self):

@@ -153,7 +153,7 @@ class ClippingPath(BackwardPath):
                  "uses below are not in the per-sample norms, so one sample could move the summed "
                  "gradient by more than max_grad_norm. Nothing has reached p.grad from this pass.")
     TRANSIENT = BackwardPath.TRANSIENT + ("_records", "_norm_pass", "_kept", "_finite", "pass_norm", "group_norms",
-                                          "_held", "_flushed", "records_peak", "_layer_groups", "_plans",
+                                          "_held", "_flushed", "records_peak", "_layer_groups", "_group_layers", "_plans",
                                           "_row_indices", "_constants")
 
     def __init__(self, model: nn.Module, *, ghost: bool, single_backward: bool, clip_groups=None, **settings):
@@ -176,7 +176,8 @@ class ClippingPath(BackwardPath):
         self._held: Dict[nn.Parameter, torch.Tensor] = {}
         self._flushed: List[Tuple[List[nn.Parameter], torch.Tensor]] = []  # (params, norm rows)
         self.records_peak = 0  # the most records held at once in the last pass
-        self._layer_groups: Dict[nn.Module, frozenset] = {}  # a layer's clipping groups, per hooking
+        self._layer_groups: Dict[nn.Module, tuple] = {}  # a layer's clipping groups, per hooking
+        self._group_layers: Optional[Dict[int, List[nn.Module]]] = None  # a group's layers, per hooking
         self._plans: Dict[tuple, FinishPlan] = {}
         self._row_indices: Dict[tuple, torch.Tensor] = {}
         self._constants: Dict[tuple, torch.Tensor] = {}
@@ -245,6 +246,7 @@ class ClippingPath(BackwardPath):
     def _rescan(self) -> None:
         super()._rescan()
         self._layer_groups.clear()
+        self._group_layers = None
         self.trainable_parameters = [p for p in self.model.parameters() if p.requires_grad]
         self._plans.clear()
 
@@ -272,12 +274,15 @@ class ClippingPath(BackwardPath):
         if self._norm_pass is NormPass.ONE_SAMPLE:
             return  # its inputs were let go of: the gradient comes from autograd
         if self.single_backward and self._norm_pass is NormPass.PLAIN:
+            why, opacus = ("has single_backward=True", "needs single_backward=False")
+            if self.clip_groups is not None:  # one pass in either mode
+                why, opacus = ("clips by groups, in one backward pass", "cannot clip by groups")
             raise RuntimeError(
-                f"layer '{self.layer_names[record.layer]}': this wrapper has single_backward=True, so "
+                f"layer '{self.layer_names[record.layer]}': this wrapper {why}, so "
                 "its backward pass must come from dpgrad.DPLossFastGradientClipping (loss.backward() "
                 "on what it returns) or wrapper.clipped_backward(per_sample_losses). A plain "
-                "backward would leave unclipped gradients in p.grad; Opacus's "
-                "DPLossFastGradientClipping needs single_backward=False."
+                f"backward would leave unclipped gradients in p.grad; Opacus's "
+                f"DPLossFastGradientClipping {opacus}."
             )
         self._records.append(record)
         self.records_peak = max(self.records_peak, len(self._records))
@@ -286,22 +291,19 @@ class ClippingPath(BackwardPath):
 
     def _flush_complete(self, record: Record) -> None:
         """Clip the kept records whose clipping groups are complete now that ``record`` is in:
-        every call of their parameters in the forward pass has its record
-        (``_forward_counter`` counts the calls not yet recorded; it is lowered for ``record``
-        after this), and no kept record of another, incomplete group shares a group with them
-        (a group's norm takes all of its records at once)."""
-        members = self.clip_groups.members
-        arriving = set(self.layer_params(record.layer))
+        no layer with a parameter in them has a call of a forward pass still to be recorded
+        (``_unrecorded``), and no kept record of another, incomplete group shares a group with
+        them (a group's norm takes all of its records at once)."""
         complete: Dict[int, bool] = {}
 
         def done(g: int) -> bool:
             if g not in complete:
-                complete[g] = all(getattr(p, "_forward_counter", 0) - (p in arriving) <= 0 for p in members[g])
+                complete[g] = not any(self._unrecorded.get(layer) for layer in self._layers_of_group(g))
             return complete[g]
 
         if not all(done(g) for g in self._groups_of_layer(record.layer)):
             return  # the common case of a layer in the middle of its group: no scan of the others
-        touched = [self._groups_of_layer(rec.layer) for rec in self._records]
+        touched = [frozenset(self._groups_of_layer(rec.layer)) for rec in self._records]
         ready = [all(done(g) for g in gs) for gs in touched]
         while True:  # a group that a record not ready touches is held back, and its records
             held = {g for gs, r in zip(touched, ready) if not r for g in gs}
@@ -494,19 +496,30 @@ class ClippingPath(BackwardPath):
                 for make, indices in group_records(records, part, self._grad_sample_group_class,
                                                    self._grad_sample_group, self._clip_key())]
 
-    def _clip_key(self) -> Optional[Callable[[nn.Module], frozenset]]:
+    def _clip_key(self) -> Optional[Callable[[nn.Module], tuple]]:
         """With clipping groups: what records batched into one group must share, their layers'
         clipping groups."""
         return None if self.clip_groups is None else self._groups_of_layer
 
-    def _groups_of_layer(self, layer: nn.Module) -> frozenset:
-        """The clipping groups of a layer's trainable parameters, found once per hooking of the
-        model (``group_of`` refuses a parameter in none)."""
+    def _groups_of_layer(self, layer: nn.Module) -> tuple:
+        """The clipping group of each of a layer's trainable parameters, in their order (records
+        batched into one clipped sum have them alike: one coefficient row per parameter place),
+        found once per hooking of the model (``group_of`` refuses a parameter in none)."""
         found = self._layer_groups.get(layer)
         if found is None:
-            found = self._layer_groups[layer] = frozenset(self.clip_groups.group_of(p, self.param_name(p))
-                                                          for p in self.layer_params(layer))
+            found = self._layer_groups[layer] = tuple(self.clip_groups.group_of(p, self.param_name(p))
+                                                      for p in self.layer_params(layer))
         return found
+
+    def _layers_of_group(self, g: int) -> List[nn.Module]:
+        """The hooked layers holding a parameter of clipping group ``g``, trainable or not, found
+        once per hooking of the model."""
+        if self._group_layers is None:
+            self._group_layers = {}
+            for layer, params in self._own_params.items():
+                for h in {self.clip_groups.index[p] for p in params if p in self.clip_groups.index}:
+                    self._group_layers.setdefault(h, []).append(layer)
+        return self._group_layers.get(g, [])
 
     def _summed_groups(self, records: List[Record], at: List[int]) -> List[PlannedGroup]:
         """Records whose per-sample gradients are summed per parameter before their norms."""
@@ -648,6 +661,7 @@ class ClippingPath(BackwardPath):
         pass computes it (as the non-private step would), its norm is one reduction, and the
         clipped gradient ``min(1, C / (norm + 1e-6)) * g`` reaches ``p.grad`` as in single
         backward: no norm or clipped-sum kernel runs, and nothing is recorded."""
+        self._check_trainable_since_forward()  # before autograd is asked for those of the forward
         params = list(self.trainable_parameters)
         self._norm_pass = NormPass.ONE_SAMPLE
         try:

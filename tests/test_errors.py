@@ -303,6 +303,38 @@ def test_input_without_batch_dimension(wrapper):
     assert_step_correct(wrapped, pristine, x, y)
 
 
+class _OwnParameterModel(nn.Module):
+    """A model holding a trainable parameter itself (taken whole by torch.func), returning a
+    dict of tensors or, once ``as_dict`` is off, its logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+        self.body = nn.Linear(4, 3)
+        self.as_dict = True
+
+    def forward(self, x):
+        logits = self.body(x * self.scale)
+        return {"logits": logits} if self.as_dict else logits
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_a_layer_taken_whole_returning_a_dict_is_refused(wrapper):
+    cls, kwargs = WRAPPERS[wrapper]
+    torch.manual_seed(0)
+    model = _OwnParameterModel()
+    pristine = copy.deepcopy(model)
+    pristine.as_dict = False
+    wrapped = cls(model, loss_reduction="sum", **kwargs)
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    with pytest.raises(ValueError) as err:
+        wrapped(x)
+    says(err, "the model itself holds trainable parameters of its own (['scale'])", "returned a dict",
+         "Move those parameters into a submodule")
+    model.as_dict = False
+    assert_step_correct(wrapped, pristine, x, y)
+
+
 def test_input_without_batch_dimension_batch_second():
     """batch_first=False: a (B, d) input to a Linear has no batch dimension 1."""
     torch.manual_seed(0)

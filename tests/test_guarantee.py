@@ -40,9 +40,10 @@ class Twice(nn.Module):
     def __init__(self, d):
         super().__init__()
         self.gain = nn.Parameter(torch.linspace(0.5, 1.5, d))
+        self.power = 1  # a plain attribute its forward reads
 
     def forward(self, x):
-        y = x * self.gain
+        y = x * self.gain ** self.power
         return y, (y * self.gain).sum(-1, keepdim=True)
 
 
@@ -187,6 +188,10 @@ def _eval_l1(model):
     model.l1.eval()
 
 
+def _square_twice_gain(model):
+    model.twice.power = 2
+
+
 # name -> (change before wrapping, change after wrapping, None (exact) or the error's fragments)
 SITUATIONS = {
     "unfrozen layer": (_freeze("l1"), _unfreeze("l1"), None),
@@ -194,6 +199,7 @@ SITUATIONS = {
     "unfrozen torch.func layer": (_freeze("twice"), _unfreeze("twice"), None),
     "frozen after wrapping": (None, _freeze("l1"), None),
     "layer in eval mode": (None, _eval_l1, None),
+    "attribute of a torch.func layer set after wrapping": (None, _square_twice_gain, None),
     "model in eval mode": (None, lambda m: m.eval(), None),
     "head added after wrapping": (None, _add_head, None),
     "layer appended after wrapping": (None, _append_to_l2, None),
@@ -254,6 +260,28 @@ def test_gradual_unfreezing_over_several_steps(mode):
         x, y = batch(B=3, seed=k)
         step(wrapped, x, y)
         check_exact(model, wrapped, reference_model, x, y)
+
+
+@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("change, fragment", [
+    (_unfreeze("l1.bias"), "'l1.bias' (trainable now)"), (_freeze("l1"), "'l1.weight' (frozen now)")])
+def test_requires_grad_changed_between_forward_and_backward_is_refused(change, fragment, mode, B):
+    """The forward pass decided which gradients autograd computes: a parameter frozen or made
+    trainable before its backward pass is refused, naming it; the next step takes the model as
+    it is then, exact."""
+    torch.manual_seed(0)
+    model = Net()
+    model.l1.bias.requires_grad_(False)
+    reference_model = copy.deepcopy(model)
+    change(reference_model)
+    wrapped = wrap(model, mode)
+    x, y = batch(B=B)
+    check_refused(model, wrapped, x, y, [fragment, "changed requires_grad between the forward pass and its backward"],
+                  error=RuntimeError, loss=lambda out: (change(model), out)[1])
+    wrapped.zero_grad(set_to_none=True)
+    step(wrapped, x, y)
+    check_exact(model, wrapped, reference_model, x, y)
 
 
 @pytest.mark.parametrize("mode", ["single", "double"])

@@ -40,6 +40,12 @@ def _first_tensor(output):
     return None
 
 
+# What ``FunctionalGradients.follow`` leaves as the copy has it: its own parameters on the meta
+# device, its submodules, and itself.
+_STRUCTURE = frozenset(("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set",
+                        "ft_compute_sample_grad"))
+
+
 class FunctionalGradients:
     """``(params, activations, backprops) -> {name: (B, ...)}``: per-sample gradients of one
     layer through torch.func, on a parameter-free copy of it (so a copy or a pickle of the
@@ -50,6 +56,21 @@ class FunctionalGradients:
         self.stateless = _meta_copy(layer)
         # Each sample is fed back with a batch dimension of one, where the layer expects it.
         self.batch_dim = 0 if batch_first else 1
+
+    def follow(self, layer: nn.Module) -> None:
+        """Give the copy the live layer's state other than its parameters, buffers, submodules
+        and hooks, as it is now (an attribute set after wrapping, train or eval mode): the
+        per-sample gradients are those of the forward pass that ran, not of the layer as it was
+        when copied."""
+        live = list(layer.modules())
+        copies = list(self.stateless.modules())
+        if len(live) != len(copies):  # submodules changed without a new hooking
+            self.stateless = _meta_copy(layer)
+            return
+        for mine, theirs in zip(copies, live):
+            for key, value in theirs.__dict__.items():
+                if key not in _STRUCTURE and "hook" not in key:
+                    mine.__dict__[key] = value
 
     def __call__(self, params: Dict[str, torch.Tensor], activations: List, backprops: torch.Tensor):
         names = [n for n, p in params.items() if p.requires_grad]
@@ -92,5 +113,7 @@ def ft_compute_per_sample_gradient(
         a.to(backprops.dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
         for a in activations
     ]
-    grads = layer.ft_compute_sample_grad(params, acts, backprops)
+    compute = layer.ft_compute_sample_grad
+    compute.follow(layer)
+    grads = compute(params, acts, backprops)
     return {params[name]: g for name, g in grads.items()}
