@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from typing import Callable, Dict, List, Sequence, Union
 
 import torch
@@ -150,11 +151,17 @@ def _by_lists(model: nn.Module, groups) -> tuple:
     names = {p: n for n, p in model.named_parameters()}
     members: List[List[nn.Parameter]] = []
     seen: Dict[nn.Parameter, int] = {}
+    if isinstance(groups, (dict, str, nn.Module)):
+        raise ValueError(f"clipping_groups takes a list of lists of parameters (one list per group) or a rule on "
+                         f"names, not a {type(groups).__name__}")
     for g, group in enumerate(groups):
-        if isinstance(group, (nn.Parameter, torch.Tensor)):
-            raise ValueError("clipping_groups takes lists of parameters (one list per group), not parameters")
+        if isinstance(group, (nn.Parameter, torch.Tensor, nn.Module)) or not isinstance(group, Iterable):
+            raise ValueError(f"clipping_groups[{g}] is a {type(group).__name__}: clipping_groups takes lists of "
+                             "parameters (one list per group)")
         params = list(group)
         for p in params:
+            if not isinstance(p, torch.Tensor):
+                raise ValueError(f"clipping_groups[{g}] holds a {type(p).__name__}, not a parameter of the model")
             if p not in names:
                 raise ValueError(f"clipping_groups[{g}] holds a parameter of shape {tuple(p.shape)} that is not the "
                                  "model's")

@@ -346,7 +346,7 @@ def make_private(
             ``force_functorch=True``); "ghost_fsdp", Opacus's name for ghost clipping of a
             model sharded by FSDP2, is "ghost" on such a model.
         clipping: "flat" (one ``max_grad_norm`` over all parameters) or "per_layer" (Opacus's:
-            ``max_grad_norm`` a list, one bound per parameter of the optimizer, in its order).
+            ``max_grad_norm`` a list, one bound per trainable parameter of the optimizer, in its order).
             Under "ghost" each parameter is clipped in the backward pass
             (``GradSampleModuleFastGradientClipping(clipping="groups")``, one backward pass in
             either mode) and the optimizer adds noise for ``sqrt(sum C_l^2)``; under "hooks",
@@ -369,7 +369,7 @@ def make_private(
     Raises:
         ValueError: for a module sharded by FSDP2 under a mode other than "ghost" (or
             "ghost_fsdp" for one that is not), clipping other than "flat" or "per_layer", a list
-            of bounds for "flat" (or not one per optimizer parameter for "per_layer"), a bound
+            of bounds for "flat" (or not one per trainable optimizer parameter for "per_layer"), a bound
             that is not a finite positive number, an unknown
             ``grad_sample_mode``, ``physical_batch_size`` other than a positive integer or
             without Poisson sampling, "ghost" or one process, ``single_backward`` without "ghost", or
@@ -413,7 +413,7 @@ def make_private(
     if clipping not in ("flat", "per_layer"):
         raise ValueError(
             f"clipping={clipping!r} is not supported by dpgrad.opacus.make_private: use 'flat' (one "
-            "max_grad_norm over all parameters) or 'per_layer' (one per parameter of the optimizer)"
+            "max_grad_norm over all parameters) or 'per_layer' (one per trainable parameter of the optimizer)"
         )
     clipping_groups = None
     if clipping == "flat":
@@ -422,11 +422,12 @@ def make_private(
                              "clipping='per_layer' for those")
         max_grad_norm = clipping_bound(max_grad_norm)
     else:
-        # Opacus's per-layer clipping: one bound per parameter of the optimizer, in its order.
-        optimizer_params = [p for group in optimizer.param_groups for p in group["params"]]
+        # Opacus's per-layer clipping: one bound per trainable parameter of the optimizer, in its
+        # order (a frozen one has none; trained later, it is refused as in no group).
+        optimizer_params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         if not isinstance(max_grad_norm, (list, tuple)) or len(max_grad_norm) != len(optimizer_params):
             raise ValueError(
-                f"clipping='per_layer' takes one max_grad_norm per parameter of the optimizer "
+                f"clipping='per_layer' takes one max_grad_norm per trainable parameter of the optimizer "
                 f"({len(optimizer_params)}), not {max_grad_norm!r}"
             )
         max_grad_norm = [clipping_bound(b, f"max_grad_norm[{i}]") for i, b in enumerate(max_grad_norm)]

@@ -66,10 +66,11 @@ def middle_bounds(model, batch, clipping, groups) -> list:
     return [max(float(first[g, max(middle - 1, 0)] + first[g, middle]) / 2, 1e-3) for g in range(first.shape[0])]
 
 
-def check(model, batches, mode, clipping, groups=None, loss_reduction="sum", wrapped=None):
+def check(model, batches, mode, clipping, groups=None, loss_reduction="sum", wrapped=None, between=None):
     """Clip ``batches`` (accumulated) through the wrapper (``wrapped``, or one made here with
     ``middle_bounds``); every group's norms and every ``p.grad`` against the float64
-    reference. Returns the wrapper."""
+    reference; ``between(wrapper)`` is called between each forward and its backward pass.
+    Returns the wrapper."""
     refs = [per_sample_grads(model, x, y, per_sample_loss) for x, y in batches]
     group_of = reference_groups(model, clipping, groups)
     G = max(group_of.values()) + 1
@@ -87,7 +88,10 @@ def check(model, batches, mode, clipping, groups=None, loss_reduction="sum", wra
     scale = {n: 0.0 for n in refs[0]}
     C = torch.tensor(bounds, dtype=torch.float64)[:, None]
     for (x, y), ref in zip(batches, refs):
-        loss_fn(wrapped(x), y).backward()
+        loss = loss_fn(wrapped(x), y)
+        if between is not None:
+            between(wrapped)
+        loss.backward()
         norms = wrapped.per_sample_group_norms
         assert norms.shape == (G, x.shape[0])
         want = group_norms(ref, group_of, G)
@@ -252,6 +256,33 @@ def test_a_group_never_complete_is_clipped_at_the_end_of_the_pass(clipping):
     check(WithUnusedLayer(), batches, "single", *args)
 
 
+@pytest.mark.parametrize("clipping", ["per_block", "per_layer"])
+@pytest.mark.parametrize("mode", MODES)
+def test_zero_grad_between_forward_and_backward_keeps_each_group_whole(mode, clipping):
+    """``zero_grad()`` after the forward pass (the order ``loss = ...; zero_grad(); backward()``)
+    leaves what the wrapper knows of the pass alone: each group is clipped once, whole."""
+    torch.manual_seed(7)
+    g = torch.Generator().manual_seed(11)
+    batches = [(torch.randint(0, 9, (6, 5), generator=g), torch.randint(0, 4, (6,), generator=g))]
+    args = ("groups", per_block) if clipping == "per_block" else ("per_layer",)
+    check(Blocks(), batches, mode, *args, between=lambda wrapped: wrapped.zero_grad())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_crossed_groups_of_layers_of_one_shape(mode):
+    """Two Linear layers of one shape whose weight and bias are in crossed groups (the first
+    block's weight with the second's bias, and the reverse): summed apart, each exact."""
+    torch.manual_seed(7)
+    g = torch.Generator().manual_seed(12)
+    batches = [(torch.randint(0, 9, (6, 5), generator=g), torch.randint(0, 4, (6,), generator=g)) for _ in range(2)]
+    model = Blocks()
+    first, second = model.blocks[0][0], model.blocks[1][0]
+    crossed = [[first.weight, second.bias], [first.bias, second.weight]]
+    rest = [p for p in model.parameters() if all(p is not q for ps in crossed for q in ps)]
+    with clipped_from_norms():
+        check(model, batches, mode, "groups", crossed + [rest])
+
+
 def test_per_block_rule_and_even_split():
     assert per_block("transformer.h.3.attn.c_attn.weight") == "transformer.h.3"
     assert per_block("model.layers.11.mlp.up_proj.lora_A.default.weight") == "model.layers.11"
@@ -273,6 +304,9 @@ def _params(model):
     ("missing", r"trainable parameters \['head.weight', 'head.bias'\] are in no clipping group"),
     ("twice", "parameter 'lin1.weight' is in clipping groups 0 and 1"),
     ("foreign", r"holds a parameter of shape \(3,\) that is not the model.s"),
+    ("not_a_parameter", r"clipping_groups\[0\] holds a int, not a parameter of the model"),
+    ("a_module", r"clipping_groups\[1\] is a Linear: clipping_groups takes lists of parameters"),
+    ("a_dict", "clipping_groups takes a list of lists of parameters .* not a dict"),
     ("tied_apart", "parameter 'emb.weight' is tied to 'out.weight', and the rule puts them in different groups"),
     ("groups_without_groups", "clipping='groups' needs clipping_groups"),
     ("groups_with_flat", "clipping_groups needs clipping='groups'"),
@@ -298,6 +332,12 @@ def test_refusals(case, message):
         kw = dict(clipping="groups", max_grad_norm=[1.0, 1.0], clipping_groups=[list(p.values()), [p["lin1.weight"]]])
     elif case == "foreign":
         kw = dict(clipping="groups", max_grad_norm=[1.0], clipping_groups=[[*p.values(), nn.Parameter(torch.ones(3))]])
+    elif case == "not_a_parameter":
+        kw = dict(clipping="groups", max_grad_norm=[1.0], clipping_groups=[[*p.values(), 3]])
+    elif case == "a_module":
+        kw = dict(clipping="groups", max_grad_norm=[1.0, 1.0], clipping_groups=[list(p.values()), model.lin1])
+    elif case == "a_dict":
+        kw = dict(clipping="groups", max_grad_norm=[1.0], clipping_groups={"all": list(p.values())})
     elif case == "tied_apart":
         model = TiedClassifier()
         kw = dict(clipping="groups", max_grad_norm=[1.0, 1.0], clipping_groups=lambda name: name.split(".")[0])
@@ -329,6 +369,7 @@ def test_a_listed_frozen_parameter_trained_later_is_clipped_with_its_group():
 def test_what_groups_cannot_do_is_refused():
     cfg = NetConfig()
     model = build(cfg, seed=0, freeze=FREEZES["bias"])
+    unwrapped = copy.deepcopy(model)
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
     wrapped = wrap(model, "single", "per_layer", [1.0] * sum(p.requires_grad for p in model.parameters()))
     x, y = make_batch(cfg, B=4, T=3, seed=1)
@@ -339,6 +380,11 @@ def test_what_groups_cannot_do_is_refused():
         wrapped.get_clipping_coef()
     with pytest.raises(ValueError, match="max_grad_norm is the total"):
         wrapped.max_grad_norm = 2.0
+    # A plain backward, in either mode: groups are clipped in one pass, which Opacus's loss cannot.
+    for mode in MODES:
+        plain = wrap(copy.deepcopy(unwrapped), mode, "per_layer", wrapped.max_grad_norms)
+        with pytest.raises(RuntimeError, match="clips by groups, in one backward pass.*cannot clip by groups"):
+            per_sample_loss(plain(x), y).sum().backward()
     # A parameter made trainable after wrapping is in no group: refused before p.grad is touched.
     dict(wrapped._module.named_parameters())[frozen[0]].requires_grad_(True)
     losses = per_sample_loss(wrapped(x), y)
@@ -355,16 +401,20 @@ def test_what_groups_cannot_do_is_refused():
 
 
 # ---------------------------------------------------------------------- make_private
+@pytest.mark.parametrize("frozen", [False, True])
 @pytest.mark.parametrize("mode", ["ghost-single", "ghost-double", "hooks"])
-def test_make_private_per_layer_takes_the_per_parameter_clipped_step(mode):
-    """make_private(clipping="per_layer", max_grad_norm=[one per optimizer parameter]): the step
-    is the per-parameter clipped sum over the expected batch size (noise 0), under ghost
-    clipping (clipped in the backward pass) and hooks (Opacus's per-layer optimizer)."""
+def test_make_private_per_layer_takes_the_per_parameter_clipped_step(mode, frozen):
+    """make_private(clipping="per_layer", max_grad_norm=[one per trainable optimizer parameter],
+    as Opacus counts them: a frozen one in the optimizer has none): the step is the
+    per-parameter clipped sum over the expected batch size (noise 0), under ghost clipping
+    (clipped in the backward pass) and hooks (Opacus's per-layer optimizer)."""
     from opacus import PrivacyEngine
     from torch.utils.data import DataLoader, TensorDataset
 
     cfg = NetConfig()
     model = build(cfg, seed=2)
+    if frozen:
+        model.lin1.bias.requires_grad_(False)
     start = copy.deepcopy(model)
     x, y = make_batch(cfg, B=6, T=3, seed=15)
     ref = per_sample_grads(model, x, y, per_sample_loss)
@@ -386,10 +436,14 @@ def test_make_private_per_layer_takes_the_per_parameter_clipped_step(mode):
     else:
         nn.functional.cross_entropy(logits, y).backward()
     optimizer.step()
-    for n, C, p, q in zip(names, bounds, model.parameters(), start.parameters()):
+    now, before = dict(model.named_parameters()), dict(start.named_parameters())
+    assert len(names) == len(before) - frozen
+    for n, C in zip(names, bounds):
         coef = (C / (norms[n] + 1e-6)).clamp(max=1.0)
-        want = q.detach().double() - torch.einsum("b,b...->...", coef, ref[n]) / 6
-        assert_tensor_close(p.detach(), want, f"{n} after the step ({mode})")
+        want = before[n].detach().double() - torch.einsum("b,b...->...", coef, ref[n]) / 6
+        assert_tensor_close(now[n].detach(), want, f"{n} after the step ({mode})")
+    if frozen:
+        assert torch.equal(now["lin1.bias"], before["lin1.bias"])
 
 
 def test_make_private_per_layer_noise_is_scaled_to_the_total_bound():
@@ -416,8 +470,8 @@ def test_make_private_per_layer_noise_is_scaled_to_the_total_bound():
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(clipping="per_layer", max_grad_norm=1.0), "one max_grad_norm per parameter of the optimizer"),
-    (dict(clipping="per_layer", max_grad_norm=[1.0]), r"one max_grad_norm per parameter of the optimizer \(2\)"),
+    (dict(clipping="per_layer", max_grad_norm=1.0), "one max_grad_norm per trainable parameter of the optimizer"),
+    (dict(clipping="per_layer", max_grad_norm=[1.0]), r"one max_grad_norm per trainable parameter of the optimizer \(2\)"),
     (dict(max_grad_norm=[1.0, 1.0]), "flat clipping takes one max_grad_norm, not a list"),
     (dict(clipping="adaptive", max_grad_norm=1.0), "clipping='adaptive' is not supported"),
 ])

@@ -187,7 +187,7 @@ def test_make_private_default_criterion_follows_loss_reduction():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(clipping="per_layer"), "clipping='per_layer' takes one max_grad_norm per parameter of the optimizer"),
+        (dict(clipping="per_layer"), "clipping='per_layer' takes one max_grad_norm per trainable parameter of the optimizer"),
         (dict(clipping="adaptive"), "clipping='adaptive' is not supported"),
         (dict(max_grad_norm=[1.0, 1.0]), "one max_grad_norm"),
         (dict(grad_sample_mode="ew"), "not supported"),
