@@ -21,28 +21,38 @@
   each row clipped to ``C / n``, so the user moves the gradient by at most ``C``;
 - the noise is ``noise_multiplier``, or the smallest that keeps ``target_epsilon`` over the
   planned steps; Opacus's accountant ("prv" or "rdp") counts every step, ``epsilon`` is in the
-  Trainer's logs, ``privacy_spent()`` returns ``(epsilon, delta)``, and a step that would take
-  epsilon past ``target_epsilon`` is not taken: training stops there. The Trainer's
+  Trainer's logs, ``privacy_spent()`` returns ``(epsilon, delta)`` (epsilon at least 0), and a
+  step that would take epsilon past ``target_epsilon`` is not taken: training stops there;
+- each checkpoint holds the privacy state (``dpgrad_privacy.json``: the accountant's steps, the
+  noise, the sampling, the sampler's generator), and a run resumed from it goes on spending the
+  same budget from the same stream of batches; with ``model_init`` every ``train()``'s model gets
+  a private optimizer and the same accountant. The Trainer's
   ``grad_norm`` (the norm of the gradient before its noise, which is not private) is not logged.
 
 It refuses what would break the guarantee or the accounting (``DPTrainer.__init__``): a
 sampler other than its own (``train_sampling_strategy`` other than "random", an overridden
 ``_get_train_sampler`` or ``get_train_dataloader``), DeepSpeed, FSDP, several GPUs in one
 process (DataParallel), reentrant activation checkpointing, LOMO optimizers, an optimizer holding
-parameters that are not the model's, a dataset without a length, a ``compute_loss_func``
+parameters that are not the model's, a dataset without a length or without rows, a default delta
+of 1 (one row or user), a checkpoint without a sound privacy state, a ``compute_loss_func``
 (the loss clipped is each row's mean token cross-entropy, label-smoothed by
 ``label_smoothing_factor``), and TRL's ``packing``, ``padding_free``, ``loss_type`` other than
 "nll" and ``activation_offloading`` (TRL's ``SFTTrainer`` goes after ``DPTrainer`` in a subclass:
 ``class DPSFTTrainer(DPTrainer, trl.SFTTrainer)``). The Trainer's own clipping of the summed
-gradient (``max_grad_norm``, 1.0 by default) is turned off, with a log line.
+gradient (``max_grad_norm``, 1.0 by default) is turned off, with a log line, in a copy of the
+caller's ``TrainingArguments``.
 
 ``transformers`` is imported here only: the rest of dpgrad does not need it.
 """
 
 from __future__ import annotations
 
+import base64
+import copy
+import json
 import logging
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -60,6 +70,31 @@ logger = logging.getLogger(__name__)
 
 ACCOUNTANTS = ("prv", "rdp")
 IGNORE_INDEX = -100
+# The privacy state saved with each checkpoint (one file per process).
+PRIVACY_STATE = "dpgrad_privacy"
+PRIVACY_FORMAT = "dpgrad-privacy/1"
+
+
+def _privacy_state_problem(state) -> Optional[str]:
+    """What in a loaded privacy state is missing or ill-typed; None if nothing."""
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    if not isinstance(state, dict) or state.get("format") != PRIVACY_FORMAT:
+        return f"not a DPTrainer privacy state (format {PRIVACY_FORMAT!r})"
+    if state.get("accountant") not in ACCOUNTANTS:
+        return f"accountant {state.get('accountant')!r}, not one of {', '.join(ACCOUNTANTS)}"
+    history = state.get("history")
+    if not isinstance(history, list) or not all(
+            isinstance(h, list) and len(h) == 3 and number(h[0]) and h[0] >= 0 and number(h[1]) and 0 < h[1] <= 1
+            and isinstance(h[2], int) and not isinstance(h[2], bool) and h[2] > 0 for h in history):
+        return "a 'history' that is not a list of [noise_multiplier, sample_rate, steps]"
+    for key in ("noise_multiplier", "sample_rate", "target_delta"):
+        if not number(state.get(key)):
+            return f"{key} {state.get(key)!r}, not a number"
+    if not isinstance(state.get("world_size"), int) or not isinstance(state.get("generator"), str):
+        return "no world_size or generator state"
+    return None
 
 
 @dataclass
@@ -210,7 +245,13 @@ class DPTrainer(transformers.Trainer):
     def __init__(self, *args, privacy_args: PrivacyArguments, **kwargs):
         if not isinstance(privacy_args, PrivacyArguments):
             raise TypeError(f"privacy_args must be a dpgrad.hf.PrivacyArguments, not {type(privacy_args).__name__}")
-        _refuse_trl_settings(kwargs.get("args", args[1] if len(args) > 1 else None))
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        _refuse_trl_settings(training_args)
+        if training_args is not None:  # changed below (accumulation, clipping): the caller's stays as it was
+            if "args" in kwargs:
+                kwargs["args"] = copy.copy(training_args)
+            else:
+                args = (args[0], copy.copy(training_args), *args[2:])
         super().__init__(*args, **kwargs)
         self.privacy_args = privacy_args
         self._refuse_what_breaks_the_guarantee()
@@ -227,8 +268,14 @@ class DPTrainer(transformers.Trainer):
         args.gradient_accumulation_steps = 1
         dataset = self.train_dataset
         self._units, self._shares = _units(dataset, privacy_args.user_column)
+        if not self._units:
+            raise ValueError("DPTrainer: the training dataset is empty")
         self.sample_rate = min(1.0, self.expected_batch_size / len(self._units))
         self.target_delta = privacy_args.target_delta or 1 / len(self._units)
+        if self.target_delta >= 1:
+            raise ValueError(f"target_delta defaults to 1 / N, which is {self.target_delta} for N = {len(self._units)} "
+                             f"{'users' if privacy_args.user_column else 'rows'}: a delta of 1 guarantees nothing; "
+                             "give PrivacyArguments.target_delta")
         from opacus.accountants import create_accountant
 
         self.accountant = create_accountant(privacy_args.accountant)
@@ -319,16 +366,21 @@ class DPTrainer(transformers.Trainer):
         return self.optimizer
 
     def _make_private(self, steps: int) -> None:
+        """The optimizer made private, unless it is already (a later ``train()`` of the same
+        model): a new one (``model_init`` builds a new model for each ``train()``) gets the same
+        noise and the same accountant, whose steps count against the budget."""
         from opacus.accountants.utils import get_noise_multiplier
 
-        if self._dp_optimizer is not None:  # a later train(): the same noise, the same accountant
-            return
+        if self._dp_optimizer is not None and self._dp_optimizer in (self.optimizer,
+                                                                     getattr(self.optimizer, "optimizer", None)):
+            return  # as it is, or inside accelerate's wrapper
         self._check_optimizer(self.optimizer)
         privacy = self.privacy_args
         if privacy.target_epsilon is not None:
-            self.noise_multiplier = get_noise_multiplier(
-                target_epsilon=privacy.target_epsilon, target_delta=self.target_delta, sample_rate=self.sample_rate,
-                steps=steps, accountant=privacy.accountant)
+            if self.noise_multiplier is None:
+                self.noise_multiplier = get_noise_multiplier(
+                    target_epsilon=privacy.target_epsilon, target_delta=self.target_delta,
+                    sample_rate=self.sample_rate, steps=steps, accountant=privacy.accountant)
             self.allowed_steps = self._allowed_steps(steps)
         if self.world_size > 1:
             # Noise on rank 0 only, then the ranks' sums added (Opacus's distributed optimizer,
@@ -342,8 +394,73 @@ class DPTrainer(transformers.Trainer):
             expected_batch_size=self.expected_batch_size / self.world_size, loss_reduction="mean")
         optimizer.attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=self.sample_rate))
         self.optimizer = self._dp_optimizer = optimizer
+        if self._wrapper is not None:  # its loss wrapper knows the optimizer: made anew at the next step
+            self._wrapper.remove_hooks()
+            self._wrapper = None
         logger.info("DPTrainer: noise multiplier %.4f, sample rate %.6g, %d planned steps, delta %.3g",
                     self.noise_multiplier, self.sample_rate, steps, self.target_delta)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _privacy_file(self, directory: str) -> str:
+        return os.path.join(directory, f"{PRIVACY_STATE}-rank{self.rank}.json" if self.world_size > 1
+                            else f"{PRIVACY_STATE}.json")
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """The Trainer's checkpoint, and with it the privacy spent (the accountant's steps, the
+        noise, the sampling) and the Poisson sampler's generator: a run resumed from it goes on
+        spending the same budget and drawing fresh batches."""
+        super()._save_checkpoint(model, trial)
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        directory = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        os.makedirs(directory, exist_ok=True)
+        state = {"format": PRIVACY_FORMAT, "accountant": self.privacy_args.accountant,
+                 "history": [list(entry) for entry in self.accountant.history],
+                 "noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate,
+                 "target_delta": self.target_delta, "max_grad_norm": self.privacy_args.max_grad_norm,
+                 "world_size": self.world_size, "rank": self.rank,
+                 "generator": base64.b64encode(self._generator.get_state().numpy().tobytes()).decode("ascii")}
+        with open(self._privacy_file(directory), "w") as f:
+            json.dump(state, f, indent=1)
+
+    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None:
+            self._load_privacy_state(checkpoint)
+
+    def _load_privacy_state(self, checkpoint: str) -> None:
+        """What ``_save_checkpoint`` saved, checked against this run's settings: the accountant's
+        steps, the noise (under ``target_epsilon``, the budget's), the generator's state."""
+        path = self._privacy_file(checkpoint)
+        try:
+            with open(path) as f:
+                state = json.load(f)
+        except FileNotFoundError:
+            raise ValueError(f"checkpoint {checkpoint} holds no privacy state ({os.path.basename(path)}): the "
+                             "privacy spent before it is unknown, so DPTrainer cannot resume from it") from None
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{path}: not a readable privacy state ({exc})") from exc
+        problem = _privacy_state_problem(state)
+        if problem is not None:
+            raise ValueError(f"{path}: {problem}")
+        mine = {"accountant": self.privacy_args.accountant, "sample_rate": self.sample_rate,
+                "target_delta": self.target_delta, "world_size": self.world_size}
+        for key, value in mine.items():
+            if state[key] != value and not (isinstance(value, float) and math.isclose(state[key], value, rel_tol=1e-12)):
+                raise ValueError(f"{path}: the checkpoint's run had {key} {state[key]!r}, this one has {value!r}: "
+                                 "resume with the same dataset, batch size, privacy arguments and processes")
+        try:
+            generator = torch.frombuffer(bytearray(base64.b64decode(state["generator"], validate=True)),
+                                         dtype=torch.uint8)
+            self._generator.set_state(generator.clone())
+        except (ValueError, RuntimeError) as exc:
+            raise ValueError(f"{path}: the sampler's generator state cannot be restored ({exc})") from exc
+        self.accountant.history = [tuple(entry) for entry in state["history"]]
+        if self.privacy_args.target_epsilon is not None:  # the budget was planned with this noise
+            self.noise_multiplier = self._dp_optimizer.noise_multiplier = state["noise_multiplier"]
+            self.allowed_steps = self._allowed_steps(self.state.max_steps)
+        logger.info("DPTrainer: resumed from %s after %d DP steps (epsilon %.4g)", checkpoint, self.steps_taken(),
+                    self.privacy_spent()[0])
 
     def privacy_spent(self) -> Tuple[float, float]:
         """``(epsilon, delta)`` spent by the steps taken so far."""
@@ -351,20 +468,31 @@ class DPTrainer(transformers.Trainer):
             return 0.0, self.target_delta
         if any(noise == 0 for noise, *_ in self.accountant.history):
             return math.inf, self.target_delta  # a step without noise is not private
-        return float(self.accountant.get_epsilon(delta=self.target_delta)), self.target_delta
+        # epsilon is at least 0; the accountants' numerics can go a little below.
+        return max(0.0, float(self.accountant.get_epsilon(delta=self.target_delta))), self.target_delta
 
     def _epsilon_after(self, steps: int) -> float:
+        """epsilon after the steps taken and ``steps`` more at this run's noise and rate."""
         accountant = type(self.accountant)()
-        accountant.history = [(self.noise_multiplier, self.sample_rate, steps)]
+        accountant.history = list(self.accountant.history) + [(self.noise_multiplier, self.sample_rate, steps)]
         return float(accountant.get_epsilon(delta=self.target_delta))
 
     def _allowed_steps(self, planned: int) -> int:
-        """The steps ``target_epsilon`` allows: the planned ones (the noise was chosen for
-        them, within Opacus's 1% tolerance), fewer only if they would spend more."""
+        """The steps in all (those taken included) ``target_epsilon`` allows, at most
+        ``planned``: all of them when the noise was chosen for them (within Opacus's 1%
+        tolerance), fewer if they would spend more (a resumed run planning more steps)."""
         target = self.privacy_args.target_epsilon * 1.01
-        while planned > 0 and self._epsilon_after(planned) > target:
-            planned -= 1
-        return planned
+        taken = self.steps_taken()
+        low, high = 0, max(planned - taken, 0)  # the most more steps: epsilon grows with them
+        if self._epsilon_after(high) <= target:
+            return taken + high
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self._epsilon_after(middle) <= target:
+                low = middle
+            else:
+                high = middle - 1
+        return taken + low
 
     def steps_taken(self) -> int:
         """The DP steps taken (counted by the accountant)."""

@@ -252,6 +252,8 @@ class _Stream(torch.utils.data.IterableDataset):
     ("foreign_optimizer", "not the model's"),
     ("stream", "not an IterableDataset"),
     ("loss_func", "a compute_loss_func would not be the loss it clips"),
+    ("empty", "the training dataset is empty"),
+    ("one_row", "which is 1.0 for N = 1 rows: a delta of 1 guarantees nothing"),
 ])
 def test_refusals(tmp_path, case, message):
     model, data, kw, cls = gpt2(), rows(), {}, DPTrainer
@@ -265,6 +267,10 @@ def test_refusals(tmp_path, case, message):
         data = _Stream()
     elif case == "own_loader":
         cls = _OwnLoader
+    elif case == "empty":
+        data = []
+    elif case == "one_row":
+        data = rows(1)
     args = training_args(tmp_path, **kw)
     if case == "deepspeed":
         args.deepspeed = {"zero_optimization": {"stage": 2}}
@@ -325,6 +331,116 @@ def test_an_empty_poisson_batch_is_a_step_of_noise_alone(tmp_path):
     assert first_batch(t) == []
     t.train()
     assert steps(t) == 1 and all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_the_callers_training_arguments_are_left_as_they_were(tmp_path):
+    args = training_args(tmp_path, max_grad_norm=1.0, gradient_checkpointing=True)
+    t = DPTrainer(model=gpt2(), args=args, train_dataset=rows(), privacy_args=PrivacyArguments(noise_multiplier=1.0))
+    assert (t.args.gradient_accumulation_steps, t.args.max_grad_norm) == (1, 0.0) and t.expected_batch_size == 8
+    assert (args.gradient_accumulation_steps, args.max_grad_norm, args.gradient_checkpointing_kwargs) == (2, 1.0, None)
+    again = DPTrainer(model=gpt2(), args=args, train_dataset=rows(), privacy_args=PrivacyArguments(noise_multiplier=1.0))
+    assert again.expected_batch_size == 8 and again.sample_rate == 8 / 24
+
+
+def test_epsilon_is_never_negative(tmp_path):
+    """Opacus's accountants can give a little below 0 (here -0.5 at delta 0.5): epsilon is 0."""
+    t = trainer(tmp_path, gpt2(), rows(8), max_steps=1,
+                privacy=PrivacyArguments(noise_multiplier=1.0, target_delta=0.5, accountant="prv"))
+    t.train()
+    assert t.privacy_spent() == (0.0, 0.5)
+    assert [e["epsilon"] for e in t.state.log_history if "loss" in e] == [0.0]
+
+
+class _Recording(DPTrainer):
+    """Records the row indices of every logical batch it trains on."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.drawn.append(tuple(inputs.indices))
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+def _recording(tmp_path, privacy, **kw):
+    t = _Recording(model=gpt2(), args=training_args(tmp_path, **kw), train_dataset=rows(12), privacy_args=privacy)
+    t.drawn = []
+    return t
+
+
+@pytest.mark.parametrize("budget", ["noise", "target"])
+def test_resuming_from_a_checkpoint_goes_on_spending_the_same_budget(tmp_path, budget):
+    """A run stopped at a checkpoint and resumed has spent what the uninterrupted run spends
+    (the accountant's steps are in the checkpoint), and its Poisson batches continue the
+    sampler's stream instead of drawing the first ones again. Under target_epsilon, the
+    resumed run keeps the budget's noise and stops where the budget ends, whatever max_steps."""
+    privacy = (PrivacyArguments(noise_multiplier=1.0, accountant="rdp") if budget == "noise"
+               else PrivacyArguments(target_epsilon=1.0, accountant="rdp"))
+    common = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2)  # q = 1/3, 3 steps an epoch
+    whole = _recording(tmp_path / "whole", privacy, max_steps=6, **common)
+    whole.train()
+    first = _recording(tmp_path / "parts", privacy, max_steps=6, save_strategy="steps", save_steps=4, **common)
+    first.train()  # saves at step 4, goes on to 6
+    for extra in (6, 12):  # resumed with the same plan, or a longer one (the budget ends at 6 under the target)
+        resumed = _recording(tmp_path / "parts", privacy, max_steps=extra, **common)
+        resumed.train(resume_from_checkpoint=str(tmp_path / "parts" / "checkpoint-4"))
+        assert steps(resumed) == (6 if budget == "target" else extra)
+        if extra == 6:
+            assert resumed.privacy_spent() == pytest.approx(whole.privacy_spent(), rel=1e-9)
+            assert resumed.noise_multiplier == whole.noise_multiplier
+    if budget == "target":
+        assert 0.9 < whole.privacy_spent()[0] <= 1.0 * 1.01
+    # The draws after the checkpoint come from the sampler's stream where it stood (the Trainer
+    # skips the epoch's draws it had taken), never from its start.
+    sampler = PoissonSampler(whole._units, whole.sample_rate, torch.Generator().manual_seed(whole.args.seed))
+    stream = [tuple(batch) for _ in range(4) for batch in sampler]  # 4 epochs of 3 draws
+    assert whole.drawn == first.drawn == stream[:6]
+    resumed = _recording(tmp_path / "parts", privacy, max_steps=6, **common)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "parts" / "checkpoint-4"))
+    assert len(resumed.drawn) == 2
+    starts = [j for j in range(len(stream) - 1) if stream[j:j + 2] == resumed.drawn]
+    assert starts and starts[0] >= 4, (resumed.drawn, stream)
+
+
+@pytest.mark.parametrize("problem, message", [
+    ("missing", "holds no privacy state"), ("corrupt", "not a readable privacy state"),
+    ("ill_typed", "a 'history' that is not a list"), ("other_rate", "the checkpoint's run had sample_rate"),
+])
+def test_a_checkpoint_without_a_sound_privacy_state_is_refused(tmp_path, problem, message):
+    import json
+
+    privacy = PrivacyArguments(noise_multiplier=1.0)
+    t = trainer(tmp_path, gpt2(), rows(), privacy=privacy, max_steps=1, save_strategy="steps", save_steps=1)
+    t.train()
+    checkpoint = tmp_path / "checkpoint-1"
+    state = checkpoint / "dpgrad_privacy.json"
+    assert json.loads(state.read_text())["history"] == [[1.0, 8 / 24, 1]]
+    kw = {}
+    if problem == "missing":
+        state.unlink()
+    elif problem == "corrupt":
+        state.write_text("{")
+    elif problem == "ill_typed":
+        state.write_text(json.dumps(dict(json.loads(state.read_text()), history=[["1", 0.3, 1]])))
+    elif problem == "other_rate":
+        kw["per_device_train_batch_size"] = 2
+    resumed = trainer(tmp_path, gpt2(), rows(), privacy=privacy, max_steps=2, **kw)
+    with pytest.raises(ValueError, match=message):
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert steps(resumed) == 0
+
+
+def test_each_model_of_model_init_trains_with_a_dp_optimizer_and_one_accountant(tmp_path):
+    """``model_init`` (hyperparameter search) builds a new model and optimizer for every
+    train(): each is made private, and the one accountant counts every run's steps."""
+    from dpgrad.opacus import DPOptimizerFastGradientClipping
+
+    t = DPTrainer(model_init=gpt2, args=training_args(tmp_path, max_steps=2), train_dataset=rows(),
+                  privacy_args=PrivacyArguments(noise_multiplier=1.0))
+    for run in (1, 2):
+        t.train()
+        private = t.optimizer.optimizer  # inside accelerate's wrapper
+        assert isinstance(private, DPOptimizerFastGradientClipping) and private is t._dp_optimizer
+        optimized = {id(p) for group in private.original_optimizer.param_groups for p in group["params"]}
+        assert optimized == {id(p) for p in t.model.parameters()}
+        assert steps(t) == 2 * run
 
 
 # ---------------------------------------------------------------------- TRL's SFTTrainer
