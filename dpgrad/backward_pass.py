@@ -170,7 +170,7 @@ class BackwardPath:
     # What a copy or a pickle of a path leaves out: the state of passes in flight, caches of the
     # model's layout, and autograd nodes (which cannot be copied).
     TRANSIENT = ("_forward_batch", "_forward_seen", "_pass_open", "_edges", "_verified", "_seen_version",
-                 "_seen_layout", "_seen_flags", "_checked", "_unrecorded")
+                 "_seen_layout", "_seen_flags", "_checked", "_unrecorded", "_pass_forwards")
     sharded = None  # the model's FSDP2 parameter groups (dpgrad.fsdp.ShardedParameters)
 
     def __init__(self, model: nn.Module, *, batch_first: bool, loss_reduction: str, check_finite: bool,
@@ -193,9 +193,11 @@ class BackwardPath:
         """What a new path, or a copy, starts with in place of ``TRANSIENT``."""
         self._forward_batch: Optional[int] = None
         self._forward_seen: Set[nn.Module] = set()
-        # Hooked calls of each layer in forward passes whose backward has not recorded them yet
-        # (the wrapper's own count: zero_grad() and user code leave it alone).
-        self._unrecorded: Dict[nn.Module, int] = {}
+        # Per forward pass (its id), the hooked calls of each layer its backward has not recorded
+        # yet: the wrapper's own count (zero_grad() and user code leave it alone), dropped with the
+        # forward passes a backward pass reached once it ends (their graphs are spent).
+        self._unrecorded: Dict[int, Dict[nn.Module, int]] = {}
+        self._pass_forwards: Set[int] = set()  # the forward passes this backward pass reached
         self._pass_open = False
         self._edges = ForwardEdges()
         self._verified = VerifiedLayouts()  # graph layouts found to be clipped throughout
@@ -448,7 +450,8 @@ class BackwardPath:
     def _note_call(self, layer: nn.Module, name: str, params: List[nn.Parameter]) -> None:
         """A hooked call of ``layer`` in this forward pass."""
         self._forward_seen.add(layer)
-        self._unrecorded[layer] = self._unrecorded.get(layer, 0) + 1
+        calls = self._unrecorded.setdefault(self._edges.forward_id, {})
+        calls[layer] = calls.get(layer, 0) + 1
         for p in params:
             p._forward_counter = getattr(p, "_forward_counter", 0) + 1
 
@@ -544,6 +547,7 @@ class BackwardPath:
     def _record(self, layer: nn.Module, params: List[nn.Parameter], activations: list, forward_id: int, grad):
         if not self.hooks_enabled:
             return None
+        self._pass_forwards.add(forward_id)
         if not self._pass_open:
             self._check_trainable_since_forward()
             torch.autograd.Variable._execution_engine.queue_callback(self._close_pass)
@@ -561,7 +565,9 @@ class BackwardPath:
             inputs = activations.copy()
             activations.clear()
             self._edges.consumed(forward_id)
-            self._unrecorded[layer] = max(0, self._unrecorded.get(layer, 0) - 1)
+            calls = self._unrecorded.get(forward_id)
+            if calls:
+                calls[layer] = max(0, calls.get(layer, 0) - 1)
             self.keep(Record(layer, inputs, grad))
             for p in params:
                 p._forward_counter = max(0, p._forward_counter - 1)
@@ -595,16 +601,20 @@ class BackwardPath:
             self._clear_pass()
 
     def _clear_pass(self) -> None:
-        """What a pass leaves behind once finished (or failed): nothing of its own."""
+        """What a pass leaves behind once finished (or failed): nothing of its own, and nothing
+        of the forward passes it reached, whose graphs it spent (a call whose output reached no
+        loss is never recorded)."""
         self._pass_open = False
         self._forward_batch = None
         self._edges.release()
+        for forward_id in self._pass_forwards:
+            self._unrecorded.pop(forward_id, None)
+        self._pass_forwards.clear()
 
     def _abort_pass(self) -> None:
         for p in self.model.parameters():
             if hasattr(p, "_forward_counter"):
                 p._forward_counter = 0
-        self._unrecorded.clear()
         self._clear_pass()
 
     def _check_trainable_since_forward(self) -> None:
@@ -616,6 +626,7 @@ class BackwardPath:
             return
         changed = [f"'{self.param_name(p)}' ({'trainable' if p.requires_grad else 'frozen'} now)"
                    for p, was in zip(params, self._seen_flags) if p.requires_grad != was]
+        self._pass_forwards.add(self._edges.forward_id)
         self._abort_pass()
         raise RuntimeError(
             f"parameters {', '.join(changed)} changed requires_grad between the forward pass and its "

@@ -298,7 +298,8 @@ class ClippingPath(BackwardPath):
 
         def done(g: int) -> bool:
             if g not in complete:
-                complete[g] = not any(self._unrecorded.get(layer) for layer in self._layers_of_group(g))
+                complete[g] = not any(calls.get(layer) for calls in self._unrecorded.values()
+                                      for layer in self._layers_of_group(g))
             return complete[g]
 
         if not all(done(g) for g in self._groups_of_layer(record.layer)):

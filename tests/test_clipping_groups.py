@@ -232,7 +232,16 @@ def test_a_group_is_clipped_as_soon_as_its_records_are_in(clipping, peak):
         wrapped = dpgrad.GradSampleModuleFastGradientClipping(model, loss_reduction="sum", single_backward=True,
                                                               **args)
         criterion(wrapped, "sum")(wrapped(x), y).backward()
-    assert wrapped._path.records_peak == peak
+        assert wrapped._path.records_peak == peak
+        # A backward pass that failed (a parameter frozen after the forward pass) leaves no
+        # count of its forward pass's calls behind: the next pass clips as early.
+        loss = criterion(wrapped, "sum")(wrapped(x), y)
+        model.head.bias.requires_grad_(False)
+        with pytest.raises(RuntimeError, match="changed requires_grad"):
+            loss.backward()
+        model.head.bias.requires_grad_(True)
+        criterion(wrapped, "sum")(wrapped(x), y).backward()
+        assert wrapped._path.records_peak == peak
 
 
 class WithUnusedLayer(Blocks):
