@@ -30,6 +30,7 @@ import math
 import os
 import sys
 import warnings
+import weakref
 from functools import partial
 from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
 
@@ -155,6 +156,16 @@ def refuse_wrapped(m: nn.Module) -> None:
             )
 
 
+class PendingCalls(dict):
+    """One forward pass's hooked calls that its backward pass has not recorded yet (layer ->
+    count). Each of the forward pass's gradient hooks holds it, and the path only weakly: it
+    lasts as long as the forward pass's graph can still be backpropagated through."""
+
+    def __init__(self, forward_id: int):
+        super().__init__()
+        self.forward_id = forward_id
+
+
 class BackwardPath:
     """A model's layers hooked, the records of each backward pass, and the pass finished (see
     the module docstring). Subclasses say what a pass keeps (``keep``) and does with it
@@ -170,7 +181,7 @@ class BackwardPath:
     # What a copy or a pickle of a path leaves out: the state of passes in flight, caches of the
     # model's layout, and autograd nodes (which cannot be copied).
     TRANSIENT = ("_forward_batch", "_forward_seen", "_pass_open", "_edges", "_verified", "_seen_version",
-                 "_seen_layout", "_seen_flags", "_checked", "_unrecorded", "_pass_forwards")
+                 "_seen_layout", "_seen_flags", "_checked", "_unrecorded", "_pending", "_pass_forwards")
     sharded = None  # the model's FSDP2 parameter groups (dpgrad.fsdp.ShardedParameters)
 
     def __init__(self, model: nn.Module, *, batch_first: bool, loss_reduction: str, check_finite: bool,
@@ -195,8 +206,11 @@ class BackwardPath:
         self._forward_seen: Set[nn.Module] = set()
         # Per forward pass (its id), the hooked calls of each layer its backward has not recorded
         # yet: the wrapper's own count (zero_grad() and user code leave it alone), dropped with the
-        # forward passes a backward pass reached once it ends (their graphs are spent).
-        self._unrecorded: Dict[int, Dict[nn.Module, int]] = {}
+        # forward passes a backward pass reached once it ends (their graphs are spent), and with
+        # the last of a forward pass's hooks, which autograd drops with its graph (a forward pass
+        # whose backward never comes).
+        self._unrecorded: "weakref.WeakValueDictionary[int, PendingCalls]" = weakref.WeakValueDictionary()
+        self._pending: Optional[PendingCalls] = None  # the latest forward pass's, until its hooks hold it
         self._pass_forwards: Set[int] = set()  # the forward passes this backward pass reached
         self._pass_open = False
         self._edges = ForwardEdges()
@@ -427,7 +441,7 @@ class BackwardPath:
         self._note_call(layer, name, params)
         self._edges.add(out, layer, inputs, params)
         # Not detached: they are only read under no_grad, and the list is emptied when read.
-        out.register_hook(partial(self._record, layer, params, list(inputs), self._edges.forward_id))
+        out.register_hook(partial(self._record, layer, params, list(inputs), self._pending))
         return None
 
     def _refuse_mapping_output(self, layer: nn.Module, output: dict) -> None:
@@ -450,7 +464,10 @@ class BackwardPath:
     def _note_call(self, layer: nn.Module, name: str, params: List[nn.Parameter]) -> None:
         """A hooked call of ``layer`` in this forward pass."""
         self._forward_seen.add(layer)
-        calls = self._unrecorded.setdefault(self._edges.forward_id, {})
+        calls = self._pending
+        if calls is None or calls.forward_id != self._edges.forward_id:
+            calls = self._pending = PendingCalls(self._edges.forward_id)
+            self._unrecorded[calls.forward_id] = calls
         calls[layer] = calls.get(layer, 0) + 1
         for p in params:
             p._forward_counter = getattr(p, "_forward_counter", 0) + 1
@@ -544,10 +561,11 @@ class BackwardPath:
             )
 
     # ------------------------------------------------------------------ backward
-    def _record(self, layer: nn.Module, params: List[nn.Parameter], activations: list, forward_id: int, grad):
+    def _record(self, layer: nn.Module, params: List[nn.Parameter], activations: list, calls: PendingCalls,
+                grad):
         if not self.hooks_enabled:
             return None
-        self._pass_forwards.add(forward_id)
+        self._pass_forwards.add(calls.forward_id)
         if not self._pass_open:
             self._check_trainable_since_forward()
             torch.autograd.Variable._execution_engine.queue_callback(self._close_pass)
@@ -564,10 +582,8 @@ class BackwardPath:
             # backward: it must not keep the layer's inputs alive with it.
             inputs = activations.copy()
             activations.clear()
-            self._edges.consumed(forward_id)
-            calls = self._unrecorded.get(forward_id)
-            if calls:
-                calls[layer] = max(0, calls.get(layer, 0) - 1)
+            self._edges.consumed(calls.forward_id)
+            calls[layer] = max(0, calls.get(layer, 0) - 1)
             self.keep(Record(layer, inputs, grad))
             for p in params:
                 p._forward_counter = max(0, p._forward_counter - 1)

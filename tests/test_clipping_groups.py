@@ -242,6 +242,15 @@ def test_a_group_is_clipped_as_soon_as_its_records_are_in(clipping, peak):
         model.head.bias.requires_grad_(True)
         criterion(wrapped, "sum")(wrapped(x), y).backward()
         assert wrapped._path.records_peak == peak
+        # Nor does a forward pass whose backward never comes (an evaluation outside no_grad),
+        # once its output is dropped; while it is alive, its calls may still be backpropagated.
+        kept = wrapped(x)
+        criterion(wrapped, "sum")(wrapped(x), y).backward()
+        assert wrapped._path.records_peak == 8
+        del kept
+        wrapped(x)
+        criterion(wrapped, "sum")(wrapped(x), y).backward()
+        assert wrapped._path.records_peak == peak
 
 
 class WithUnusedLayer(Blocks):
