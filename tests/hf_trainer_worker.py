@@ -66,4 +66,33 @@ def ddp_step(rank: int, world: int, noise: float, out: str) -> dict:
             "params": {n: p.detach().clone().numpy() for n, p in model.named_parameters()}}
 
 
-SCENARIOS = {"ddp_step": ddp_step}
+def ddp_resume(rank: int, world: int, out: str) -> dict:
+    """Under DDP, a run of 4 steps saving at step 3, the end of the first epoch (into one output
+    directory, as under torchrun), then a run resumed from that checkpoint: the draws of each, and the weights and
+    epsilon at the end of each."""
+    from dpgrad.hf import DPTrainer, PrivacyArguments
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+
+    class Recording(DPTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            self.drawn.append(list(inputs.indices))
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    privacy = PrivacyArguments(noise_multiplier=0.0, max_grad_norm=0.05, physical_batch_size=2, accountant="rdp")
+    got = {}
+    for run, save, resume in (("first", "steps", None), ("resumed", "no", f"{out}/first/checkpoint-3")):
+        torch.manual_seed(0 if resume is None else 1)  # the resumed run must load the checkpoint's weights
+        model = gpt2()
+        args = training_args(f"{out}/{run}", per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                             seed=5, max_steps=4, save_strategy=save, save_steps=3)
+        t = Recording(model=model, args=args, train_dataset=rows(), privacy_args=privacy)
+        t.drawn = []
+        t.train(resume_from_checkpoint=resume)
+        got[run] = {"drawn": t.drawn, "history": list(t.accountant.history),
+                    "params": {n: p.detach().clone().numpy() for n, p in model.named_parameters()}}
+    got["files"] = sorted(os.listdir(f"{out}/first/checkpoint-3"))
+    return got
+
+
+SCENARIOS = {"ddp_step": ddp_step, "ddp_resume": ddp_resume}

@@ -519,8 +519,10 @@ def ddp(tmp_path_factory):
     from dpgrad.tools.ranks import spawn
 
     out = str(tmp_path_factory.mktemp("ddp"))
-    jobs = [("ddp_step", dict(noise=noise, out=out)) for noise in (0.0, 2.0)]
-    return dict(zip((0.0, 2.0), zip(*spawn(WORLD, jobs, "hf_trainer_worker"))))
+    jobs = [("ddp_step", dict(noise=noise, out=out)) for noise in (0.0, 2.0)] + [("ddp_resume", dict(out=out))]
+    got = dict(zip((0.0, 2.0, "resume"), zip(*spawn(WORLD, jobs, "hf_trainer_worker"))))
+    got["out"] = out
+    return got
 
 
 def test_ddp_step_is_the_one_process_clipped_step_of_the_ranks_batches(ddp):
@@ -564,3 +566,38 @@ def test_ddp_noise_is_added_once_and_accounted_at_the_global_rate(ddp):
     accountant.history = [(sigma, 8 / 24, 1)]
     for got in noisy:
         assert got["epsilon"] == pytest.approx(accountant.get_epsilon(delta=1 / 24), rel=1e-6)
+
+
+def test_ddp_resume_goes_on_with_each_ranks_stream_and_the_privacy_spent(ddp):
+    """Under DDP each rank's checkpoint holds its own privacy state (its sampler's generator);
+    a run resumed from it counts the steps before it, each rank draws on from its own stream,
+    and the step it takes is the clipped step of the ranks' batches from the checkpoint's
+    weights."""
+    from dpgrad.batches import rank_generator
+
+    ranks = ddp["resume"]
+    assert {"dpgrad_privacy-rank0.json", "dpgrad_privacy-rank1.json"} <= set(ranks[0]["files"])
+    taken = []
+    for rank, got in enumerate(ranks):
+        first, resumed = got["first"], got["resumed"]
+        assert len(first["drawn"]) == 4 and len(resumed["drawn"]) == 1
+        assert resumed["history"] == first["history"] and sum(n for *_, n in resumed["history"]) == 4
+        units = [[i] for i in range(24)][rank::WORLD]
+        sampler = PoissonSampler(units, 8 / 24, rank_generator(5, rank))
+        assert len(sampler) == 3  # the checkpoint ends the first epoch
+        stream = [list(batch) for _ in range(3) for batch in sampler]
+        assert first["drawn"] == stream[:4]
+        # The second epoch goes on with the stream (a fresh generator would draw the first
+        # epoch's batches again).
+        assert resumed["drawn"] == first["drawn"][3:]
+        taken += resumed["drawn"][0]
+    for n, p in ranks[0]["resumed"]["params"].items():
+        assert (p == ranks[1]["resumed"]["params"][n]).all(), n
+        # The uninterrupted run's last step, from the same weights on the same batches.
+        torch.testing.assert_close(p, ranks[0]["first"]["params"][n], rtol=1e-6, atol=1e-7, msg=n)
+    at_checkpoint = transformers.GPT2LMHeadModel.from_pretrained(f"{ddp['out']}/first/checkpoint-3").train()
+    names = [n for n, _ in at_checkpoint.named_parameters()]
+    expected = reference_step(at_checkpoint, rows(), taken, lr=0.5, max_grad_norm=0.05, expected=8)
+    for n, q in zip(names, expected.parameters()):
+        torch.testing.assert_close(torch.from_numpy(ranks[0]["resumed"]["params"][n]), q.detach(), rtol=1e-5,
+                                   atol=1e-6, msg=n)
