@@ -214,6 +214,7 @@ def test_layers_of_one_shape_in_different_groups(mode, clipping, policy):
         check(model, batches, mode, *args)
 
 
+@pytest.mark.skipif(BACKEND_PASS, reason="which records are held does not depend on the kernels")
 @pytest.mark.parametrize("clipping, peak", [("flat", 8), ("per_block", 3), ("per_layer", 1)])
 def test_a_group_is_clipped_as_soon_as_its_records_are_in(clipping, peak):
     """Single backward keeps a pass's records (each layer's inputs and backprops) until their
