@@ -8,6 +8,8 @@ import os
 import torch
 import transformers
 
+from dpgrad.hf import DPTrainer, PrivacyArguments
+
 SEQ = 10
 
 
@@ -40,19 +42,30 @@ def training_args(tmp_path, **kw):
     return transformers.TrainingArguments(output_dir=str(tmp_path), **kw)
 
 
+class Recording(DPTrainer):
+    """DPTrainer recording each logical batch it trains on (its row indices, ``drawn``) and the
+    type of the model it steps (``stepped``: the Trainer's wrapper, under DDP)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.drawn: list = []
+        self.stepped = None
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.drawn.append(list(inputs.indices))
+        self.stepped = type(model).__name__
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+def _as_rank(rank: int, world: int) -> None:
+    """This process as rank ``rank`` of ``world``, as torchrun starts it."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+
+
 def ddp_step(rank: int, world: int, noise: float, out: str) -> dict:
     """One DPTrainer step under DDP (the Trainer's own, as under torchrun): this rank's logical
     batch, its physical batches, and the weights after the step."""
-    from dpgrad.hf import DPTrainer, PrivacyArguments
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    seen = {}
-
-    class Recording(DPTrainer):
-        def training_step(self, model, inputs, num_items_in_batch=None):
-            seen.update(indices=list(inputs.indices), model=type(model).__name__)
-            return super().training_step(model, inputs, num_items_in_batch)
-
+    _as_rank(rank, world)
     torch.manual_seed(0)  # the same weights on every rank (DDP broadcasts rank 0's anyway)
     model = gpt2()
     privacy = PrivacyArguments(noise_multiplier=noise, max_grad_norm=0.05, physical_batch_size=2)
@@ -60,7 +73,8 @@ def ddp_step(rank: int, world: int, noise: float, out: str) -> dict:
                          gradient_accumulation_steps=1, seed=5)
     t = Recording(model=model, args=args, train_dataset=rows(), privacy_args=privacy)
     t.train()
-    return {"indices": seen["indices"], "model": seen["model"], "world_size": t.world_size,
+    (indices,) = t.drawn
+    return {"indices": indices, "model": t.stepped, "world_size": t.world_size,
             "sample_rate": t.sample_rate, "expected_batch_size": t.expected_batch_size,
             "optimizer": type(t._dp_optimizer).__name__, "epsilon": t.privacy_spent()[0],
             "params": {n: p.detach().clone().numpy() for n, p in model.named_parameters()}}
@@ -68,17 +82,9 @@ def ddp_step(rank: int, world: int, noise: float, out: str) -> dict:
 
 def ddp_resume(rank: int, world: int, out: str) -> dict:
     """Under DDP, a run of 4 steps saving at step 3, the end of the first epoch (into one output
-    directory, as under torchrun), then a run resumed from that checkpoint: the draws of each, and the weights and
-    epsilon at the end of each."""
-    from dpgrad.hf import DPTrainer, PrivacyArguments
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-
-    class Recording(DPTrainer):
-        def training_step(self, model, inputs, num_items_in_batch=None):
-            self.drawn.append(list(inputs.indices))
-            return super().training_step(model, inputs, num_items_in_batch)
-
+    directory, as under torchrun), then a run resumed from that checkpoint: the draws of each,
+    and its accountant's steps and weights at the end."""
+    _as_rank(rank, world)
     privacy = PrivacyArguments(noise_multiplier=0.0, max_grad_norm=0.05, physical_batch_size=2, accountant="rdp")
     got = {}
     for run, save, resume in (("first", "steps", None), ("resumed", "no", f"{out}/first/checkpoint-3")):
@@ -87,7 +93,6 @@ def ddp_resume(rank: int, world: int, out: str) -> dict:
         args = training_args(f"{out}/{run}", per_device_train_batch_size=4, gradient_accumulation_steps=1,
                              seed=5, max_steps=4, save_strategy=save, save_steps=3)
         t = Recording(model=model, args=args, train_dataset=rows(), privacy_args=privacy)
-        t.drawn = []
         t.train(resume_from_checkpoint=resume)
         got[run] = {"drawn": t.drawn, "history": list(t.accountant.history),
                     "params": {n: p.detach().clone().numpy() for n, p in model.named_parameters()}}

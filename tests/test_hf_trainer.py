@@ -20,7 +20,7 @@ from opacus.accountants import PRVAccountant, RDPAccountant  # noqa: E402
 
 import dpgrad.opacus  # noqa: E402
 from dpgrad.hf import DPTrainer, PoissonSampler, PrivacyArguments  # noqa: E402
-from hf_trainer_worker import SEQ, gpt2, rows, training_args  # noqa: E402
+from hf_trainer_worker import SEQ, Recording, gpt2, rows, training_args  # noqa: E402
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -351,18 +351,8 @@ def test_epsilon_is_never_negative(tmp_path):
     assert [e["epsilon"] for e in t.state.log_history if "loss" in e] == [0.0]
 
 
-class _Recording(DPTrainer):
-    """Records the row indices of every logical batch it trains on."""
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        self.drawn.append(tuple(inputs.indices))
-        return super().training_step(model, inputs, num_items_in_batch)
-
-
 def _recording(tmp_path, privacy, **kw):
-    t = _Recording(model=gpt2(), args=training_args(tmp_path, **kw), train_dataset=rows(12), privacy_args=privacy)
-    t.drawn = []
-    return t
+    return Recording(model=gpt2(), args=training_args(tmp_path, **kw), train_dataset=rows(12), privacy_args=privacy)
 
 
 @pytest.mark.parametrize("budget", ["noise", "target"])
@@ -387,7 +377,7 @@ def test_resuming_from_a_checkpoint_goes_on_spending_the_same_budget(tmp_path, b
     # The draws after the checkpoint come from the sampler's stream where it stood (the Trainer
     # skips the epoch's draws it had taken), never from its start.
     sampler = PoissonSampler(first._units, first.sample_rate, torch.Generator().manual_seed(first.args.seed))
-    stream = [tuple(batch) for _ in range(4) for batch in sampler]  # 4 epochs of 3 draws
+    stream = [list(batch) for _ in range(4) for batch in sampler]  # 4 epochs of 3 draws
     assert first.drawn == stream[:6] and len(resumed.drawn) == 2
     starts = [j for j in range(len(stream) - 1) if stream[j:j + 2] == resumed.drawn]
     assert starts and starts[0] >= 4, (resumed.drawn, stream)
