@@ -155,7 +155,7 @@ def _by_lists(model: nn.Module, groups) -> tuple:
         raise ValueError(f"clipping_groups takes a list of lists of parameters (one list per group) or a rule on "
                          f"names, not a {type(groups).__name__}")
     for g, group in enumerate(groups):
-        if isinstance(group, (nn.Parameter, torch.Tensor, nn.Module)) or not isinstance(group, Iterable):
+        if isinstance(group, (torch.Tensor, nn.Module)) or not isinstance(group, Iterable):
             raise ValueError(f"clipping_groups[{g}] is a {type(group).__name__}: clipping_groups takes lists of "
                              "parameters (one list per group)")
         params = list(group)
