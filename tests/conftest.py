@@ -15,3 +15,23 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("DPGRAD_TUNE", "off")
 os.environ["DPGRAD_TUNE_DIR"] = tempfile.mkdtemp(prefix="dpgrad-tune-")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _cuda_error_ends_the_process():
+    """A CUDA error such as an illegal address is sticky: every later test of this process
+    would fail with it and hide which test caused it. After each test on a GPU, synchronise;
+    on an error, end the process (pytest-xdist reports the test as crashed and starts a fresh
+    worker), so the failures that follow are each test's own."""
+    yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        try:
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - any CUDA error leaves the context unusable
+            import sys
+
+            print(f"\nCUDA error after this test, ending the process: {exc}", file=sys.stderr, flush=True)
+            os._exit(3)
