@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call, grad, vmap
 
+from dpgrad.backend import first_line, layer_name
+
 
 def _meta_copy(layer: nn.Module) -> nn.Module:
     """A deep copy of ``layer`` whose parameters live on the meta device (no weight copies)."""
@@ -115,5 +117,19 @@ def ft_compute_per_sample_gradient(
     ]
     compute = layer.ft_compute_sample_grad
     compute.follow(layer)
-    grads = compute(params, acts, backprops)
+    try:
+        grads = compute(params, acts, backprops)
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as exc:
+        if "vmap" not in str(exc):
+            raise
+        raise RuntimeError(
+            f"layer {layer_name(layer)} has no per-sample gradient sampler, so torch.func computes its "
+            f"per-sample gradients by running its forward on one sample at a time under vmap, and that "
+            f"forward cannot run so ({first_line(exc)}): it depends on the values of its inputs (a "
+            "mixture-of-experts layer picks each expert's tokens by index, with nonzero, where or .item()). "
+            "Freeze the layer (requires_grad_(False)) and train the others (or adapters such as LoRA), or "
+            "register a grad sampler for its type (dpgrad.register_grad_sampler)."
+        ) from exc
     return {params[name]: g for name, g in grads.items()}
