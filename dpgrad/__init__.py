@@ -10,6 +10,7 @@ from . import samplers  # noqa: F401  (registers the built-in samplers)
 from .fast_gradient_clipping import GradSampleModuleFastGradientClipping, GradSampleModuleFastGradientClippingFSDP
 from .grad_sample_module import GradSampleModule
 from .guarantee import UnclippedGradientError
+from .independence import SampleMixingError
 from .loss import DPLossFastGradientClipping, DPTensorFastGradientClipping
 from .registry import (
     CLIPPED_SUM_SAMPLERS,
@@ -31,6 +32,7 @@ __all__ = [
     "GradSampleModule",
     "GradSampleModuleFastGradientClipping",
     "GradSampleModuleFastGradientClippingFSDP",
+    "SampleMixingError",
     "UnclippedGradientError",
     "register_clipped_sum_sampler",
     "register_grad_sampler",

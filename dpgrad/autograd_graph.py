@@ -26,6 +26,8 @@ from typing import Dict, List, Optional
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
+from dpgrad.guarantee import sequence_number
+
 
 def mark_output(out: torch.Tensor, mark: object, forward_id: int = 0) -> None:
     """Mark the node that produced ``out`` (before any later in-place change of ``out``) as
@@ -71,6 +73,8 @@ class ForwardEdges:
         self._ambiguous = False
         self.calls: List[tuple] = []  # (layer, output node, inputs, parameters) of this forward
         self.outputs: List[Node] = []  # the model's output nodes, once the forward has ended
+        self.output_edges: List[GradientEdge] = []  # and their edges, with the outputs' shapes
+        self.output_shapes: List[tuple] = []
         self.output_seq = 0  # the largest sequence number among them
 
     def begin_forward(self) -> None:
@@ -79,8 +83,7 @@ class ForwardEdges:
         self.forward_id += 1
         self._edges = []
         self.calls = []
-        self.outputs = []
-        self.output_seq = 0
+        self.set_outputs([])
         self._consumed = False
 
     def add(self, out: torch.Tensor, layer, inputs, params) -> None:
@@ -88,6 +91,17 @@ class ForwardEdges:
         mark_output(out, self.mark, self.forward_id)
         self._edges.append(GradientEdge(out.grad_fn, out.output_nr))
         self.calls.append((layer, out.grad_fn, inputs, params))
+
+    def set_outputs(self, tensors: List[torch.Tensor]) -> None:
+        """The model's outputs (tensors with a graph) at the end of the forward pass."""
+        self.outputs = [t.grad_fn for t in tensors]
+        self.output_edges = [GradientEdge(t.grad_fn, t.output_nr) for t in tensors]
+        self.output_shapes = [tuple(t.shape) for t in tensors]
+        self.output_seq = max((sequence_number(node) for node in self.outputs), default=0)
+
+    def all_edges(self) -> List[GradientEdge]:
+        """The edges of every hooked output of the latest forward pass."""
+        return list(self._edges)
 
     def marked_elsewhere(self, node: Node) -> bool:
         """Whether ``node`` is a hooked output of another forward pass than the latest."""
@@ -106,7 +120,7 @@ class ForwardEdges:
     def release(self) -> None:
         if self._consumed:
             self._edges = []
-            self.outputs = []
+            self.set_outputs([])
 
     def targets(self, root: Node) -> List[GradientEdge]:
         """The edges a norm pass from ``root`` must ask autograd for (see the module docstring)."""

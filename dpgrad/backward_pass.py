@@ -6,7 +6,8 @@ the model. A forward pass begins at the model's pre-hook (``begin_forward``: the
 hooked anew if its trainable parameters or modules changed), every call of a layer with
 trainable parameters of its own, whatever its mode, puts a gradient hook on its output
 (``_on_layer_call``), and the model's post-hook ends it (``end_forward``: the guarantee's check
-of its graph, when its layout is new, ``dpgrad.guarantee``). A backward pass opens at its
+of its graph, ``dpgrad.guarantee``, and the independence probe, ``dpgrad.independence``, when its
+layout is new). A backward pass opens at its
 first recorded layer (``_open_pass``), keeps each layer's ``Record`` of inputs and backprops
 (``keep``), and closes after its last hook (``_close_pass``: ``finish``, then ``_clear_pass``);
 a forward pass that finds one still open (a backward that raised) clears it. What ``keep``
@@ -45,7 +46,6 @@ from dpgrad.fsdp import sharded_modules
 from dpgrad.guarantee import (
     VerifiedLayouts,
     input_nodes,
-    nodes_of,
     sequence_number,
     structure_version,
     tensors_in,
@@ -53,6 +53,7 @@ from dpgrad.guarantee import (
     uncovered_uses,
     watch_structure,
 )
+from dpgrad.independence import Draws, Probe, model_mixing_error, output_batch_dim
 from dpgrad.samplers import ft_compute_per_sample_gradient, prepare_layer
 from dpgrad.samplers.functorch import _first_tensor
 from dpgrad.samplers.groups import Record
@@ -181,17 +182,19 @@ class BackwardPath:
     # What a copy or a pickle of a path leaves out: the state of passes in flight, caches of the
     # model's layout, and autograd nodes (which cannot be copied).
     TRANSIENT = ("_forward_batch", "_forward_seen", "_pass_open", "_edges", "_verified", "_seen_version",
-                 "_seen_layout", "_seen_flags", "_checked", "_unrecorded", "_pending", "_pass_forwards")
+                 "_seen_layout", "_seen_flags", "_checked", "_unrecorded", "_pending", "_pass_forwards",
+                 "_probing", "_draws", "_unprobed")
     sharded = None  # the model's FSDP2 parameter groups (dpgrad.fsdp.ShardedParameters)
 
     def __init__(self, model: nn.Module, *, batch_first: bool, loss_reduction: str, check_finite: bool,
-                 force_functorch: bool, strict: bool):
+                 force_functorch: bool, strict: bool, check_independence: bool = True):
         if loss_reduction not in ("sum", "mean"):
             raise ValueError(f"loss_reduction = {loss_reduction!r}: only 'sum' and 'mean' are supported")
         refuse_wrapped(model)
         self.model = model
         self.batch_first, self.loss_reduction, self.check_finite = batch_first, loss_reduction, check_finite
         self.force_functorch, self.strict = force_functorch, strict
+        self.check_independence = bool(check_independence)
         self.hooks_enabled = False
         self.grad_accumulation_allowed = True  # Opacus's flag, read by GradSamplePath
         self.handles: list = []  # every hook on the model (the wrappers' autograd_grad_sample_hooks)
@@ -220,6 +223,9 @@ class BackwardPath:
         self._seen_layout: tuple = ((), ())  # (modules, parameters) of the root then
         self._seen_flags: Optional[list] = None  # their requires_grad then
         self._checked: set = set()  # the trainable parameters the guarantee's check covers
+        self._probing: Optional[Probe] = None  # the independence probe in flight (its hooks record nothing)
+        self._draws = Draws()
+        self._unprobed: Optional[int] = None  # a forward pass of a new layout not probed yet
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k not in self.TRANSIENT}
@@ -480,17 +486,20 @@ class BackwardPath:
         new (``dpgrad.guarantee``)."""
         edges = self._edges
         calls, edges.calls = edges.calls, []
-        edges.outputs = nodes_of(tensors_in(output))
+        tensors = [t for t in tensors_in(output) if t.grad_fn is not None]
+        edges.set_outputs(tensors)
         if not calls or not edges.outputs:
             return
-        edges.output_seq = max(sequence_number(node) for node in edges.outputs)
         key = (self._scan_version, tuple(call[0] for call in calls), edges.output_seq - sequence_number(calls[0][1]))
         if key not in self._verified:
-            self._verify(key, edges.outputs, calls, edges.marked_elsewhere)
+            self._verify(edges.outputs, calls, edges.marked_elsewhere)
+            if self.check_independence and not (self.probes_model_at_forward() and self._probe_model(tensors)):
+                self._unprobed = edges.forward_id  # the loss's probe takes the model too
+            self._verified.add(key)
 
-    def _verify(self, key: tuple, roots: list, calls: list, stop: Callable, in_loss: bool = False) -> None:
+    def _verify(self, roots: list, calls: list, stop: Callable, in_loss: bool = False) -> None:
         """Raise ``UnclippedGradientError`` if a trainable parameter is reached from ``roots``
-        other than through the hooked ``calls``; else remember ``key`` as clean."""
+        other than through the hooked ``calls``."""
         canonical = None
         if self.sharded is not None:  # the graph holds FSDP's unsharded copies
             canonical = lambda t: self.sharded.canonical((t,))[0]  # noqa: E731
@@ -501,7 +510,44 @@ class BackwardPath:
             names.update(self._param_names)
             raise unclipped_error(self.UNCLIPPED, uses, names, self._owners, self.layer_names,
                                   {call[0] for call in calls}, in_loss)
-        self._verified.add(key)
+
+    @property
+    def batch_dim(self) -> int:
+        return 0 if self.batch_first else 1
+
+    def probes_model_at_forward(self) -> bool:
+        """Whether the model's probe runs at the end of a forward pass of a new layout (else the
+        probe of the per-sample losses, in a backward pass dpgrad runs, takes the model too)."""
+        return True
+
+    def _probe_model(self, outputs: List[torch.Tensor]) -> bool:
+        """The model's independence probe (``dpgrad.independence``): one backward pass from the
+        model's outputs, a random vector on one sample's rows, to this forward pass's hooked
+        outputs, whose hooks check that no other row got a gradient. Raises
+        ``SampleMixingError`` naming the layers that did; False where no output holds the batch
+        where it can be told (nothing probed)."""
+        B = self._forward_batch
+        if B is None or B < 2:
+            return True  # nothing to mix
+        placed = [(t, output_batch_dim(t, B, self.batch_first)) for t in outputs
+                  if t.requires_grad and t.is_floating_point()]
+        placed = [(t, d) for t, d in placed if d is not None]
+        targets = self._edges.all_edges()
+        if not placed or not targets:
+            return False
+        probe = Probe(self._draws.samples(range(B)), B, self.batch_dim)
+        outputs = [t for t, _ in placed]
+        vectors = [self._draws.row_vector(t, probe.samples, d) for t, d in placed]
+        with region("dpgrad.independence_probe"):
+            self._probing = probe
+            try:
+                torch.autograd.grad(outputs, targets, vectors, retain_graph=True, allow_unused=True)
+            finally:
+                self._probing = None
+            offenders = probe.offenders()
+        if offenders:
+            raise model_mixing_error(probe, offenders)
+        return True
 
     def _visit_node(self, node) -> None:
         """Called on every node the guarantee's check walks; a path raises for nodes it cannot
@@ -563,6 +609,10 @@ class BackwardPath:
     # ------------------------------------------------------------------ backward
     def _record(self, layer: nn.Module, params: List[nn.Parameter], activations: list, calls: PendingCalls,
                 grad):
+        if self._probing is not None:  # an independence probe: read the backprops, record nothing
+            if self._probing.hooks:
+                self._probing.observe(f"layer '{self.layer_names.get(layer, '?')}' ({type(layer).__name__})", grad)
+            return None
         if not self.hooks_enabled:
             return None
         self._pass_forwards.add(calls.forward_id)

@@ -37,6 +37,8 @@ from dpgrad import registry
 from dpgrad.backward_pass import BackwardPath, FiniteCheck, region
 from dpgrad.fsdp import ShardedParameters
 from dpgrad.guarantee import sequence_number
+from dpgrad.independence import OUTPUT, Probe, describe_output, hooked_edges_reached, loss_mixing_error, \
+    model_mixing_error
 from dpgrad.kernels import reference
 from dpgrad.samplers.groups import Coefficients, GradSampleGroup, Group, Record, SamplerGroup, group_records
 
@@ -161,6 +163,7 @@ class ClippingPath(BackwardPath):
         # pass of sum_b c_b loss_b has one coefficient per sample, not one per sample and group.
         self.ghost, self.single_backward = ghost, single_backward or clip_groups is not None
         self.clip_groups = clip_groups
+        self._clipped_seen = False  # whether clipped_backward ran (then it probes new layouts)
         super().__init__(model, **settings)
 
     def _init_transient(self) -> None:
@@ -619,7 +622,8 @@ class ClippingPath(BackwardPath):
                 "the loss depends on no layer this wrapper hooked: run the forward pass through "
                 "the wrapper with hooks enabled and gradients on"
             )
-        self._verify_loss(loss_per_sample)
+        self._verify_loss(loss_per_sample, targets)
+        self._clipped_seen = True
         if loss_per_sample.shape[0] == 1 and self._one_sample_is_plain():
             return self._clip_one_sample(reduced, max_grad_norm)
         self._norm_pass = NormPass.KEEP_FOR_CLIPPING if self.single_backward else NormPass.NORMS_ONLY
@@ -702,15 +706,65 @@ class ClippingPath(BackwardPath):
         out.backward(self._constant(1.0, out))
         return self.pass_norm
 
-    def _verify_loss(self, loss_per_sample: torch.Tensor) -> None:
-        """The guarantee's check of the graph between the loss and the model's outputs (the
-        model's own graph is checked at the end of its forward pass), when its layout is new."""
+    def _verify_loss(self, loss_per_sample: torch.Tensor, targets: list) -> None:
+        """The guarantee's checks of the graph between the loss and the model's outputs (the
+        model's own graph is checked at the end of its forward pass), when its layout is new:
+        every parameter it reaches clipped, and each loss its own sample's (``_probe_loss``,
+        through the model too where its probe is still to come)."""
         edges = self._edges
         root = loss_per_sample.grad_fn
         outputs = set(edges.outputs)
         key = (self._scan_version, "loss", sequence_number(root) - edges.output_seq, bool(outputs))
-        if key not in self._verified:
-            self._verify(key, [root], [], lambda node: node in outputs or edges.marked(node), in_loss=True)
+        if key not in self._verified or self._unprobed is not None:
+            self._verify([root], [], lambda node: node in outputs or edges.marked(node), in_loss=True)
+            if self.check_independence:
+                self._probe_loss(loss_per_sample, outputs, targets if self._unprobed is not None else [])
+            self._unprobed = None
+            self._verified.add(key)
+
+    def probes_model_at_forward(self) -> bool:
+        # Once clipped_backward has been seen, its probe of the per-sample losses takes the
+        # model too: one extra backward pass per new layout, not two.
+        return not self._clipped_seen
+
+    def _probe_loss(self, loss_per_sample: torch.Tensor, outputs: set, through: list) -> None:
+        """The loss's independence probe (``dpgrad.independence``): the gradient of one
+        sample's loss at the model's outputs, and at the hooked outputs the loss reads without
+        passing through them, must be zero on every other sample's rows; with ``through`` (the
+        hooked outputs the norm pass asks for), also at every hooked layer's output on the way
+        (the model's probe, on a layout it has not had). Raises ``SampleMixingError``."""
+        B = loss_per_sample.shape[0]
+        if B < 2:
+            return
+        edges = self._edges
+        inner = hooked_edges_reached(loss_per_sample.grad_fn, outputs, edges.mark)
+        targets = edges.output_edges + inner + list(through)
+        if not targets:
+            return
+        # A sample whose loss weighs something (a padded batch's padding rows weigh zero).
+        weighed = (loss_per_sample.detach() != 0).nonzero().flatten().tolist() or list(range(B))
+        # The hooks read the backprops of the hooked outputs the loss reaches; the model's
+        # outputs are read below.
+        probe = Probe(self._draws.samples(weighed), B, self.batch_dim, hooks=bool(inner or through))
+        weights = torch.zeros_like(loss_per_sample)
+        weights[probe.samples] = 1
+        with region("dpgrad.independence_probe"):
+            self._probing = probe
+            try:
+                grads = torch.autograd.grad(loss_per_sample, targets, weights, retain_graph=True, allow_unused=True)
+            finally:
+                self._probing = None
+            count = len(edges.output_edges)
+            for i, (grad, shape) in enumerate(zip(grads, edges.output_shapes)):
+                if grad is not None and tuple(grad.shape) == shape:
+                    probe.observe_output(describe_output(grad, i, count), grad)
+            offenders = probe.offenders()
+        if offenders:
+            at_outputs = [(w, rows) for w, rows in offenders if w.startswith(OUTPUT)]
+            if at_outputs:
+                raise loss_mixing_error(probe, at_outputs)
+            # The outputs are clean: layers read by the loss directly (``inner``), or the model.
+            raise model_mixing_error(probe, offenders) if through else loss_mixing_error(probe, offenders)
 
     def _add_clipped_gradients(self, coef: Optional[torch.Tensor]) -> None:
         """``p.grad += sum_b c_b g_b`` for every parameter the norm pass reached.

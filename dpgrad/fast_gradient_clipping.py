@@ -63,6 +63,11 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         clipping_groups: for "groups": lists of parameters (every trainable parameter in one),
             or a rule from a parameter's qualified name to its group's label, such as
             ``dpgrad.clipping_groups.per_block`` (one group per transformer block).
+        check_independence: as for ``GradSampleModule``; ``clipped_backward`` (and so
+            ``DPLossFastGradientClipping``) also probes the loss, once per layout of it: one
+            sample's loss must depend on that sample's rows of the model's outputs alone, else
+            ``SampleMixingError`` says whether the losses are in another order than the batch
+            or the loss mixes samples.
     """
 
     use_ghost_clipping = _delegated("ghost", "Norms without per-sample gradients where a norm sampler exists.")
@@ -79,6 +84,7 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         max_grad_norm: float = 1,
         use_ghost_clipping: bool = True,
         check_finite: bool = True,
+        check_independence: bool = True,
         single_backward: bool = False,
         clipping: str = "flat",
         clipping_groups=None,
@@ -97,7 +103,8 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
                 raise ValueError(f"clipping={clipping!r} is not available on a model sharded by FSDP2 yet: use "
                                  "flat clipping, or DistributedDataParallel")
         self._wrap(m, ClippingPath(m, batch_first=batch_first, loss_reduction=loss_reduction,
-                                   check_finite=check_finite, force_functorch=force_functorch, strict=strict,
+                                   check_finite=check_finite, check_independence=check_independence,
+                                   force_functorch=force_functorch, strict=strict,
                                    ghost=use_ghost_clipping, single_backward=single_backward, clip_groups=groups))
         self.clipping = clipping
         self.max_grad_norms = None if groups is None else list(groups.bounds)
@@ -199,7 +206,7 @@ class GradSampleModuleFastGradientClippingFSDP(GradSampleModuleFastGradientClipp
 
     def __init__(self, m: nn.Module, *, batch_first: bool = True, loss_reduction: str = "mean",
                  strict: bool = True, max_grad_norm: float = 1, check_finite: bool = True,
-                 single_backward: bool = False):
+                 check_independence: bool = True, single_backward: bool = False):
         if not sharded_modules(m):
             raise ValueError(
                 "GradSampleModuleFastGradientClippingFSDP takes a model sharded by FSDP2: call "
@@ -207,4 +214,4 @@ class GradSampleModuleFastGradientClippingFSDP(GradSampleModuleFastGradientClipp
             )
         super().__init__(m, batch_first=batch_first, loss_reduction=loss_reduction, strict=strict,
                          max_grad_norm=max_grad_norm, use_ghost_clipping=True, check_finite=check_finite,
-                         single_backward=single_backward)
+                         check_independence=check_independence, single_backward=single_backward)

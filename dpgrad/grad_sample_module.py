@@ -120,6 +120,11 @@ class GradSampleModule(nn.Module):
         force_functorch: compute every layer through torch.func, not the registered samplers.
         check_finite: raise, naming the layer, when a per-sample gradient (or norm) is not
             finite. dpgrad's own keyword; pass False to turn the check off.
+        check_independence: verify that each sample's rows are its own
+            (``dpgrad.independence``): on the first forward pass of each layout, one backward
+            pass from one sample's outputs must reach no other sample's rows of any hooked
+            layer, else ``SampleMixingError`` names the layers. dpgrad's own keyword; False
+            gives up the check (for a model known to be per-sample).
     """
 
     batch_first = _delegated("batch_first", "Inputs are [B, ...] if True, [K, B, ...] if False.")
@@ -127,6 +132,8 @@ class GradSampleModule(nn.Module):
     force_functorch = _delegated("force_functorch", "Every layer through torch.func.")
     strict = _delegated("strict", "Whether trainable layers with buffers are refused (else skipped).")
     check_finite = _delegated("check_finite", "Whether non-finite per-sample values raise.")
+    check_independence = _delegated("check_independence", "Whether samples mixed by the model (or the loss) "
+                                    "are refused (dpgrad.independence).")
     hooks_enabled = _delegated("hooks_enabled", "Whether the hooks record (disable_hooks, enable_hooks).")
 
     def __init__(
@@ -138,9 +145,11 @@ class GradSampleModule(nn.Module):
         strict: bool = True,
         force_functorch: bool = False,
         check_finite: bool = True,
+        check_independence: bool = True,
     ):
         self._wrap(m, GradSamplePath(m, batch_first=batch_first, loss_reduction=loss_reduction,
-                                     check_finite=check_finite, force_functorch=force_functorch, strict=strict))
+                                     check_finite=check_finite, force_functorch=force_functorch, strict=strict,
+                                     check_independence=check_independence))
 
     def _wrap(self, m: nn.Module, path: BackwardPath) -> None:
         """Take ``m`` with ``path`` (built, and the model checked, before it is touched)."""

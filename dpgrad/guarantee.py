@@ -169,11 +169,6 @@ def unclipped_error(head: str, uses: List[Tuple[torch.Tensor, object]], names: D
     return UnclippedGradientError(head + "\n" + "\n".join(lines))
 
 
-def nodes_of(tensors: Iterable[torch.Tensor]) -> List[object]:
-    """The autograd nodes of ``tensors`` (those with a graph)."""
-    return [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-
-
 def tensors_in(output, limit: int = 10_000) -> List[torch.Tensor]:
     """The tensors in a model's output: a tensor, or tuples, lists and dicts of them (Hugging
     Face's ``ModelOutput`` is a dict), at any depth."""

@@ -117,6 +117,9 @@ class PrivacyArguments:
         "help": "One backward pass per physical batch (dpgrad's single backward)."})
     physical_batch_size: Optional[int] = field(default=None, metadata={
         "help": "Rows per forward/backward pass (memory); default per_device_train_batch_size."})
+    check_independence: bool = field(default=True, metadata={
+        "help": "Verify on the first step that each row's outputs and loss are its own (no mixing "
+                "across the batch); False gives up that check."})
     user_column: Optional[str] = field(default=None, metadata={
         "help": "Column of the dataset holding each row's user id: user-level privacy (users are "
                 "sampled, and a user moves the gradient by at most max_grad_norm)."})
@@ -520,7 +523,8 @@ class DPTrainer(transformers.Trainer):
                 self._wrapper.remove_hooks()
             self._wrapper = GradSampleModuleFastGradientClipping(
                 model, max_grad_norm=self.privacy_args.max_grad_norm, loss_reduction="mean",
-                single_backward=self.privacy_args.single_backward)
+                single_backward=self.privacy_args.single_backward,
+                check_independence=self.privacy_args.check_independence)
             criterion = nn.CrossEntropyLoss(ignore_index=IGNORE_INDEX, label_smoothing=self.args.label_smoothing_factor)
             self._loss = DPLossFastGradientClipping(self._wrapper, self._dp_optimizer, criterion, "mean")
         return self._wrapper

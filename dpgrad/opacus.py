@@ -251,6 +251,7 @@ def _wrap(
     max_grad_norm,
     single_backward: bool,
     clipping_groups=None,
+    check_independence: bool = True,
 ):
     cls = _WRAPPERS[grad_sample_mode]
     if isinstance(module, GradSampleModule):
@@ -263,6 +264,7 @@ def _wrap(
             or module.batch_first != batch_first
             or module.loss_reduction != loss_reduction
             or module.force_functorch != (grad_sample_mode == "functorch")
+            or module.check_independence != check_independence
             or (ghost and (module.clipping != ("flat" if clipping_groups is None else "groups")
                            or (module.max_grad_norms or module.max_grad_norm) != max_grad_norm
                            or module.single_backward != single_backward))
@@ -273,10 +275,11 @@ def _wrap(
                 f"{module.batch_first}, loss_reduction={module.loss_reduction!r}) that does not "
                 f"match grad_sample_mode={grad_sample_mode!r}, batch_first={batch_first}, "
                 f"loss_reduction={loss_reduction!r}, max_grad_norm={max_grad_norm}, "
-                f"single_backward={single_backward}: pass the plain module (wrapper.to_standard_module())"
+                f"single_backward={single_backward}, check_independence={check_independence}: pass the "
+                "plain module (wrapper.to_standard_module())"
             )
         return module
-    kwargs = dict(batch_first=batch_first, loss_reduction=loss_reduction)
+    kwargs = dict(batch_first=batch_first, loss_reduction=loss_reduction, check_independence=check_independence)
     if grad_sample_mode == "functorch":
         kwargs["force_functorch"] = True
     if cls is GradSampleModuleFastGradientClipping:
@@ -305,6 +308,7 @@ def make_private(
     rand_on_empty: bool = False,
     single_backward: bool = False,
     physical_batch_size: Optional[int] = None,
+    check_independence: bool = True,
     **kwargs,
 ):
     """``PrivacyEngine.make_private`` with the model wrapped by dpgrad.
@@ -359,6 +363,9 @@ def make_private(
             zero, and the optimizer steps once per Poisson batch (call ``optimizer.step()``
             and ``zero_grad()`` after every batch, as with Opacus's BatchMemoryManager). The
             sampling, ``expected_batch_size`` and the accountant are unchanged.
+        check_independence: dpgrad's own keyword: verify on the first step of each layout that
+            each sample's rows and loss are its own (``dpgrad.independence``); False gives up
+            that check.
         wrap_model: only True; dpgrad always wraps the model.
         **kwargs: passed to the DP optimizer, as ``PrivacyEngine.make_private`` does.
 
@@ -468,6 +475,7 @@ def make_private(
         max_grad_norm=max_grad_norm,
         single_backward=single_backward,
         clipping_groups=clipping_groups,
+        check_independence=check_independence,
     )
     if clipping_groups is not None:
         # Ghost clipping clips in the backward pass: the optimizer only adds noise, scaled to the

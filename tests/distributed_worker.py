@@ -76,6 +76,38 @@ def clipped_gradients(rank: int, world: int, single: bool, order: str, per_block
 GROUPS = 2  # CFG's one block, and the rest (embeddings, final norm)
 
 
+def mixing_refused(rank: int, world: int, order: str, where: str) -> str:
+    """The first line of the refusal, on this rank, of a model that mixes samples ("model": its
+    block's output centred over the batch) or of per-sample losses in another order than the
+    batch ("loss"), and whether p.grad stayed empty; "no error" otherwise."""
+    net = model()
+    if where == "model":
+        center_block(net)
+    inner = dpgrad.GradSampleModuleFastGradientClipping(DDP(net) if order == "dpgrad(ddp)" else net,
+                                                        max_grad_norm=C, single_backward=True)
+    wrapped = inner if order == "dpgrad(ddp)" else DDP(inner)
+    return mixing_step(net, wrapped, inner, share(global_ids(), rank, world), reorder=where == "loss")
+
+
+def center_block(net: nn.Module) -> None:
+    """Make the first block's output centred over the batch: a mix of samples."""
+    net.blocks[0].register_forward_hook(lambda module, args, out: out - out.mean(0, keepdim=True))
+
+
+def mixing_step(net: nn.Module, wrapped: nn.Module, wrapper, ids: torch.Tensor, reorder: bool) -> str:
+    """A step of per-sequence next-token losses (rolled by one sample: out of order, with
+    ``reorder``): the refusal's first line and whether p.grad stayed empty, or "no error"."""
+    try:
+        logits = wrapped(ids[:, :-1])
+        losses = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                             reduction="none").view(ids.shape[0], -1).mean(1)
+        wrapper.clipped_backward(losses.roll(1) if reorder else losses)
+    except dpgrad.SampleMixingError as err:
+        untouched = all(p.grad is None for p in net.parameters())
+        return f"{str(err).splitlines()[0]} (grads untouched: {untouched})"
+    return "no error"
+
+
 def all_reduce_calls(rank: int, world: int, protocol: str) -> list:
     """The passes in which DistributedDataParallel reduces a bucket during one step of
     ``protocol``: "norms" (before the clipping factors exist) or "clipped" (after)."""
@@ -154,10 +186,12 @@ def fsdp_refused(rank: int, world: int) -> str:
 
 SCENARIOS = {
     "fsdp_refused": fsdp_refused,
+    "mixing_refused": mixing_refused,
     "clipped_gradients": clipped_gradients,
     "all_reduce_calls": all_reduce_calls,
     "privacy_engine_step": privacy_engine_step,
 }
 
 
-__all__ = ["C", "CFG", "GROUPS", "SCENARIOS", "global_ids", "lm_step", "model", "np", "share"]
+__all__ = ["C", "CFG", "GROUPS", "SCENARIOS", "center_block", "global_ids", "lm_step", "mixing_step", "model", "np",
+           "share"]

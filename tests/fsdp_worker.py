@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 import dpgrad
-from distributed_worker import lm_step, share
+from distributed_worker import center_block, lm_step, mixing_step, share
 from dpgrad.tools.models import TinyTransformer, TinyTransformerConfig
 
 # LayerNorm, an Embedding with padding_idx 0, the output layer tied to the token embedding.
@@ -189,6 +189,12 @@ def refusal(rank: int, world: int, case: str) -> str:
         elif case == "clipping groups":
             dpgrad.GradSampleModuleFastGradientClipping(shard(net), clipping="per_layer",
                                                         max_grad_norm=[1.0] * len(list(net.parameters())))
+        elif case in ("mixing model", "mixing loss"):  # dpgrad.independence, through FSDP2's hooks
+            if case == "mixing model":
+                center_block(net)
+            wrapped = dpgrad.GradSampleModuleFastGradientClipping(shard(net), max_grad_norm=C["transformer"],
+                                                                  single_backward=True)
+            return mixing_step(net, wrapped, wrapped, share(batches()[0], rank, world), reorder=case == "mixing loss")
         elif case == "blocks only":
             for block in net.blocks:
                 fully_shard(block)

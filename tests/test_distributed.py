@@ -36,6 +36,7 @@ def ranks():
     jobs += [("clipped_gradients", dict(single=True, order=o, per_block=True)) for o in ORDERS]
     jobs += [("all_reduce_calls", dict(protocol=p)) for p in ("dpgrad", "opacus")]
     jobs += [("fsdp_refused", {})]
+    jobs += [("mixing_refused", dict(order=o, where=w)) for o in ORDERS for w in ("model", "loss")]
     if OPACUS:
         jobs += [("privacy_engine_step", dict(single=s, noise=n)) for s in MODES.values() for n in (0.0, 1.0)]
     return jobs, spawn(WORLD, jobs, "distributed_worker")
@@ -139,3 +140,13 @@ def test_fsdp_is_refused_before_any_change(ranks):
     for message in _result(ranks, "fsdp_refused"):
         assert "sharded by FSDP" in message and "DistributedDataParallel" in message, message
         assert message.endswith("(untouched: True)"), message
+
+
+@pytest.mark.parametrize("where, words", [("model", "samples are mixed inside the model"),
+                                          ("loss", "the per-sample losses are in another order than the batch")])
+@pytest.mark.parametrize("order", ORDERS)
+def test_samples_mixed_are_refused_on_every_rank(ranks, order, where, words):
+    """The independence check (dpgrad.independence) on each rank's own batch, before DDP
+    reduces anything."""
+    for message in _result(ranks, "mixing_refused", order=order, where=where):
+        assert words in message and "(grads untouched: True)" in message, message

@@ -182,9 +182,19 @@ def test_batchnorm_under_strict_raises_before_any_change(wrapper):
 
 def test_batchnorm_strict_false_warns_and_skips_it():
     model, _ = make(WithBatchNorm)
-    with pytest.warns(UserWarning, match=re.escape("'block.1'")):
-        wrapped = GSM(model, strict=False, loss_reduction="sum")
     x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
+    # Skipped or not, a BatchNorm in training mode normalises each sample by the batch's
+    # statistics: the layers before it see their samples mixed (dpgrad.independence).
+    with pytest.warns(UserWarning, match=re.escape("'block.1'")):
+        checked = GSM(model, strict=False, loss_reduction="sum")
+    with pytest.raises(dpgrad.SampleMixingError) as err:
+        checked(x)
+    says(err, "samples are mixed inside the model", "layer 'block.0' (Linear)", "layer 'fc' (Linear)",
+         "BatchNorm in training mode", "check_independence=False")
+    assert all(p.grad is None and p.grad_sample is None for p in model.parameters())
+    checked.to_standard_module()
+    with pytest.warns(UserWarning, match=re.escape("'block.1'")):
+        wrapped = GSM(model, strict=False, loss_reduction="sum", check_independence=False)
     ce(wrapped(x), y).sum().backward()
     bn = model.block[1]
     assert bn.weight.grad_sample is None and bn.bias.grad_sample is None
@@ -200,6 +210,7 @@ def test_batchnorm_strict_false_warns_and_skips_it():
 @pytest.mark.parametrize("use_ghost_clipping", [True, False])
 def test_fgc_norms_of_a_skipped_trainable_layer_raise(use_ghost_clipping):
     model, _ = make(WithBatchNorm)
+    model.block[1].eval()  # its running statistics: no sample mixed with another
     with pytest.warns(UserWarning, match=re.escape("'block.1'")):
         wrapped = FGC(model, strict=False, use_ghost_clipping=use_ghost_clipping)
     x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))

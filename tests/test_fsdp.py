@@ -48,7 +48,7 @@ HF = [dict(kind="gpt2", single=s, reduction="mean", leaves=leaves) for s in MODE
 OPACUS_NAME = [dict(kind="transformer", single=s, reduction="mean", opacus_name=True) for s in MODES.values()]
 NO_SYNC = [dict(kind=k, single=s, reduction="mean", no_sync=True) for k in KINDS for s in MODES.values()]
 REFUSALS = ["tied apart", "grad sample module", "sharded after wrapping", "blocks only", "other torch",
-            "opacus name, not sharded", "clipping groups"]
+            "opacus name, not sharded", "clipping groups", "mixing model", "mixing loss"]
 
 
 @pytest.fixture(scope="module")
@@ -226,6 +226,8 @@ def test_ranks_seeded_alike_sample_independently(two):
     ("other torch", ["does not recognise this torch's FSDP internals", torch.__version__, "DistributedDataParallel"]),
     ("opacus name, not sharded", ["takes a model sharded by FSDP2", "GradSampleModuleFastGradientClipping"]),
     ("clipping groups", ["clipping='per_layer' is not available on a model sharded by FSDP2", "flat clipping"]),
+    ("mixing model", ["samples are mixed inside the model", "(grads untouched: True)"]),
+    ("mixing loss", ["in another order than the batch", "(grads untouched: True)"]),
 ])
 def test_what_cannot_be_exact_is_refused(two, case, words):
     for message in _results(two, "refusal", case=case):

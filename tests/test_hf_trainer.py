@@ -591,3 +591,24 @@ def test_ddp_resume_goes_on_with_each_ranks_stream_and_the_privacy_spent(ddp):
     for n, q in zip(names, expected.parameters()):
         torch.testing.assert_close(torch.from_numpy(ranks[0]["resumed"]["params"][n]), q.detach(), rtol=1e-5,
                                    atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_a_model_that_mixes_samples_is_refused_unless_the_check_is_given_up(tmp_path, check):
+    """dpgrad.independence through the Trainer: a block whose output is centred over the
+    batch mixes samples; the first step refuses it (PrivacyArguments.check_independence),
+    before any gradient or the accountant moves."""
+    model = gpt2()
+    model.transformer.h[0].register_forward_hook(
+        lambda module, args, out: (out[0] - out[0].mean(0, keepdim=True), *out[1:]) if isinstance(out, tuple)
+        else out - out.mean(0, keepdim=True))
+    privacy = PrivacyArguments(noise_multiplier=0.0, max_grad_norm=0.05, check_independence=check)
+    trainer_ = trainer(tmp_path, model, rows(), privacy, max_steps=1)
+    if check:
+        with pytest.raises(dpgrad.SampleMixingError, match="samples are mixed inside the model"):
+            trainer_.train()
+        assert steps(trainer_) == 0
+        assert all(p.grad is None for p in model.parameters())
+    else:
+        trainer_.train()
+        assert steps(trainer_) == 1
