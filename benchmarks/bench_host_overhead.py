@@ -26,6 +26,10 @@ Per (model, provider), after two warm-up steps (dpgrad's first step tunes its ke
 - ``cuda_syncs`` (CUDA): synchronisations ``torch.cuda.set_sync_debug_mode`` reports in a step;
 - ``launches`` (CUDA): kernel launches in a step, from torch.profiler;
 - ``hooked_layers`` (dpgrad): the layers the wrapper hooks;
+- ``first_step_probe_ops``, ``first_step_probe_syncs`` (dpgrad): what the first step of a
+  fresh wrapper dispatches and waits for beyond the same first step with
+  ``check_independence=False``: the independence probe (``dpgrad.independence``: one extra
+  backward pass, and its host reads), which later steps of the same layout do not run;
 - ``host_time``: the time for the host to issue a step, without waiting for its end (on a
   CPU, the step's time); ``step_time``: the time of a synchronised step.
 conftest derives, for the dpgrad rows against the non-private row: ``extra_ops_per_layer``,
@@ -119,6 +123,11 @@ def test_host_overhead(bench, name, provider):
         bench.metrics["launches"] = results.metric("launches", kernel_launches(step.run))
     if step.wrapped is not None:
         bench.metrics["hooked_layers"] = results.metric("hooked_layers", step.hooked_layers)
+        first = [count(make_step(provider, _model(name), BATCH, SEQ_LEN, DEVICE, check_independence=on).run)
+                 for on in (True, False)]
+        bench.metrics["first_step_probe_ops"] = results.metric("first_step_probe_ops", first[0].ops - first[1].ops)
+        bench.metrics["first_step_probe_syncs"] = results.metric("first_step_probe_syncs",
+                                                                 first[0].syncs - first[1].syncs)
 
     # Untimed runs (--benchmark-disable: make test's pass over the suites) take one round of
     # each; conftest writes nothing for them.

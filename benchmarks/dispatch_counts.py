@@ -184,8 +184,10 @@ class Step:
         return 0 if self.wrapped is None else len(self.wrapped._path.layer_names)
 
 
-def make_step(provider: str, built: BenchModel, batch: int, seq_len: int, device: torch.device) -> Step:
-    """``provider``'s step on a copy of ``built``'s weights and a fixed synthetic batch.
+def make_step(provider: str, built: BenchModel, batch: int, seq_len: int, device: torch.device,
+              check_independence: bool = True) -> Step:
+    """``provider``'s step on a copy of ``built``'s weights and a fixed synthetic batch
+    (dpgrad's with its independence check on or off: ``check_independence``).
 
     Every provider runs the same plain SGD: a DP optimizer's clipping check and noise add the
     same few operations per parameter whoever computed the clipped gradient, so they would
@@ -210,7 +212,8 @@ def make_step(provider: str, built: BenchModel, batch: int, seq_len: int, device
         return Step(step)
 
     wrapped = dpgrad.GradSampleModuleFastGradientClipping(
-        model, max_grad_norm=1.0, loss_reduction="mean", single_backward=provider == "dpgrad-single"
+        model, max_grad_norm=1.0, loss_reduction="mean", single_backward=provider == "dpgrad-single",
+        check_independence=check_independence,
     )
     dp_criterion = dpgrad.DPLossFastGradientClipping(wrapped, optimizer, criterion, loss_reduction="mean")
 

@@ -168,7 +168,9 @@ _SCRIPT = r"""
     const head = document.createElement("tr");
     const columns = [["hooked_layers", "hooked layers", 0], ["ops", "ops", 0],
                      ["extra_ops_per_layer", "extra ops / layer", 1], ["syncs", "syncs", 0],
-                     ["extra_syncs", "extra syncs", 0], ["cuda_syncs", "CUDA syncs", 0], ["launches", "launches", 0],
+                     ["extra_syncs", "extra syncs", 0], ["first_step_probe_ops", "first step: probe ops", 0],
+                     ["first_step_probe_syncs", "first step: probe syncs", 0],
+                     ["cuda_syncs", "CUDA syncs", 0], ["launches", "launches", 0],
                      ["host_time", "host time (ms)", 2], ["host_time_per_layer", "host time / layer (ms)", 3],
                      ["step_time", "step time (ms)", 2], ["step_time_over_non_private", "step time / non-private", 2]];
     for (const h of ["model", "B", "T", "dtype", "provider", ...columns.map(c => c[1])]) cell(head, h, "th");

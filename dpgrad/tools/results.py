@@ -61,6 +61,9 @@ UNITS = {
     "extra_syncs": "count",
     "host_time_per_layer": "ms",
     "step_time_over_non_private": "ratio",
+    # The first step's extra cost of the independence probe (check on against off).
+    "first_step_probe_ops": "ops",
+    "first_step_probe_syncs": "count",
     # fsdp_memory: per rank.
     "state_memory": "bytes",
     "peak_memory_over_ddp": "ratio",
@@ -72,7 +75,7 @@ UNITS = {
 WIDE_SPREAD = 0.5
 # Figures that do not depend on timing: shown whatever a row's flags.
 COUNTS = ("ops", "syncs", "cuda_syncs", "launches", "hooked_layers", "extra_ops_per_layer", "extra_syncs",
-          "peak_memory", "state_memory", "peak_memory_over_ddp", "state_memory_over_ddp")
+          "first_step_probe_ops", "first_step_probe_syncs", "peak_memory", "state_memory", "peak_memory_over_ddp", "state_memory_over_ddp")
 IMPOSSIBLE = "impossible: faster than the non-private step of the same run, which does less work"
 
 
