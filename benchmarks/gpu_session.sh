@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU measurements, in parts that each fit one ten-minute command on a lent machine (one
-# H100 or H200 whose python3 holds torch, Triton, transformers, peft and pytest-benchmark),
-# run from the repository root there:
+# H100 or H200 whose python3 holds torch, Triton, transformers, peft, pytest-benchmark and
+# pytest-xdist), run from the repository root there:
 #
 #   bash benchmarks/gpu_session.sh check           the GPU tests (Triton compiled for the device,
-#                                                   the DP step on CUDA against float64), then
-#                                                   `dpgrad autotune-report` on gpt2-small with an
-#                                                   empty tune store (first-use tuning, timed)
+#                                                   the DP step on CUDA against float64), the
+#                                                   kernel tests on CUDA, then `dpgrad
+#                                                   autotune-report` on gpt2-small with an empty
+#                                                   tune store (first-use tuning, timed)
 #   bash benchmarks/gpu_session.sh step CASE...     bench_dp_step.py, full sizes, the cases named
 #                                                   as in its test ids: hf-gpt2-64-128 hf-llama-1b-8-1024
 #   bash benchmarks/gpu_session.sh kernels          bench_kernels.py, full sizes
@@ -41,6 +42,19 @@ fi
 export DPGRAD_TUNE_DIR=${DPGRAD_TUNE_DIR:-$(mktemp -d)}
 $PY -c "from dpgrad.tools import results; print(results.machine_info())" 2>&1 | tee -a "$OUT/$part.log"
 
+# pytest over test modules on the machine's cores: a cold machine compiles every Triton config
+# it tunes (minutes on one core). A CUDA error ends its worker (tests/conftest.py), which
+# xdist replaces; SIGINT at the limit makes pytest print what failed so far, and the failures'
+# tracebacks are in $OUT/<name>.log. Arguments: name, seconds, then pytest's.
+tests() {
+    local name=$1 limit=$2
+    shift 2
+    timeout -s INT "$limit" $PY -m pytest -q -p no:cacheprovider -n "$(($(nproc) - 2))" --max-worker-restart 100 \
+        -rfE --tb=short "$@" >"$OUT/$name.log" 2>&1
+    echo "$name: exit $?" | tee -a "$OUT/check.log"
+    grep -E "^(FAILED|ERROR)|crashed|passed|failed" "$OUT/$name.log" | cut -c1-300 | tail -40 | tee -a "$OUT/check.log"
+}
+
 # pytest over a benchmark suite at full size, its results into $OUT; at most 570 s.
 bench() {
     DPGRAD_RESULTS_DIR=$OUT timeout 570 $PY -m pytest -q -p no:cacheprovider --benchmark-enable \
@@ -49,12 +63,10 @@ bench() {
 
 case $part in
     check)
-        timeout 300 $PY -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee -a "$OUT/check.log"
-        echo "gpu tests: exit $?" | tee -a "$OUT/check.log"
-        # The model tests with CUDA cases, every sampler on the Triton kernels.
-        DPGRAD_BACKEND=triton timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_gpu_dp_step.py \
-            tests/test_triton_kernels.py tests/test_hf_models.py 2>&1 | tee -a "$OUT/check.log"
-        echo "model tests, triton: exit $?" | tee -a "$OUT/check.log"
+        tests gpu-tests 240 -m gpu tests
+        # The kernel tests on CUDA tensors (their odd shapes and every dtype), every launch on
+        # the Triton kernels. (The model tests build CPU models: they are the CPU passes'.)
+        DPGRAD_BACKEND=triton tests kernel-tests 200 tests/test_triton_kernels.py
         start=$(date +%s%N)
         timeout 120 $PY -m dpgrad autotune-report --json "$OUT/autotune-report.json" 2>&1 | tee -a "$OUT/check.log"
         echo "autotune-report (empty store): exit $?, $(( ($(date +%s%N) - start) / 1000000 )) ms" \

@@ -6,10 +6,11 @@
 For each provider (the steps of ``bench_dp_step.py``, same weights and batch): host time per
 step (the operations' own CPU time, less the time spent waiting for the device, which is
 shown apart), device time per step (the sum of kernel times on CUDA), kernel launches per
-step, and the operations that cost the host most. ``--trace`` writes the timeline; ``--python``
-profiles the Python functions instead. A step whose host
-time exceeds its device time keeps the GPU waiting. Prints one table; with ``--json PATH`` also
-writes the figures. Not a test and not a benchmark suite: a tool for finding what to fix.
+step, the operations that cost the host most and, on a GPU, the kernels that cost the device
+most. ``--trace`` writes the timeline; ``--python`` profiles the Python functions instead. A
+step whose host time exceeds its device time keeps the GPU waiting. Prints one table; with
+``--json PATH`` also writes the figures, with the machine (device, versions, commit, date).
+Not a test and not a benchmark suite: a tool for finding what to fix.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def profile_provider(provider: str, model: str, batch: int, seq_len: int, dtype:
     # Host time: each op's own CPU time, summed, less the time spent waiting for the device.
     host_us = sum(e.self_cpu_time_total for e in events) - waiting_us
     costly = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.self_device_time_total, reverse=True)[:top] if torch.cuda.is_available() else []
     return {
         "provider": provider,
         "host_ms_per_step": host_us / 1e3 / steps,
@@ -67,6 +70,9 @@ def profile_provider(provider: str, model: str, batch: int, seq_len: int, dtype:
         "device_ms_per_step": device_us / 1e3 / steps,
         "launches_per_step": launches / steps,
         "top_host": [(e.key, e.count // steps, round(e.self_cpu_time_total / 1e3 / steps, 3)) for e in costly],
+        # The kernels that cost the device most: where a GPU-bound step's time goes.
+        "top_device": [(e.key[:120], e.count // steps, round(e.self_device_time_total / 1e3 / steps, 3))
+                       for e in kernels],
     }
 
 
@@ -122,9 +128,16 @@ def main(argv=None) -> int:
         print(f"\n{r['provider']}: costliest host operations (name, calls/step, ms/step)")
         for name, calls, ms in r["top_host"]:
             print(f"  {ms:8.3f}  {calls:6d}  {name}")
+        if r["top_device"]:
+            print(f"{r['provider']}: costliest kernels (name, launches/step, ms/step)")
+            for name, calls, ms in r["top_device"]:
+                print(f"  {ms:8.3f}  {calls:6d}  {name}")
     if args.json:
+        from dpgrad.tools import results
+
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-        args.json.write_text(json.dumps({"settings": settings, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"machine": results.machine_info(), "settings": settings, "rows": rows},
+                                        indent=1))
     return 0
 
 

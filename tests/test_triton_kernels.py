@@ -548,10 +548,10 @@ def test_launches_survive_an_autotuner_that_zeroes_every_reset_argument(monkeypa
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(k, "run", run)
-    gen = torch.Generator().manual_seed(7)
-    A, G = (torch.randn(2, 5, n, generator=gen, device=DEVICE) for n in (6, 4))
+    gen = torch.Generator().manual_seed(7)  # a CPU generator: the values are drawn there, then moved
+    A, G = (torch.randn(2, 5, n, generator=gen).to(DEVICE) for n in (6, 4))
     A1, G1 = A[:, :1], G[:, :1]
-    coef = torch.rand(2, generator=gen, device=DEVICE)
+    coef = torch.rand(2, generator=gen).to(DEVICE)
     ids = torch.tensor([[1, 2, 2, 0, 3], [3, 3, 1, 1, 0]], device=DEVICE)
     W = R.linear_grad_sample(A.double(), G.double())
     checks = [
