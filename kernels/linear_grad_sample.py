@@ -92,6 +92,11 @@ def _linear_per_sample_kernel(
     i_p, i_d, o_p, o_d, m_p, m_d = tile_offsets(i_tile, p, d, BP, BD)
     b_w, b_bias = sample_tile(p_a, p_g, i_lb % B, o_p, o_d, m_p, m_d, T, s_ab, s_at, s_ad, s_gb, s_gt, s_gp,
                               WITH_BIAS, UPCAST, BP, BD, BT)
+    if WITH_BIAS and WITH_NORM:
+        # The norm (and the store) read the bias sum more than once: as the loop's own result,
+        # Triton 3.6 cannot compile that (its thread-locality pass asserts the loop's reduced
+        # result has one use). Masked rows are zeros already.
+        b_bias = tl.where(m_p, b_bias, 0.0)
     if WRITE_GRAD:
         p_w = W + i_lb * p * d + o_p[:, None] * d + o_d[None, :]
         tl.store(p_w, b_w.to(W.dtype.element_ty), mask=m_p[:, None] & m_d[None, :])
