@@ -164,7 +164,7 @@ def embedding_sq_norm(
     sample_offsets = torch.searchsorted(owner, torch.arange(B + 1, device=G.device))
     out = empty((B,), torch.float32, G.device)
     if B > 0:
-        _per_sample_total_kernel[(B,)](seg_sq, sample_offsets, out, BS=256)
+        launch(_per_sample_total_kernel, (B,), seg_sq, sample_offsets, out, BS=256)
     return out
 
 

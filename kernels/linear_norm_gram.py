@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import INTERPRET, cdiv, check_dtypes, configs, dot_fp32, launch, min_block
+from .triton_common import INTERPRET, autocast_as, cdiv, check_dtypes, configs, dot_fp32, launch, min_block
 from .triton_common import grouped, layer_pointer
 
 CONFIGS = configs(
@@ -26,8 +26,11 @@ _MIN_BT = min_block(CONFIGS, "BT")
 
 
 @triton.jit
-def _gram_tile(X, i_b, o_i, o_j, T, n, s_b, s_t, s_n, UPCAST: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
-    """``X_b[o_i] @ X_b[o_j]^T`` as a [BT, BT] fp32 tile, over n in chunks of BK.
+def _gram_tile(X, i_b, o_i, o_j, T, n, s_b, s_t, s_n, OTHER: tl.constexpr, UPCAST: tl.constexpr,
+               BT: tl.constexpr, BK: tl.constexpr):
+    """``X_b[o_i] @ X_b[o_j]^T`` as a [BT, BT] fp32 tile, over n in chunks of BK; X's values
+    as autocast gave them to the layer's matmul with an operand of dtype ``OTHER``
+    (``autocast_as``: fp32 inputs beside bf16 backprops are rounded to bf16).
 
     Each chunk's products are summed from zero, and the chunks' sums are added with Kahan's
     compensation: a running fp32 sum over thousands of features (d, p) would otherwise lose
@@ -45,6 +48,8 @@ def _gram_tile(X, i_b, o_i, o_j, T, n, s_b, s_t, s_n, UPCAST: tl.constexpr, BT: 
         # [BK, BT]
         b_xj = tl.load(X + i_b * s_b + o_j[None, :] * s_t + o_k[:, None] * s_n,
                        mask=(o_j[None, :] < T) & m_k[:, None], other=0.0)
+        b_xi = autocast_as(b_xi, OTHER)
+        b_xj = autocast_as(b_xj, OTHER)
         b_part = dot_fp32(b_xi, b_xj, tl.zeros((BT, BT), dtype=tl.float32), UPCAST) - b_low
         b_sum = b_acc + b_part
         b_low = (b_sum - b_acc) - b_part
@@ -77,8 +82,8 @@ def _linear_gram_norm_kernel(
         p_g = layer_pointer(G, G_PTRS, i_l, GROUPED)
         o_i = i * BT + tl.arange(0, BT).to(tl.int64)
         o_j = j * BT + tl.arange(0, BT).to(tl.int64)
-        b_aa = _gram_tile(p_a, i_b, o_i, o_j, T, d, s_ab, s_at, s_ad, UPCAST, BT, BK)
-        b_gg = _gram_tile(p_g, i_b, o_i, o_j, T, p, s_gb, s_gt, s_gp, UPCAST, BT, BK)
+        b_aa = _gram_tile(p_a, i_b, o_i, o_j, T, d, s_ab, s_at, s_ad, G.dtype.element_ty, UPCAST, BT, BK)
+        b_gg = _gram_tile(p_g, i_b, o_i, o_j, T, p, s_gb, s_gt, s_gp, A.dtype.element_ty, UPCAST, BT, BK)
         weight = tl.where(i < j, 2.0, 1.0)
         tl.store(SQ + i_lb * n_pairs_max + i_pair, weight * tl.sum(b_aa * b_gg))
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import cdiv, check_dtypes, configs, empty, launch, min_block, placeholder
+from .triton_common import cdiv, check_dtypes, configs, empty, launch, min_block, placeholder, round_to_bf16
 from .triton_common import grouped, layer_pointer
 
 CONFIGS = configs(
@@ -23,6 +23,8 @@ CONFIGS = configs(
     num_warps=(4,),
 )
 _MIN_BN = min_block(CONFIGS, "BN")
+# ROUND: fp32 values rounded to fp16 (1) or bf16 (2) before they are summed; else nothing.
+_ROUND = {torch.float16: 1, torch.bfloat16: 2}
 
 
 # Norm partials are laid out for the smallest tiles: clear what tuning leaves (reset_to_zero).
@@ -33,7 +35,7 @@ def _token_sum_kernel(
     B, T, n,
     s_b, s_t, s_n,
     n_tiles_max,
-    WRITE_SUM: tl.constexpr, WITH_NORM: tl.constexpr, GROUPED: tl.constexpr,
+    WRITE_SUM: tl.constexpr, WITH_NORM: tl.constexpr, GROUPED: tl.constexpr, ROUND: tl.constexpr,
     BN: tl.constexpr, BT: tl.constexpr,
 ):
     # One flat grid axis: L * B may exceed the 65535 limit of the other axes. Outputs are laid
@@ -52,7 +54,12 @@ def _token_sum_kernel(
         # [BT, BN]
         b_x = tl.load(p_x + i_b * s_b + o_t[:, None] * s_t + o_n[None, :] * s_n,
                       mask=(o_t[:, None] < T) & m_n[None, :], other=0.0)
-        b_sum += tl.sum(b_x.to(tl.float32), axis=0)
+        b_x = b_x.to(tl.float32)
+        if ROUND == 1:  # fp32 inputs as autocast gave them to an fp16 matmul
+            b_x = b_x.to(tl.float16).to(tl.float32)
+        elif ROUND == 2:  # to a bf16 one
+            b_x = round_to_bf16(b_x)
+        b_sum += tl.sum(b_x, axis=0)
     if WRITE_SUM:
         tl.store(SUM + i_lb * n + o_n, b_sum.to(SUM.dtype.element_ty), mask=m_n)
     if WITH_NORM:
@@ -77,13 +84,16 @@ def token_sum(
 
 
 def token_sum_grouped(
-    Xs: Sequence[torch.Tensor], *, write_sum: bool = True, norm: bool = False, out_dtype: Optional[torch.dtype] = None
+    Xs: Sequence[torch.Tensor], *, write_sum: bool = True, norm: bool = False, out_dtype: Optional[torch.dtype] = None,
+    round_to: Optional[torch.dtype] = None,
 ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """``token_sum`` of L tensors of one shape in one launch, each read where it is.
 
     Args:
         Xs: L tensors, [B, T, n] each, one dtype (fp32/bf16/fp16) and one set of strides.
         write_sum, norm, out_dtype: as for ``token_sum``.
+        round_to: a half dtype to round fp32 values to before they are summed (in registers):
+            the inputs of an autocast matmul.
 
     Returns:
         (sums [L * B, n] or None, squared norms [L * B] fp32 or None), layer by layer.
@@ -101,6 +111,7 @@ def token_sum_grouped(
         launch(_token_sum_kernel, lambda meta: (cdiv(n, meta["BN"]) * LB,),
             X, gx.table, out, unused if sq is None else sq, B, T, n, *gx.strides,
             n_tiles_max, WRITE_SUM=write_sum, WITH_NORM=norm, GROUPED=gx.on,
+            ROUND=_ROUND.get(round_to, 0) if X.dtype == torch.float32 else 0,
         )
     return out, sq.sum(dim=1) if norm else None
 
@@ -142,7 +153,9 @@ def linear_weight_sq_norm_outer_grouped(As: Sequence[torch.Tensor], Gs: Sequence
     set of strides)."""
     if As[0].shape[1] != 1:
         raise ValueError(f"the 'outer' norm needs T == 1, got T = {As[0].shape[1]}")
-    return token_sum_grouped(As, write_sum=False, norm=True)[1] * token_sum_grouped(Gs, write_sum=False, norm=True)[1]
+    a_dtype, g_dtype = As[0].dtype, Gs[0].dtype
+    return (token_sum_grouped(As, write_sum=False, norm=True, round_to=g_dtype)[1]
+            * token_sum_grouped(Gs, write_sum=False, norm=True, round_to=a_dtype)[1])
 
 
 def linear_weight_sq_norm_outer(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
@@ -155,6 +168,4 @@ def linear_weight_sq_norm_outer(A: torch.Tensor, G: torch.Tensor) -> torch.Tenso
     Returns:
         [B] fp32.
     """
-    if A.shape[1] != 1:
-        raise ValueError(f"the 'outer' norm needs T == 1, got T = {A.shape[1]}")
-    return linear_bias_sq_norm(A) * linear_bias_sq_norm(G)
+    return linear_weight_sq_norm_outer_grouped([A], [G])

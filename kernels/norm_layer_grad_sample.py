@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import cdiv, check_dtypes, empty, placeholder, round_to_bf16
+from .triton_common import cdiv, check_dtypes, empty, launch, placeholder, round_to_bf16
 from .triton_common import grouped, layer_pointer
 
 # A row is held whole: rows longer than this take the eager path (``norm_layer_fits``).
@@ -143,7 +143,8 @@ def norm_layer_grad_sample_grouped(
     gb = empty((LB, splits, d), torch.float32, device) if bias else None
     if LB > 0 and T > 0 and (weight or bias):
         unused = placeholder(device)
-        _norm_layer_grad_sample_kernel[(LB * splits,)](
+        launch(
+            _norm_layer_grad_sample_kernel, (LB * splits,),
             X, G, gx.table, gg.table,
             unused if gw is None else gw, unused if gb is None else gb,
             B, T, d, float(eps),

@@ -41,6 +41,29 @@ def accumulation_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
+HALF = (torch.float16, torch.bfloat16)
+
+
+def autocast_operands(A: torch.Tensor, G: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A Linear's inputs and backprops as its matmul under ``torch.autocast`` took them: an
+    fp32 one beside a half one is rounded to that half dtype (the forward pass multiplied the
+    input cast to the autocast dtype, so autograd's weight gradient is ``G^T cast(A)``; for
+    Conv1D's swapped roles, likewise). Other pairs are returned as they are."""
+    if A.dtype == torch.float32 and G.dtype in HALF:
+        return A.to(G.dtype), G
+    if G.dtype == torch.float32 and A.dtype in HALF:
+        return A, G.to(A.dtype)
+    return A, G
+
+
+def autocast_rounded(x: torch.Tensor, partner: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """``x`` in ``acc``, through the half dtype of ``partner`` if ``x`` is fp32 beside a half
+    ``partner`` (``autocast_operands`` for one operand, without a half copy of all of it)."""
+    if x.dtype == torch.float32 and partner.is_floating_point() and partner.dtype in HALF:
+        return x.to(partner.dtype).to(acc)
+    return x.to(acc)
+
+
 def batch_slices(batch: int, elements_per_sample: int) -> Iterator[slice]:
     """Slices of range(batch) whose intermediates hold at most CHUNK_ELEMENTS elements."""
     step = max(1, CHUNK_ELEMENTS // max(1, elements_per_sample))
@@ -74,8 +97,9 @@ def bmm_acc(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def linear_grad_sample(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
     """Per-sample weight gradients ``W_b = G_b^T A_b``.
 
-    A: (B, T, d), G: (B, T, p) -> (B, p, d) in G's dtype.
+    A: (B, T, d), G: (B, T, p) -> (B, p, d) in G's dtype (``autocast_operands``'s values).
     """
+    A, G = autocast_operands(A, G)
     return torch.bmm(G.transpose(1, 2), A.to(G.dtype))
 
 
@@ -102,9 +126,10 @@ def linear_per_sample(
     A: (B, T, d), G: (B, T, p). ``grad``: ``W_b = G_b^T A_b`` (B, p, d) and with ``bias`` also
     ``sum_t G_b[t]`` (B, p), computed in fp32 (fp64 for fp64 inputs) and rounded once to
     ``out_dtype`` (default G's dtype). ``norm``: their squared norms (B,), from the unrounded
-    sums.
+    sums. An fp32 operand beside a half one is taken as autocast cast it (``autocast_operands``).
     """
     out_dtype = out_dtype or G.dtype
+    A, G = autocast_operands(A, G)
     acc = accumulation_dtype(A, G)
     if not grad:
         return LinearPerSample(None, None, linear_weight_sq_norm_direct(A, G) if norm else None,
@@ -131,13 +156,13 @@ def linear_clipped_sum(
     """Clipped gradient sums ``(c ⊙ G)^T A`` (p, d) and ``sum_b c_b sum_t G_b[t]`` (p,).
 
     A: (B, T, d), G: (B, T, p), coef: (B,). Accumulated in fp32 (fp64 for fp64 inputs);
-    returned in ``out_dtype`` (default G's dtype).
+    returned in ``out_dtype`` (default G's dtype). Mixed operands as ``autocast_operands``.
     """
     acc = accumulation_dtype(A, G)
     out_dtype = out_dtype or G.dtype
     p, d = G.shape[-1], A.shape[-1]
-    scaled = G.to(acc) * coef.to(device=G.device, dtype=acc)[:, None, None]
-    weight = scaled.reshape(-1, p).t() @ A.reshape(-1, d).to(acc)
+    scaled = autocast_rounded(G, A, acc) * coef.to(device=G.device, dtype=acc)[:, None, None]
+    weight = scaled.reshape(-1, p).t() @ autocast_rounded(A, G, acc).reshape(-1, d)
     return weight.to(out_dtype), scaled.sum(dim=(0, 1)).to(out_dtype) if bias else None
 
 
@@ -177,6 +202,7 @@ def linear_clipped_sum_gemm(
     G: (B, T, p), coef: (B,) in any floating dtype (one in the operands' dtype is used as it is).
     """
     out_dtype = out_dtype or G.dtype
+    A, G = autocast_operands(A, G)
     B, T, d = A.shape
     p = G.shape[-1]
     coef = coef.to(G.device)
@@ -214,6 +240,7 @@ def linear_weight_sq_norm_direct(A: torch.Tensor, G: torch.Tensor) -> torch.Tens
 
     A: (B, T, d), G: (B, T, p) -> (B,). About 2*B*T*p*d flops.
     """
+    A, G = autocast_operands(A, G)
     acc = accumulation_dtype(A, G)
     B, _, d = A.shape
     p = G.shape[-1]
@@ -232,8 +259,8 @@ def linear_weight_sq_norm_gram(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor
     B, T, _ = A.shape
     out = torch.empty(B, dtype=acc, device=A.device)
     for s in batch_slices(B, 2 * T * T):
-        a = A[s].to(acc)
-        g = G[s].to(acc)
+        a = autocast_rounded(A[s], G, acc)
+        g = autocast_rounded(G[s], A, acc)
         aat = torch.bmm(a, a.transpose(1, 2))
         ggt = torch.bmm(g, g.transpose(1, 2))
         # Rounding can take an exact zero slightly below it.
@@ -244,7 +271,7 @@ def linear_weight_sq_norm_gram(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor
 def linear_weight_sq_norm_outer(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
     """Squared per-sample norms when T == 1: ``||a_b||^2 * ||g_b||^2``. (B, 1, *) -> (B,)."""
     acc = accumulation_dtype(A, G)
-    return A.to(acc).square().sum(dim=(1, 2)) * G.to(acc).square().sum(dim=(1, 2))
+    return autocast_rounded(A, G, acc).square().sum(dim=(1, 2)) * autocast_rounded(G, A, acc).square().sum(dim=(1, 2))
 
 
 def linear_norm_function(functions: dict, A: torch.Tensor, algorithm: str):
@@ -274,9 +301,11 @@ def linear_weight_norm(A: torch.Tensor, G: torch.Tensor, algorithm: str) -> torc
     B, T, d = A.shape
     p = G.shape[-1]
     if algorithm == "direct" and B * p * d <= CHUNK_ELEMENTS:
-        return torch.linalg.vector_norm(bmm_acc(G.mT, A), dim=(1, 2))
+        a, g = autocast_operands(A, G)
+        return torch.linalg.vector_norm(bmm_acc(g.mT, a), dim=(1, 2))
     if algorithm == "outer" and T == 1:
-        return torch.linalg.vector_norm(A, dim=(1, 2), dtype=acc) * torch.linalg.vector_norm(G, dim=(1, 2), dtype=acc)
+        a, g = autocast_operands(A, G)
+        return torch.linalg.vector_norm(a, dim=(1, 2), dtype=acc) * torch.linalg.vector_norm(g, dim=(1, 2), dtype=acc)
     return linear_weight_sq_norm(A, G, algorithm).sqrt()
 
 
@@ -313,8 +342,12 @@ def outer_sum_inner(L1: torch.Tensor, R1: torch.Tensor, L2: torch.Tensor, R2: to
     B, T1, T2 = R1.shape[0], R1.shape[1], R2.shape[1]
     out = torch.zeros(B, dtype=acc, device=R1.device)
     for s in batch_slices(B, 3 * T1 * T2):
-        right = torch.bmm(R1[s].to(acc), R2[s].to(acc).transpose(1, 2))
-        out[s] = (_left_gram(L1[s], L2[s], acc) * right).sum(dim=(1, 2))
+        # Each factor as the matmul of its own use took it (autocast: through its partner's dtype).
+        r1, r2 = autocast_rounded(R1[s], L1, acc), autocast_rounded(R2[s], L2, acc)
+        l1 = autocast_rounded(L1[s], R1, acc) if L1.is_floating_point() else L1[s]
+        l2 = autocast_rounded(L2[s], R2, acc) if L2.is_floating_point() else L2[s]
+        right = torch.bmm(r1, r2.transpose(1, 2))
+        out[s] = (_left_gram(l1, l2, acc) * right).sum(dim=(1, 2))
     return out
 
 

@@ -81,8 +81,9 @@ def configured(kernel, config: Dict[str, Any]) -> Iterator[None]:
 
 
 def launch(kernel, grid, *args, **kwargs):
-    """``kernel[grid](*args, **kwargs)``: an autotuned kernel searches its configs on the first
-    launch of a shape key, unless ``configured`` names one for it, which then runs directly."""
+    """``kernel[grid](*args, **kwargs)``, for every launch of dpgrad's kernels (the one place
+    to watch them): an autotuned kernel searches its configs on the first launch of a shape
+    key, unless ``configured`` names one for it, which then runs directly."""
     active = _CONFIGURED.get()
     if active is not None and active[0] is kernel:
         return kernel.fn[grid](*args, **kwargs, **active[1])
@@ -148,13 +149,30 @@ def check_dtypes(name: str, *tensors: torch.Tensor) -> None:
 
 
 @triton.jit
+def autocast_as(x, DTYPE: tl.constexpr):
+    """``x`` as ``torch.autocast`` gave it to a matmul whose other operand is of ``DTYPE``: an
+    fp32 ``x`` rounded to nearest into a half ``DTYPE`` (the values autograd's weight gradient
+    multiplies); any other pair unchanged. bf16 by bits: the interpreter's cast truncates."""
+    if x.dtype == tl.float32 and DTYPE != tl.float32:
+        if DTYPE == tl.bfloat16:
+            x = round_to_bf16(x).to(tl.bfloat16)
+        else:
+            x = x.to(DTYPE)
+    return x
+
+
+@triton.jit
 def dot_fp32(a, b, acc, UPCAST: tl.constexpr):
     """``acc + a @ b`` accumulated in fp32, never in TF32 (a TF32 norm is not a 1e-5 norm).
 
-    Half-precision operands of one dtype go to the tensor cores as they are; mixed dtypes,
-    and every dtype when UPCAST is set, are widened to fp32 in registers first (the
-    interpreter's half-precision dot is not usable).
+    Half-precision operands go to the tensor cores: of one dtype as they are, an fp32 one
+    beside a half one as autocast cast it for the layer's matmul (``autocast_as``: an input
+    of an autocast Linear is fp32, its backprops bf16). Operands of two different half dtypes,
+    and every operand when UPCAST is set, are widened to fp32 in registers (the interpreter's
+    half-precision dot is not usable).
     """
+    a = autocast_as(a, b.dtype)
+    b = autocast_as(b, a.dtype)
     if UPCAST or a.dtype != b.dtype:
         a = a.to(tl.float32)
         b = b.to(tl.float32)

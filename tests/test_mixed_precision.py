@@ -147,3 +147,63 @@ def test_rms_norm_default_eps_is_the_inputs(backprops_dtype):
         (y * g[b].double()).sum().backward()
         expected.append(w.grad)
     assert_tensor_close(got, torch.stack(expected), "RMSNorm weight", rtol=RTOL)
+
+
+class AutocastMLP(nn.Module):
+    """x (B, T, 8) -> Linear -> GELU -> Linear -> mean over tokens -> logits (B, 5). Under
+    autocast the first Linear gets fp32 inputs and bf16 backprops, the second bf16 of both."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x))).mean(1)
+
+
+@pytest.mark.parametrize("ghost", [True, False])
+@pytest.mark.parametrize("mode", ["single", "double"])
+def test_autocast_steps_are_exact_against_float64_of_the_autocast_computation(mode, ghost):
+    """The per-sample norms under autocast are those of the gradients autograd's matmuls take:
+    ``G_b^T cast(A_b)`` with the fp32 inputs rounded to bf16, as the forward pass multiplied
+    them; float64 of those values (the layers' inputs and backprops captured from a plain
+    autocast step) agrees to fp32 accuracy, in both modes. Single backward's clipped sums too;
+    double backward's come from autograd's own bf16 products (its output rounded to bf16)."""
+    torch.manual_seed(3)
+    model = AutocastMLP()
+    x, y = torch.randn(4, 3, 8), torch.randint(0, 5, (4,))
+    captured = {}
+
+    def capture(m, inputs, out):
+        captured[m] = [inputs[0].detach()]
+        out.register_hook(lambda g: captured[m].append(g))
+
+    hooks = [layer.register_forward_hook(capture) for layer in (model.up, model.down)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        F.cross_entropy(model(x).float(), y, reduction="sum").backward()
+    for h in hooks:
+        h.remove()
+    assert captured[model.up][0].dtype == torch.float32 and captured[model.up][1].dtype == torch.bfloat16
+    per_sample = {}
+    for layer, (A, G) in captured.items():
+        A64 = (A.to(G.dtype) if A.dtype == torch.float32 else A).double()
+        per_sample[layer.weight] = torch.einsum("btp,btd->bpd", G.double(), A64)
+        per_sample[layer.bias] = G.double().sum(1)
+    norms = torch.stack([g.flatten(1).square().sum(1) for g in per_sample.values()]).sum(0).sqrt()
+    C = 0.05
+    coef = (C / (norms + 1e-6)).clamp(max=1.0)
+
+    wrapped_model = copy.deepcopy(model)
+    model.zero_grad(set_to_none=True)
+    wrapped_model.zero_grad(set_to_none=True)
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(wrapped_model, max_grad_norm=C, loss_reduction="sum",
+                                                          single_backward=mode == "single", use_ghost_clipping=ghost)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        losses = F.cross_entropy(wrapped(x).float(), y, reduction="none")
+    wrapped.clipped_backward(losses)
+    assert_norms_close(wrapped.per_sample_gradient_norms, norms, "autocast norms", rtol=1e-5)
+    params = dict(zip(model.parameters(), wrapped_model.parameters()))
+    for p, g in per_sample.items():
+        expected = torch.einsum("b,b...->...", coef, g)
+        assert_tensor_close(params[p].grad, expected, "clipped sum", rtol=1e-5 if mode == "single" else RTOL)

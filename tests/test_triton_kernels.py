@@ -346,19 +346,40 @@ def test_backend_choice(monkeypatch):
         backend.ops_for(cpu32)
 
 
-def test_mixed_input_dtypes():
-    """fp32 activations with bf16 backprops (autocast's case) are widened in registers."""
-    A = tensor((3, 21, 19), torch.float32, False, seed=27)
-    G = tensor((3, 21, 13), torch.bfloat16, True, seed=28)
-    ref = R.linear_per_sample(*upcast(A, G), bias=True, norm=True)
-    out = K.linear_per_sample(A, G, bias=True, norm=True, out_dtype=torch.float32)
-    assert_rel_per_sample(out.weight, ref.weight, 1e-5, "weight")
-    for algorithm in ("direct", "gram"):
-        assert_rel_per_sample(K.linear_weight_sq_norm(A, G, algorithm)[:, None], ref.weight_sq_norm[:, None],
-                              1e-5, algorithm)
-    coef = torch.rand(3, generator=torch.Generator().manual_seed(29)).to(DEVICE)
-    w, _ = K.linear_clipped_sum(A, G, coef, out_dtype=torch.float32)
-    assert_rel_per_sample(w[None], R.linear_clipped_sum(*upcast(A, G), coef.double())[0][None], 1e-5, "clipped")
+def _as_autocast_gave_them(A, G):
+    """float64 of the operands of an autocast matmul: an fp32 one beside a half one rounded to
+    that half dtype first (the forward pass multiplied the cast input)."""
+    if A.dtype == torch.float32 and G.dtype != torch.float32:
+        A = A.to(G.dtype)
+    elif G.dtype == torch.float32 and A.dtype != torch.float32:
+        G = G.to(A.dtype)
+    return A.double(), G.double()
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+                                    (torch.bfloat16, torch.float32)], ids=str)
+@pytest.mark.parametrize("engine", ["triton", "eager"])
+def test_mixed_input_dtypes_are_the_autocast_computation(dtypes, engine):
+    """An fp32 operand beside a half one (under autocast a Linear's input is fp32 and its
+    backprops bf16; Conv1D swaps the roles) is taken as the forward pass's matmul took it,
+    cast to the half dtype: per-sample gradients, norms by every algorithm and clipped sums
+    equal float64 of those values to fp32 accuracy (the fp32 accumulation's only error), on
+    the Triton kernels (on the tensor cores on a GPU) and the eager reference alike."""
+    ops = K if engine == "triton" else R
+    for T in (21, 1):
+        A = tensor((3, T, 19), dtypes[0], False, seed=27)
+        G = tensor((3, T, 13), dtypes[1], True, seed=28)
+        A64, G64 = _as_autocast_gave_them(A, G)
+        W = torch.einsum("btp,btd->bpd", G64, A64)
+        out = ops.linear_per_sample(A, G, bias=True, norm=True, out_dtype=torch.float32)
+        assert_rel_per_sample(out.weight, W, 1e-5, "weight")
+        assert_rel_per_sample(out.weight_sq_norm[:, None], W.square().sum((1, 2))[:, None], 1e-5, "fused norm")
+        for algorithm in ("direct", "gram") + (("outer",) if T == 1 else ()):
+            assert_rel_per_sample(ops.linear_weight_sq_norm(A, G, algorithm)[:, None],
+                                  W.square().sum((1, 2))[:, None], 1e-5, algorithm)
+        coef = torch.rand(3, generator=torch.Generator().manual_seed(29)).to(DEVICE)
+        w, _ = ops.linear_clipped_sum(A, G, coef, out_dtype=torch.float32)
+        assert_rel_per_sample(w[None], torch.einsum("b,bpd->pd", coef.double(), W)[None], 1e-5, "clipped")
 
 
 def test_wrappers_run_on_the_forced_backend(monkeypatch):

@@ -229,8 +229,8 @@ class LinearGroup(Group):
             A, G = inputs[0]
             L, T, d, p = len(layers), A.shape[1], A.shape[2], G.shape[2]
             acc = accumulation_dtype(A, G)
-            A3 = A.view(L, -1, d).to(acc)
-            scaled = G.view(L, -1, p).to(acc) * coef.per_token(T, G)
+            A3 = reference.autocast_rounded(A.view(L, -1, d), G, acc)
+            scaled = reference.autocast_rounded(G.view(L, -1, p), A, acc) * coef.per_token(T, G)
             sums = torch.bmm(A3.mT, scaled) if transposed else torch.bmm(scaled.mT, A3)
             return sums.to(dtype).unbind(0)
         G0 = inputs[0][1]
