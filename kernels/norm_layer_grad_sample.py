@@ -136,7 +136,7 @@ def norm_layer_grad_sample_grouped(
     BT = max(1, min(16, _BLOCK_ELEMENTS // BD))
     # Split a sample's rows when the group has too few samples to fill the device.
     splits = max(1, min(cdiv(T, BT), _TARGET_PROGRAMS // max(LB, 1)))
-    per_split = cdiv(cdiv(T, splits), BT) * BT
+    per_split = max(BT, cdiv(cdiv(T, splits), BT) * BT)  # T = 0: one empty split
     splits = max(1, cdiv(T, per_split))
     device = X.device
     gw = empty((LB, splits, d), torch.float32, device) if weight else None

@@ -502,7 +502,7 @@ NORM_LAYER_SHAPES = [(3, 2, 37, 45), (2, 1, 200, 16), (1, 3, None, 70), (2, 4, 1
 def test_norm_layer_grad_sample(shape, dtype, strided, form):
     """LayerNorm and RMSNorm per-sample gradients of a group in one launch, against float64."""
     L, B, T, d = shape
-    xs, gs = _layers(L, B, T or 1, d, d, dtype, strided, seed=50)
+    xs, gs = _layers(L, B, 1 if T is None else T, d, d, dtype, strided, seed=50)
     if T is None:
         xs, gs = [x[:, 0] for x in xs], [g[:, 0] for g in gs]
     xs = [x * 3 + 1 for x in xs] if not strided else xs  # a mean to subtract
