@@ -49,10 +49,13 @@ $PY -c "from dpgrad.tools import results; print(results.machine_info())" 2>&1 | 
 tests() {
     local name=$1 limit=$2
     shift 2
-    timeout -s INT "$limit" $PY -m pytest -q -p no:cacheprovider -n "$(($(nproc) - 2))" --max-worker-restart 100 \
+    timeout -s INT "$limit" $PY -m pytest -q -v -p no:cacheprovider -n "$(($(nproc) - 2))" --max-worker-restart 100 \
         -rfE --tb=short "$@" >"$OUT/$name.log" 2>&1
     echo "$name: exit $?" | tee -a "$OUT/check.log"
-    grep -E "^(FAILED|ERROR)|crashed|passed|failed" "$OUT/$name.log" | cut -c1-300 | tail -40 | tee -a "$OUT/check.log"
+    # -v: each result as it comes, so a test that ends its worker is named even when the limit
+    # stops the run before its summary.
+    grep -E "FAILED|ERROR|crashed|node down| passed| failed" "$OUT/$name.log" | grep -v INTERNALERROR | cut -c1-300 \
+        | tail -40 | tee -a "$OUT/check.log"
 }
 
 # pytest over a benchmark suite at full size, its results into $OUT; at most 570 s.

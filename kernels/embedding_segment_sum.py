@@ -30,19 +30,25 @@ import triton
 import triton.language as tl
 
 from .reference import EMBEDDING_GRAD_SAMPLE_WARN_ELEMENTS, embedding_grad_sample_warning
-from .triton_common import cdiv, check_dtypes, configs, empty, launch, min_block
+from .triton_common import cdiv, check_dtypes, configs, empty, keep_only, launch, min_block, one_family, prune_for
 
 CONFIGS = configs(
     [dict(BD=bd, BR=br) for bd in (64, 128, 256) for br in (4, 16)],
     interpret=dict(BD=32, BR=8),
     num_warps=(2, 4),
 )
+_ALL = [f"BD={bd} BR={br} w{w}" for bd in (64, 128, 256) for br in (4, 16) for w in (2, 4)]
+keep_only("_segment_sum_kernel", one_family("G"), {
+    "fp32": [n for n in _ALL if n not in ("BD=64 BR=16 w4", "BD=256 BR=16 w2")],
+    "half": [n for n in _ALL if n != "BD=256 BR=16 w2"],
+})
 _MIN_BD = min_block(CONFIGS, "BD")
 
 
 # Norm partials are laid out for the smallest tiles: clear what tuning leaves (reset_to_zero;
 # for stored rows it only re-zeroes an output that starts at zero).
-@triton.autotune(configs=CONFIGS, key=["d", "SCALED", "STORE_ROWS"], reset_to_zero=["OUT"])
+@triton.autotune(configs=CONFIGS, key=["d", "SCALED", "STORE_ROWS"], reset_to_zero=["OUT"],
+                 prune_configs_by=prune_for("_segment_sum_kernel"))
 @triton.jit(do_not_specialize=["T"])
 def _segment_sum_kernel(
     G, POS, OFFSETS, DEST, COEF, OUT,

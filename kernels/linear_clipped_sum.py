@@ -15,33 +15,41 @@ import torch
 import triton
 import triton.language as tl
 
-from .linear_grad_sample import CONFIGS as _PER_SAMPLE_CONFIGS
-from .linear_grad_sample import sample_tile, tile_offsets
-from .triton_common import INTERPRET, cdiv, check_dtypes, empty, launch
+from .linear_grad_sample import TILES, sample_tile, tile_offsets
+from .triton_common import INTERPRET, cdiv, check_dtypes, configs, empty, keep_only, launch, linear_family, prune_for
 from .triton_common import grouped, layer_pointer
 
-# The same tiles as the per-sample kernel (tuned separately: the loop over samples differs).
-CONFIGS = _PER_SAMPLE_CONFIGS
+# The per-sample kernel's tiles (tuned separately: the loop over samples differs), and for fp32
+# smaller ones, the only ones that do not spill there (its [BP, BD] sum stays in registers
+# beside the sample's product).
+CONFIGS = configs(TILES + [dict(BP=32, BD=32, BT=16), dict(BP=32, BD=64, BT=16), dict(BP=64, BD=32, BT=16)],
+                  interpret=dict(BP=32, BD=32, BT=32))
+keep_only("_linear_clipped_sum_kernel", linear_family, {
+    "fp32": ["BD=32 BP=32 BT=16 w8", "BD=64 BP=32 BT=16 w8", "BD=32 BP=64 BT=16 w8"],
+    "half": ["BD=64 BP=64 BT=32 w8", "BD=64 BP=64 BT=64 w8", "BD=128 BP=64 BT=32 w8", "BD=64 BP=128 BT=32 w8"],
+    "autocast": ["BD=64 BP=64 BT=32 w8"],
+})
 # Enough programs to fill a large GPU; below it the batch is split (partials cost memory).
 _TARGET_PROGRAMS = 512
 _MAX_PARTIAL_ELEMENTS = 1 << 26
 
 
-@triton.autotune(configs=CONFIGS, key=["p", "d", "WITH_BIAS"])
-@triton.jit(do_not_specialize=["B", "T", "samples_per_split"])
+@triton.autotune(configs=CONFIGS, key=["p", "d", "WITH_BIAS"],
+                 prune_configs_by=prune_for("_linear_clipped_sum_kernel"))
+@triton.jit(do_not_specialize=["B", "T", "samples_per_split", "grouped"])
 def _linear_clipped_sum_kernel(
     A, G, A_PTRS, G_PTRS, COEF, W, BIAS,
     B, T, p, d,
     s_ab, s_at, s_ad, s_gb, s_gt, s_gp,
-    samples_per_split,
-    WITH_BIAS: tl.constexpr, GROUPED: tl.constexpr, UPCAST: tl.constexpr,
+    samples_per_split, grouped,
+    WITH_BIAS: tl.constexpr, UPCAST: tl.constexpr,
     BP: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
 ):
     i_tile = tl.program_id(0).to(tl.int64)
     i_split = tl.program_id(1).to(tl.int64)
     i_l = tl.program_id(2).to(tl.int64)  # the layer of a grouped launch
-    A = layer_pointer(A, A_PTRS, i_l, GROUPED)
-    G = layer_pointer(G, G_PTRS, i_l, GROUPED)
+    A = layer_pointer(A, A_PTRS, i_l, grouped)
+    G = layer_pointer(G, G_PTRS, i_l, grouped)
     i_part = i_l * tl.num_programs(1) + i_split  # partials are laid out by layer, then split
     i_p, i_d, o_p, o_d, m_p, m_d = tile_offsets(i_tile, p, d, BP, BD)
     b_w = tl.zeros((BP, BD), dtype=tl.float32)
@@ -131,8 +139,8 @@ def linear_clipped_sum_grouped(
         A, G, ga.table, gg.table, coef, w, b,
         B, T, p, d,
         *ga.strides, *gg.strides,
-        per_split,
-        WITH_BIAS=bias, GROUPED=ga.on, UPCAST=INTERPRET,
+        per_split, ga.on,
+        WITH_BIAS=bias, UPCAST=INTERPRET,
     )
     if splits > 1:
         w = w.sum(dim=1).to(out_dtype)

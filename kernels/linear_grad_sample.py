@@ -21,13 +21,22 @@ import triton.language as tl
 
 from .linear_token_sum import token_sum_grouped
 from .reference import LinearPerSample
-from .triton_common import INTERPRET, cdiv, check_dtypes, configs, dot_fp32, empty, launch, min_block, placeholder
+from .triton_common import INTERPRET, cdiv, check_dtypes, configs, dot_fp32
+from .triton_common import empty, keep_only, launch, linear_family, min_block, placeholder, prune_for
 from .triton_common import grouped, layer_pointer
 
-CONFIGS = configs(
-    [dict(BP=bp, BD=bd, BT=bt) for bp, bd in ((64, 64), (128, 64), (64, 128), (128, 128)) for bt in (32, 64)],
-    interpret=dict(BP=32, BD=32, BT=32),
-)
+# (128, 128) tiles spill on every target in every dtype.
+TILES = [dict(BP=bp, BD=bd, BT=bt) for bp, bd in ((64, 64), (128, 64), (64, 128)) for bt in (32, 64)]
+CONFIGS = configs(TILES + [dict(BP=64, BD=64, BT=16)], interpret=dict(BP=32, BD=32, BT=32))
+# The configs that spill no register on any target with any supported Triton (3.6 and 3.9), by
+# the dtypes of A and G: fp32 tiles hold twice the bytes, and an fp32 input beside half
+# backprops is rounded in registers.
+keep_only("_linear_per_sample_kernel", linear_family, {
+    "fp32": ["BD=64 BP=64 BT=16 w8"],
+    "half": ["BD=64 BP=64 BT=32 w4", "BD=64 BP=64 BT=32 w8", "BD=64 BP=64 BT=64 w8", "BD=128 BP=64 BT=32 w8",
+             "BD=128 BP=64 BT=64 w8", "BD=64 BP=128 BT=64 w8"],
+    "autocast": ["BD=64 BP=64 BT=32 w4", "BD=64 BP=64 BT=32 w8", "BD=64 BP=64 BT=64 w8", "BD=64 BP=128 BT=32 w8"],
+})
 _MIN_BP = min_block(CONFIGS, "BP")
 _MIN_BD = min_block(CONFIGS, "BD")
 
@@ -71,14 +80,15 @@ def sample_tile(
 # The norm partials sit in zero-filled buffers laid out for the smallest tiles; a config that
 # was only tried while tuning must not leave its partials there (reset_to_zero).
 @triton.autotune(configs=CONFIGS, key=["p", "d", "WRITE_GRAD", "WITH_BIAS", "WITH_NORM"],
-                 reset_to_zero=["W_SQ", "BIAS_SQ"])
-@triton.jit(do_not_specialize=["B", "T"])
+                 reset_to_zero=["W_SQ", "BIAS_SQ"],
+                 prune_configs_by=prune_for("_linear_per_sample_kernel"))
+@triton.jit(do_not_specialize=["B", "T", "grouped"])
 def _linear_per_sample_kernel(
     A, G, A_PTRS, G_PTRS, W, BIAS, W_SQ, BIAS_SQ,
     B, T, p, d,
     s_ab, s_at, s_ad, s_gb, s_gt, s_gp,
-    n_tiles_max, n_tiles_p_max,
-    WRITE_GRAD: tl.constexpr, WITH_BIAS: tl.constexpr, WITH_NORM: tl.constexpr, GROUPED: tl.constexpr,
+    n_tiles_max, n_tiles_p_max, grouped,
+    WRITE_GRAD: tl.constexpr, WITH_BIAS: tl.constexpr, WITH_NORM: tl.constexpr,
     UPCAST: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
 ):
     # One flat grid axis: (layer, sample, tile) triples can exceed the 65535 limit of the others.
@@ -87,8 +97,8 @@ def _linear_per_sample_kernel(
     n_tiles = tl.cdiv(p, BP) * tl.cdiv(d, BD)
     i_lb = pid // n_tiles
     i_tile = pid % n_tiles
-    p_a = layer_pointer(A, A_PTRS, i_lb // B, GROUPED)
-    p_g = layer_pointer(G, G_PTRS, i_lb // B, GROUPED)
+    p_a = layer_pointer(A, A_PTRS, i_lb // B, grouped)
+    p_g = layer_pointer(G, G_PTRS, i_lb // B, grouped)
     i_p, i_d, o_p, o_d, m_p, m_d = tile_offsets(i_tile, p, d, BP, BD)
     b_w, b_bias = sample_tile(p_a, p_g, i_lb % B, o_p, o_d, m_p, m_d, T, s_ab, s_at, s_ad, s_gb, s_gt, s_gp,
                               WITH_BIAS, UPCAST, BP, BD, BT)
@@ -183,8 +193,8 @@ def linear_per_sample_grouped(
             w, b, unused if w_sq is None else w_sq, unused if b_sq is None else b_sq,
             B, T, p, d,
             *ga.strides, *gg.strides,
-            n_tiles_max, n_tiles_p_max,
-            WRITE_GRAD=grad, WITH_BIAS=bias, WITH_NORM=norm, GROUPED=ga.on, UPCAST=INTERPRET,
+            n_tiles_max, n_tiles_p_max, ga.on,
+            WRITE_GRAD=grad, WITH_BIAS=bias, WITH_NORM=norm, UPCAST=INTERPRET,
         )
     elif bias and LB * p > 0:
         # No weight tiles (d == 0): the bias comes from its own pass.

@@ -15,13 +15,23 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import INTERPRET, autocast_as, cdiv, check_dtypes, configs, dot_fp32, launch, min_block
+from .triton_common import INTERPRET, autocast_as, cdiv, check_dtypes, configs, dot_fp32, keep_only, launch
+from .triton_common import linear_family, min_block, prune_for
 from .triton_common import grouped, layer_pointer
 
+# BT = 128 spills on every target (two [BT, BT] fp32 Gram tiles and their compensation), and
+# Triton 3.6 miscompiles one such config for sm_90 (BT=128, BK=32, 4 warps, half inputs with
+# d = 1 and unit token stride: an out-of-range shared-memory access on an H100).
 CONFIGS = configs(
-    [dict(BT=bt, BK=bk) for bt in (32, 64, 128) for bk in (32, 64)],
+    [dict(BT=bt, BK=bk) for bt in (32, 64) for bk in (32, 64)],
     interpret=dict(BT=16, BK=32),
 )
+keep_only("_linear_gram_norm_kernel", linear_family, {
+    "fp32": ["BK=32 BT=32 w8", "BK=32 BT=64 w8", "BK=64 BT=32 w8"],
+    "half": ["BK=32 BT=32 w4", "BK=32 BT=32 w8", "BK=32 BT=64 w4", "BK=64 BT=32 w4", "BK=64 BT=64 w8"],
+    "autocast": ["BK=32 BT=32 w4", "BK=32 BT=32 w8", "BK=32 BT=64 w4", "BK=32 BT=64 w8", "BK=64 BT=32 w4",
+                 "BK=64 BT=64 w8"],
+})
 _MIN_BT = min_block(CONFIGS, "BT")
 
 
@@ -59,14 +69,15 @@ def _gram_tile(X, i_b, o_i, o_j, T, n, s_b, s_t, s_n, OTHER: tl.constexpr, UPCAS
 
 # Pair slots depend on the block size, so partials of a config tried while tuning must be
 # cleared (reset_to_zero); i > j slots are never written and must stay zero.
-@triton.autotune(configs=CONFIGS, key=["p", "d"], reset_to_zero=["SQ"])
-@triton.jit(do_not_specialize=["B", "T"])
+@triton.autotune(configs=CONFIGS, key=["p", "d"], reset_to_zero=["SQ"],
+                 prune_configs_by=prune_for("_linear_gram_norm_kernel"))
+@triton.jit(do_not_specialize=["B", "T", "grouped"])
 def _linear_gram_norm_kernel(
     A, G, A_PTRS, G_PTRS, SQ,
     B, T, p, d,
     s_ab, s_at, s_ad, s_gb, s_gt, s_gp,
-    n_pairs_max,
-    GROUPED: tl.constexpr, UPCAST: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    n_pairs_max, grouped,
+    UPCAST: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
 ):
     # One flat grid axis: (layer, sample, pair) counts can exceed the 65535 limit of the others.
     pid = tl.program_id(0).to(tl.int64)
@@ -78,8 +89,8 @@ def _linear_gram_norm_kernel(
     if i <= j:
         i_l = i_lb // B
         i_b = i_lb % B
-        p_a = layer_pointer(A, A_PTRS, i_l, GROUPED)
-        p_g = layer_pointer(G, G_PTRS, i_l, GROUPED)
+        p_a = layer_pointer(A, A_PTRS, i_l, grouped)
+        p_g = layer_pointer(G, G_PTRS, i_l, grouped)
         o_i = i * BT + tl.arange(0, BT).to(tl.int64)
         o_j = j * BT + tl.arange(0, BT).to(tl.int64)
         b_aa = _gram_tile(p_a, i_b, o_i, o_j, T, d, s_ab, s_at, s_ad, G.dtype.element_ty, UPCAST, BT, BK)
@@ -125,7 +136,7 @@ def linear_weight_sq_norm_gram_grouped(As: Sequence[torch.Tensor], Gs: Sequence[
     if LB * T > 0:
         launch(_linear_gram_norm_kernel, lambda meta: (cdiv(T, meta["BT"]) ** 2 * LB,),
             A, G, ga.table, gg.table, sq,
-            B, T, p, d, *ga.strides, *gg.strides, n_pairs_max, GROUPED=ga.on, UPCAST=INTERPRET,
+            B, T, p, d, *ga.strides, *gg.strides, n_pairs_max, ga.on, UPCAST=INTERPRET,
         )
     # Rounding can take an exact zero slightly below it.
     return sq.sum(dim=1).clamp_min(0)

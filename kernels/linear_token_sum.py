@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import cdiv, check_dtypes, configs, empty, launch, min_block, placeholder, round_to_bf16
+from .triton_common import ROUND_TO, cdiv, check_dtypes, configs, empty
+from .triton_common import keep_only, launch, min_block, one_family, placeholder, prune_for, round_to_bf16
 from .triton_common import grouped, layer_pointer
 
 CONFIGS = configs(
@@ -22,20 +23,21 @@ CONFIGS = configs(
     interpret=dict(BN=64, BT=16),
     num_warps=(4,),
 )
+_CLEAN = ["BN=128 BT=8 w4", "BN=128 BT=32 w4", "BN=256 BT=8 w4", "BN=512 BT=8 w4"]
+keep_only("_token_sum_kernel", one_family("X"), {"fp32": _CLEAN, "half": _CLEAN})
 _MIN_BN = min_block(CONFIGS, "BN")
-# ROUND: fp32 values rounded to fp16 (1) or bf16 (2) before they are summed; else nothing.
-_ROUND = {torch.float16: 1, torch.bfloat16: 2}
 
 
 # Norm partials are laid out for the smallest tiles: clear what tuning leaves (reset_to_zero).
-@triton.autotune(configs=CONFIGS, key=["n", "WRITE_SUM", "WITH_NORM"], reset_to_zero=["SQ"])
-@triton.jit(do_not_specialize=["B", "T"])
+@triton.autotune(configs=CONFIGS, key=["n", "WRITE_SUM", "WITH_NORM"], reset_to_zero=["SQ"],
+                 prune_configs_by=prune_for("_token_sum_kernel"))
+@triton.jit(do_not_specialize=["B", "T", "grouped", "round_to"])
 def _token_sum_kernel(
     X, X_PTRS, SUM, SQ,
     B, T, n,
     s_b, s_t, s_n,
-    n_tiles_max,
-    WRITE_SUM: tl.constexpr, WITH_NORM: tl.constexpr, GROUPED: tl.constexpr, ROUND: tl.constexpr,
+    n_tiles_max, grouped, round_to,
+    WRITE_SUM: tl.constexpr, WITH_NORM: tl.constexpr,
     BN: tl.constexpr, BT: tl.constexpr,
 ):
     # One flat grid axis: L * B may exceed the 65535 limit of the other axes. Outputs are laid
@@ -44,7 +46,7 @@ def _token_sum_kernel(
     n_tiles = tl.cdiv(n, BN)
     i_lb = pid // n_tiles
     i_n = pid % n_tiles
-    p_x = layer_pointer(X, X_PTRS, i_lb // B, GROUPED)
+    p_x = layer_pointer(X, X_PTRS, i_lb // B, grouped)
     i_b = i_lb % B
     o_n = i_n * BN + tl.arange(0, BN).to(tl.int64)
     m_n = o_n < n
@@ -55,9 +57,9 @@ def _token_sum_kernel(
         b_x = tl.load(p_x + i_b * s_b + o_t[:, None] * s_t + o_n[None, :] * s_n,
                       mask=(o_t[:, None] < T) & m_n[None, :], other=0.0)
         b_x = b_x.to(tl.float32)
-        if ROUND == 1:  # fp32 inputs as autocast gave them to an fp16 matmul
+        if round_to == 1:  # fp32 inputs as autocast gave them to an fp16 matmul
             b_x = b_x.to(tl.float16).to(tl.float32)
-        elif ROUND == 2:  # to a bf16 one
+        elif round_to == 2:  # to a bf16 one
             b_x = round_to_bf16(b_x)
         b_sum += tl.sum(b_x, axis=0)
     if WRITE_SUM:
@@ -110,8 +112,8 @@ def token_sum_grouped(
         unused = placeholder(X.device)
         launch(_token_sum_kernel, lambda meta: (cdiv(n, meta["BN"]) * LB,),
             X, gx.table, out, unused if sq is None else sq, B, T, n, *gx.strides,
-            n_tiles_max, WRITE_SUM=write_sum, WITH_NORM=norm, GROUPED=gx.on,
-            ROUND=_ROUND.get(round_to, 0) if X.dtype == torch.float32 else 0,
+            n_tiles_max, gx.on, ROUND_TO.get(round_to, 0) if X.dtype == torch.float32 else 0,
+            WRITE_SUM=write_sum, WITH_NORM=norm,
         )
     return out, sq.sum(dim=1) if norm else None
 

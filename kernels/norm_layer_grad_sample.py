@@ -21,35 +21,35 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import cdiv, check_dtypes, empty, launch, placeholder, round_to_bf16
+from .triton_common import ROUND_TO, cdiv, check_dtypes, empty, launch, placeholder, round_to_bf16
 from .triton_common import grouped, layer_pointer
 
-# A row is held whole: rows longer than this take the eager path (``norm_layer_fits``).
-MAX_D = 16384
-# Registers per program for a block of rows: BT * next_power_of_2(d) elements of each input.
-_BLOCK_ELEMENTS = 8192
-# ROUND: the normalised inputs rounded to fp16 (1) or bf16 (2) before the weight; fp32: nothing.
-_ROUND = {torch.float16: 1, torch.bfloat16: 2}
+# A row is held whole: rows longer than this take the eager path (``norm_layer_fits``); longer
+# rows would spill registers.
+MAX_D = 4096
+# Elements of each [BT, BD] tile (and of each [BD] accumulator) per thread: more spill
+# registers to the stack in fp32 (compiled for sm_80, sm_90 and sm_100:
+# tests/test_kernel_compile.py).
+_PER_THREAD = 8
 # Programs to aim for when splitting the rows of few samples.
 _TARGET_PROGRAMS = 1024
 
 
-@triton.jit(do_not_specialize=["B", "T", "per_split", "eps"])
+@triton.jit(do_not_specialize=["B", "T", "per_split", "eps", "rms", "round_to", "grouped"])
 def _norm_layer_grad_sample_kernel(
     X, G, X_PTRS, G_PTRS, GW, GB,
     B, T, d, eps,
     s_xb, s_xt, s_xd, s_gb, s_gt, s_gd,
-    splits, per_split,
-    RMS: tl.constexpr, ROUND: tl.constexpr, WITH_WEIGHT: tl.constexpr, WITH_BIAS: tl.constexpr,
-    GROUPED: tl.constexpr,
+    splits, per_split, rms, round_to, grouped,
+    WITH_WEIGHT: tl.constexpr, WITH_BIAS: tl.constexpr,
     BD: tl.constexpr, BT: tl.constexpr,
 ):
     # One flat grid axis over (layer and sample, run of rows): L * B may exceed 65535.
     pid = tl.program_id(0).to(tl.int64)
     i_lb = pid // splits
     i_s = pid % splits
-    p_x = layer_pointer(X, X_PTRS, i_lb // B, GROUPED)
-    p_g = layer_pointer(G, G_PTRS, i_lb // B, GROUPED)
+    p_x = layer_pointer(X, X_PTRS, i_lb // B, grouped)
+    p_g = layer_pointer(G, G_PTRS, i_lb // B, grouped)
     i_b = i_lb % B
     o_d = tl.arange(0, BD).to(tl.int64)
     m_d = o_d < d
@@ -65,15 +65,15 @@ def _norm_layer_grad_sample_kernel(
         if WITH_WEIGHT:
             b_x = tl.load(p_x + i_b * s_xb + o_t[:, None] * s_xt + o_d[None, :] * s_xd, mask=m, other=0.0)
             b_x = b_x.to(tl.float32)
-            if RMS:
+            if rms:
                 b_xc = b_x
             else:
                 b_xc = tl.where(m, b_x - (tl.sum(b_x, axis=1) / d)[:, None], 0.0)
             rstd = 1.0 / tl.sqrt(tl.sum(b_xc * b_xc, axis=1) / d + eps)
             b_n = b_xc * rstd[:, None]
-            if ROUND == 1:  # to fp16
+            if round_to == 1:  # to fp16
                 b_n = b_n.to(tl.float16).to(tl.float32)
-            elif ROUND == 2:
+            elif round_to == 2:
                 b_n = round_to_bf16(b_n)
             b_w += tl.sum(b_n * b_g, axis=0)
         if WITH_BIAS:
@@ -82,6 +82,15 @@ def _norm_layer_grad_sample_kernel(
         tl.store(GW + (i_lb * splits + i_s) * d + o_d, b_w, mask=m_d)
     if WITH_BIAS:
         tl.store(GB + (i_lb * splits + i_s) * d + o_d, b_bias, mask=m_d)
+
+
+def blocks(d: int) -> Tuple[int, int, int]:
+    """(BD, BT, num_warps) of a launch on rows of ``d`` elements: a whole row per block, BT rows
+    a step, as many as keep each [BT, BD] tile at ``_PER_THREAD`` elements per thread (up to
+    16 rows); 8 warps from 256 elements (fewer spill on some targets)."""
+    BD = triton.next_power_of_2(d)
+    num_warps = 4 if BD <= 128 else 8
+    return BD, max(1, min(16, _PER_THREAD * 32 * num_warps // BD)), num_warps
 
 
 def norm_layer_fits(X: torch.Tensor) -> bool:
@@ -132,8 +141,7 @@ def norm_layer_grad_sample_grouped(
     B, d = X.shape[0], X.shape[-1]
     T = 1 if X.dim() == 2 else X.shape[1]
     LB = len(Xs) * B
-    BD = triton.next_power_of_2(d)
-    BT = max(1, min(16, _BLOCK_ELEMENTS // BD))
+    BD, BT, num_warps = blocks(d)
     # Split a sample's rows when the group has too few samples to fill the device.
     splits = max(1, min(cdiv(T, BT), _TARGET_PROGRAMS // max(LB, 1)))
     per_split = max(BT, cdiv(cdiv(T, splits), BT) * BT)  # T = 0: one empty split
@@ -149,10 +157,10 @@ def norm_layer_grad_sample_grouped(
             unused if gw is None else gw, unused if gb is None else gb,
             B, T, d, float(eps),
             *x_strides, *g_strides,
-            splits, per_split,
-            RMS=rms, ROUND=_ROUND.get(X.dtype, 0) if rounded else 0, WITH_WEIGHT=weight, WITH_BIAS=bias, GROUPED=gx.on,
+            splits, per_split, int(rms), ROUND_TO.get(X.dtype, 0) if rounded else 0, gx.on,
+            WITH_WEIGHT=weight, WITH_BIAS=bias,
             BD=BD, BT=BT,
-            num_warps=4 if BD <= 2048 else 8,
+            num_warps=num_warps,
         )
     elif LB > 0:  # no rows: the gradients are zeros
         gw = None if gw is None else gw.zero_()

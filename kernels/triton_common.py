@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextvars
 import os
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import triton
@@ -48,19 +48,116 @@ def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return out
 
 
-_PLACEHOLDERS: Dict[torch.device, torch.Tensor] = {}
+_PLACEHOLDERS: Dict[Tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
-def placeholder(device: torch.device) -> torch.Tensor:
-    """A one-element fp32 tensor to pass for a buffer argument a launch does not use.
+def placeholder(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A one-element tensor to pass for a buffer argument a launch does not use (fp32), or
+    for the table of addresses of a launch that is not grouped (int64).
 
     Some Triton versions' autotuners zero every ``reset_to_zero`` argument before each trial,
     ``None`` included (triton 3.6 fails on it); a real, never-read tensor works on all.
     """
-    found = _PLACEHOLDERS.get(device)
+    found = _PLACEHOLDERS.get((device, dtype))
     if found is None:
-        found = _PLACEHOLDERS[device] = torch.zeros(1, dtype=torch.float32, device=device)
+        found = _PLACEHOLDERS[(device, dtype)] = torch.zeros(1, dtype=dtype, device=device)
     return found
+
+
+# Configs a kernel may not run with (they spill registers there, found by compiling every
+# kernel for the targets: tests/test_kernel_compile.py): kernel -> [(rule, why)], a rule a
+# function of (config, capability, pointers) true where the config is kept from the launch.
+PRUNE_RULES: Dict[str, List[Tuple[Callable[[Dict[str, Any], int, Dict[str, Optional[str]]], bool], str]]] = {}
+
+
+def config_name(config: Dict[str, Any]) -> str:
+    """A config as the prune rules name it: its block sizes in order, then its warps
+    (``"BD=64 BP=64 BT=32 w8"``)."""
+    blocks = " ".join(f"{k}={v}" for k, v in sorted(config.items()) if k not in ("num_warps", "num_stages"))
+    return f"{blocks} w{config['num_warps']}"
+
+
+def linear_family(pointers: Dict[str, Optional[str]]) -> str:
+    """A Linear launch's dtypes as a family: "fp32" (both), "half" (one half dtype) or
+    "autocast" (fp32 beside a half dtype)."""
+    a, g = pointers.get("A"), pointers.get("G")
+    return "fp32" if a == g == "fp32" else "half" if a == g else "autocast"
+
+
+def one_family(name: str) -> Callable[[Dict[str, Optional[str]]], str]:
+    """The family of a launch that reads one tensor ``name`` of a floating dtype: "fp32" or "half"."""
+    return lambda pointers: "fp32" if pointers.get(name) == "fp32" else "half"
+
+
+# Why the configs that ``keep_only`` leaves out are pruned.
+SPILLS = "spills registers on a target with a supported Triton (3.6, 3.9): tests/test_kernel_compile.py"
+
+
+def keep_only(kernel: str, family: Callable[[Dict[str, Optional[str]]], str], kept: Dict[str, Sequence[str]],
+              why: str = SPILLS) -> None:
+    """Adds a rule to ``PRUNE_RULES``: ``kernel`` runs, on tensors of a family listed in
+    ``kept``, only with the configs listed there (``config_name``); the rest are pruned for
+    ``why``."""
+    allowed = {fam: frozenset(names) for fam, names in kept.items()}
+
+    def rule(config, capability, pointers):
+        names = allowed.get(family(pointers))
+        return names is not None and config_name(config) not in names
+
+    rule.kept = allowed  # for the compile table's check that each name is one of the kernel's configs
+    PRUNE_RULES.setdefault(kernel, []).append((rule, why))
+
+
+def pruned(kernel: str, config: Dict[str, Any], capability: int, pointers: Dict[str, Optional[str]]) -> Optional[str]:
+    """Why ``kernel`` (its function's name) may not run with ``config`` (block sizes,
+    ``num_warps``) on a GPU of compute ``capability`` (80 for sm_80...) with tensors of these
+    Triton types (argument -> "fp32", "bf16", ...; None for an argument passed as None), or
+    None where it may (``PRUNE_RULES``; capability 0, the interpreter, prunes nothing)."""
+    if not capability:  # Triton's interpreter: no registers to spill
+        return None
+    for rule, why in PRUNE_RULES.get(kernel, ()):
+        if rule(config, capability, pointers):
+            return why
+    return None
+
+
+_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
+          torch.int32: "i32"}
+_CAPABILITY: Dict[int, int] = {}
+
+
+def launch_types(named: Dict[str, Any]) -> Tuple[int, Dict[str, Optional[str]]]:
+    """The compute capability of the launch's GPU (0 on a CPU) and its tensors' Triton types."""
+    pointers: Dict[str, Optional[str]] = {}
+    device = None
+    for name, value in named.items():
+        if isinstance(value, torch.Tensor):
+            pointers[name] = _TYPES.get(value.dtype, str(value.dtype))
+            device = device or (value.device if value.is_cuda else None)
+        elif value is None:
+            pointers[name] = None
+    if device is None:
+        return 0, pointers
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        major, minor = torch.cuda.get_device_capability(index)
+        _CAPABILITY[index] = 10 * major + minor
+    return _CAPABILITY[index], pointers
+
+
+def _config_dict(config) -> Dict[str, Any]:
+    return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+
+
+def prune_for(kernel: str) -> Dict[str, Callable]:
+    """``triton.autotune``'s ``prune_configs_by`` for ``kernel``: the configs ``pruned`` keeps
+    for the launch's GPU and tensors (all of them where it would keep none)."""
+    def early_config_prune(configs, named_args, **kwargs):
+        capability, pointers = launch_types({**named_args, **kwargs})
+        kept = [c for c in configs if pruned(kernel, _config_dict(c), capability, pointers) is None]
+        return kept or list(configs)
+
+    return {"early_config_prune": early_config_prune}
 
 
 # (autotuned kernel, config) to launch directly inside ``configured``.
@@ -80,24 +177,50 @@ def configured(kernel, config: Dict[str, Any]) -> Iterator[None]:
         _CONFIGURED.reset(token)
 
 
+# CUDA's limits on a grid: 2^31 - 1 blocks along x, 65535 along y and z.
+GRID_LIMITS = (2**31 - 1, 65535, 65535)
+
+
+def checked_grid(name: str, grid):
+    """``grid`` (blocks, or a function of a config's blocks to them) raising ValueError where
+    it passes CUDA's limits, naming the kernel, instead of a launch that fails or does less."""
+    def check(blocks):
+        blocks = tuple(blocks)
+        for n, limit, axis in zip(blocks, GRID_LIMITS, "xyz"):
+            if n > limit:
+                raise ValueError(f"{name}: a grid of {blocks} blocks, {n} along {axis}, over CUDA's limit of {limit}: "
+                                 "the shapes are too large for this kernel; use the eager backend "
+                                 "(DPGRAD_BACKEND=eager) for them")
+        return blocks
+
+    return (lambda meta: check(grid(meta))) if callable(grid) else check(grid)
+
+
 def launch(kernel, grid, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)``, for every launch of dpgrad's kernels (the one place
     to watch them): an autotuned kernel searches its configs on the first launch of a shape
-    key, unless ``configured`` names one for it, which then runs directly."""
+    key, unless ``configured`` names one for it, which then runs directly. The grid is
+    checked against CUDA's limits (``checked_grid``)."""
+    fn = kernel.fn if hasattr(kernel, "configs") else kernel
+    grid = checked_grid(fn.__name__, grid)
     active = _CONFIGURED.get()
     if active is not None and active[0] is kernel:
-        return kernel.fn[grid](*args, **kwargs, **active[1])
+        # A config stored before its kernel's rules kept it from this GPU is not run.
+        capability, pointers = launch_types({**dict(zip(fn.arg_names, args)), **kwargs})
+        if pruned(fn.__name__, active[1], capability, pointers) is None:
+            return kernel.fn[grid](*args, **kwargs, **active[1])
     return kernel[grid](*args, **kwargs)
 
 
 class Grouped(NamedTuple):
     """How a launch reads L tensors of one layout: ``table``, their addresses (int64, on their
-    device), read by ``layer_pointer`` (a placeholder for one tensor, passed as itself); the
-    ``strides`` they share; ``on``, the kernel's GROUPED."""
+    device), read by ``layer_pointer`` (an int64 placeholder for one tensor, passed as
+    itself); the ``strides`` they share; ``on``, the kernel's ``grouped`` argument (1 or 0: a
+    runtime flag, so one compiled kernel serves both)."""
 
     table: torch.Tensor
     strides: Tuple[int, ...]
-    on: bool
+    on: int
 
 
 def grouped(tensors: Sequence[torch.Tensor]) -> Grouped:
@@ -106,22 +229,27 @@ def grouped(tensors: Sequence[torch.Tensor]) -> Grouped:
     without waiting for the device."""
     first = tensors[0]
     if len(tensors) == 1:
-        return Grouped(placeholder(first.device), first.stride(), False)
+        return Grouped(placeholder(first.device, torch.int64), first.stride(), 0)
     if not same_layout(tensors):
         raise ValueError("a grouped launch takes tensors of one shape, dtype and strides")
     table = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
     if first.device.type == "cuda":
         table = table.pin_memory().to(first.device, non_blocking=True)
-    return Grouped(table, first.stride(), True)
+    return Grouped(table, first.stride(), 1)
 
 
 @triton.jit
-def layer_pointer(X, X_PTRS, i_l, GROUPED: tl.constexpr):
-    """Layer ``i_l``'s tensor in a grouped launch (its address read from the table ``X_PTRS``,
-    of tensors of X's dtype); X itself otherwise."""
-    if GROUPED:
+def layer_pointer(X, X_PTRS, i_l, grouped):
+    """Layer ``i_l``'s tensor in a grouped launch (``grouped`` 1: its address read from the
+    int64 table ``X_PTRS``, of tensors of X's dtype); X itself otherwise."""
+    if grouped:
         X = tl.load(X_PTRS + i_l).to(tl.pointer_type(X.dtype.element_ty))
     return X
+
+
+# A kernel's ``round_to`` argument: fp32 values rounded to fp16 (1) or bf16 (2) in registers, as
+# the dtype's cast of them would be; 0: kept as they are.
+ROUND_TO = {torch.float16: 1, torch.bfloat16: 2}
 
 
 @triton.jit
@@ -139,13 +267,18 @@ def cdiv(a: int, b: int) -> int:
 
 
 def check_dtypes(name: str, *tensors: torch.Tensor) -> None:
-    """The kernels take fp32, bf16 and fp16 (accumulating in fp32); say so for anything else."""
+    """The kernels take fp32, bf16 and fp16 (accumulating in fp32), one half dtype per launch
+    (beside fp32, as autocast makes them); say so for anything else."""
     for t in tensors:
         if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(
                 f"{name}: the Triton kernels take float32, bfloat16 or float16 tensors, got "
                 f"{t.dtype}; use the eager backend (DPGRAD_BACKEND=eager) for other dtypes"
             )
+    halves = {t.dtype for t in tensors if t.dtype != torch.float32}
+    if len(halves) > 1:
+        raise TypeError(f"{name}: the Triton kernels take one half dtype per launch (beside float32), got "
+                        f"{sorted(map(str, halves))}; use the eager backend (DPGRAD_BACKEND=eager) for such a mix")
 
 
 @triton.jit

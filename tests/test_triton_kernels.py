@@ -312,6 +312,10 @@ def test_dtypes_outside_the_kernels_are_refused_with_advice():
     A = torch.zeros(2, 3, 4, dtype=torch.float64, device=DEVICE)
     with pytest.raises(TypeError, match="DPGRAD_BACKEND=eager"):
         K.linear_weight_sq_norm_direct(A, A)
+    # Two half dtypes in one launch (no autocast makes them): the eager kernels take that.
+    bf, fp = A.to(torch.bfloat16), A.to(torch.float16)
+    with pytest.raises(TypeError, match="one half dtype per launch"):
+        K.linear_per_sample(bf, fp)
 
 
 def test_autotune_keys_are_layer_dims_not_batch_or_tokens():
@@ -396,8 +400,9 @@ def test_wrappers_run_on_the_forced_backend(monkeypatch):
     def run(wrapper_cls):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Embedding(13, 24, padding_idx=0), nn.Linear(24, 40), nn.Tanh(), nn.Linear(40, 5))
+        model = model.to(DEVICE)  # the kernels' device: CUDA where there is one
         wrapped = wrapper_cls(model, batch_first=True, loss_reduction="sum")
-        ids = torch.randint(0, 13, (4, 3))
+        ids = torch.randint(0, 13, (4, 3)).to(DEVICE)
         wrapped(ids).square().sum().backward()
         if wrapper_cls is GradSampleModule:
             return [p.grad_sample for p in model.parameters()]
@@ -531,7 +536,7 @@ def test_norm_layer_grad_sample_splits_rows(monkeypatch):
         gw, gb = K.norm_layer_grad_sample_grouped(xs, gs, 1e-6, rms=False, weight=True, bias=True)
         assert_rel_per_sample(gw, torch.cat([w for w, _ in refs]), 1e-5, f"{target} programs")
         assert_rel_per_sample(gb, torch.cat([b for _, b in refs]), 1e-5, f"{target} programs")
-    with pytest.raises(ValueError, match="d <= 16384"):
+    with pytest.raises(ValueError, match=f"d <= {module.MAX_D}"):
         K.norm_layer_grad_sample_grouped([xs[0][..., None]], [gs[0][..., None]], 1e-6, rms=False)
 
 

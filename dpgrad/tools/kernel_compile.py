@@ -1,0 +1,467 @@
+"""Every Triton kernel of ``dpgrad.kernels`` compiled for real GPU targets, no GPU needed.
+
+    python -m dpgrad.tools.kernel_compile [--target sm_80 sm_90 ...] [--jobs N]
+        [--cache tests/data/kernel_compiles.json] [--update] [--report]
+
+Triton's compiler builds for a target without its GPU: ``triton.compile`` gives the PTX and,
+through the ``ptxas`` its wheel ships, the cubin, whose resource usage (registers, stack,
+shared memory) ``cuobjdump`` reads. Each kernel is compiled in every variant its launchers
+pass (``VARIANTS``: the dtypes of its tensors, autocast's fp32-beside-half pairs included, and
+its constexpr flags), with every config its autotuner may choose on the target (the configs
+``triton_common.pruned`` keeps; those it prunes are listed with the reason), for each
+target. For each compile: whether it compiled, registers, stack (spilled registers), shared
+memory against the target's per-block limit, whether its dots use the tensor cores (wgmma,
+mma, tcgen05) and whether any uses TF32, and whether every pointer offset is 64-bit (the
+TTIR's ``tt.addptr`` operands).
+
+A results cache keyed by the kernels' source (and Triton's version, the target, the variant
+and the config) spares the compiles whose answer is known: ``--update`` writes the new ones
+into it. ``tests/test_kernel_compile.py`` checks what this finds, compiling only what the
+cache does not hold.
+
+Not a part of the library: it imports Triton's compiler internals (``triton.compiler``), and
+runs in a process of its own without ``TRITON_INTERPRET``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import io
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Tuple
+
+TARGETS = {"sm_80": 80, "sm_90": 90, "sm_100": 100}
+# The most shared memory one block may use (bytes): A100, H100, B200.
+MAX_SHARED = {80: 163 * 1024, 90: 227 * 1024, 100: 227 * 1024}
+CACHE = Path(__file__).resolve().parents[2] / "tests" / "data" / "kernel_compiles.json"
+TENSOR_CORES = re.compile(r"\b(wgmma|mma\.sync|tcgen05\.mma)")
+ADDPTR_I32 = re.compile(r"tt\.addptr [^\n]*: [^\n]*, (tensor<[^>]*xi32>|i32)\s*$", re.M)
+
+# Pairs of dtypes of a Linear's inputs and backprops (its launchers take one half dtype per
+# launch, beside fp32 in autocast's pairs); the first is A's, the second G's.
+LINEAR_PAIRS = [("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "bf16"), ("fp32", "fp16"),
+                ("bf16", "fp32"), ("fp16", "fp32")]
+ONE = ["fp32", "bf16", "fp16"]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way a launcher calls a kernel: its tensors' types (``pointers``: argument -> Triton
+    type, or None for an argument passed as None) and its constexpr ``flags``. ``dots``: what
+    its dots must use, "tensor cores" (half operands), "fp32" (no matrix instruction, no
+    TF32) or None (it has no dot)."""
+
+    kernel: str  # "module:attr" in dpgrad.kernels
+    label: str
+    pointers: Tuple[Tuple[str, Optional[str]], ...]
+    flags: Tuple[Tuple[str, object], ...]
+    dots: Optional[str] = None
+    blocks: Tuple[Tuple[str, int], ...] = ()  # constexprs a non-autotuned launch sets (norm layers)
+    num_warps: int = 4
+
+
+def _out(a: str, g: str) -> str:
+    """The dtype of a Linear's per-sample gradients: its weight's, fp32 beside autocast's pairs."""
+    return "fp32" if "fp32" in (a, g) else g
+
+
+def _dots(a: str, g: str) -> str:
+    return "fp32" if a == g == "fp32" else "tensor cores"
+
+
+def _linear_variants() -> Iterator[Variant]:
+    for a, g in LINEAR_PAIRS:
+        common = dict(A=a, G=g, A_PTRS="i64", G_PTRS="i64")
+        for grad, bias, norm in itertools.product((False, True), repeat=3):
+            if not (grad or norm):
+                continue
+            yield Variant("linear_grad_sample:_linear_per_sample_kernel",
+                          f"{a}/{g} grad={grad:d} bias={bias:d} norm={norm:d}",
+                          tuple({**common, "W": _out(a, g) if grad else None,
+                                 "BIAS": _out(a, g) if grad and bias else None,
+                                 "W_SQ": "fp32", "BIAS_SQ": "fp32"}.items()),
+                          (("WRITE_GRAD", grad), ("WITH_BIAS", bias), ("WITH_NORM", norm), ("UPCAST", False)),
+                          _dots(a, g))
+        for bias, split in itertools.product((False, True), (False, True)):
+            part = "fp32" if split else _out(a, g)  # a batch split sums fp32 partials
+            yield Variant("linear_clipped_sum:_linear_clipped_sum_kernel", f"{a}/{g} bias={bias:d} partials={part}",
+                          tuple({**common, "COEF": "fp32", "W": part, "BIAS": part if bias else None}.items()),
+                          (("WITH_BIAS", bias), ("UPCAST", False)), _dots(a, g))
+        yield Variant("linear_norm_gram:_linear_gram_norm_kernel", f"{a}/{g}", tuple({**common, "SQ": "fp32"}.items()),
+                      (("UPCAST", False),), _dots(a, g))
+
+
+def _token_sum_variants() -> Iterator[Variant]:
+    for x in ONE:
+        for write, norm in ((True, False), (False, True), (True, True)):
+            yield Variant("linear_token_sum:_token_sum_kernel", f"{x} sum={write:d} norm={norm:d}",
+                          (("X", x), ("X_PTRS", "i64"), ("SUM", "fp32" if write else None), ("SQ", "fp32")),
+                          (("WRITE_SUM", write), ("WITH_NORM", norm)))
+
+
+def _embedding_variants() -> Iterator[Variant]:
+    for g in ONE:
+        # (SCALED, STORE_ROWS): the norm's partials, per-sample rows, clipped rows.
+        for scaled, store in ((False, False), (False, True), (True, True)):
+            out = g if store else "fp32"
+            yield Variant("embedding_segment_sum:_segment_sum_kernel", f"{g} scaled={scaled:d} rows={store:d}",
+                          (("G", g), ("POS", "i64"), ("OFFSETS", "i64"), ("DEST", "i64"),
+                           ("COEF", "fp32" if scaled else "i64"), ("OUT", out)),
+                          (("SCALED", scaled), ("STORE_ROWS", store)))
+    yield Variant("embedding_segment_sum:_per_sample_total_kernel", "fp32",
+                  (("SEG_SQ", "fp32"), ("SAMPLE_OFFSETS", "i64"), ("OUT", "fp32")), (), blocks=(("BS", 256),))
+
+
+def _norm_layer_variants() -> Iterator[Variant]:
+    from dpgrad.kernels.norm_layer_grad_sample import MAX_D, blocks
+
+    # (X, G): one dtype, or autocast's (a LayerNorm run in fp32 after a bf16 layer).
+    pairs = [("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp32"), ("fp16", "fp32"),
+             ("fp32", "bf16"), ("fp32", "fp16")]
+    sizes = sorted({blocks(1 << k) for k in range(MAX_D.bit_length())})
+    for (x, g), (weight, bias) in itertools.product(pairs, ((True, True), (True, False), (False, True))):
+        for BD, BT, warps in sizes:
+            yield Variant("norm_layer_grad_sample:_norm_layer_grad_sample_kernel",
+                          f"{x}/{g} weight={weight:d} bias={bias:d} BD={BD}",
+                          (("X", x), ("G", g), ("X_PTRS", "i64"), ("G_PTRS", "i64"), ("GW", "fp32"), ("GB", "fp32")),
+                          (("WITH_WEIGHT", weight), ("WITH_BIAS", bias)), blocks=(("BD", BD), ("BT", BT)),
+                          num_warps=warps)
+
+
+def variants() -> List[Variant]:
+    """Every (kernel, variant) the launchers of ``dpgrad.kernels`` make."""
+    # dict: a variant two launchers make alike (an fp32 layer's split and unsplit sums) once.
+    return list(dict.fromkeys([*_linear_variants(), *_token_sum_variants(), *_embedding_variants(),
+                               *_norm_layer_variants()]))
+
+
+def table_problems() -> List[str]:
+    """Where ``variants`` would miss a kernel or a flag: every ``*_kernel`` of the kernel
+    modules must have variants, and each variant must set exactly its kernel's constexprs
+    other than block sizes (those of its configs), and give a type to each of its pointers."""
+    import importlib
+    import pkgutil
+
+    import dpgrad.kernels
+
+    found, problems = {}, []
+    for module in sorted(m.name for m in pkgutil.iter_modules(dpgrad.kernels.__path__)):
+        name = f"dpgrad.kernels.{module}"
+        for attr, obj in vars(importlib.import_module(name)).items():
+            fn = jit_function(obj)
+            if attr.endswith("_kernel") and hasattr(fn, "params") and fn.__module__ == name:
+                found[f"{module}:{attr}"] = obj
+    by_kernel: Dict[str, List[Variant]] = {}
+    for variant in variants():
+        by_kernel.setdefault(variant.kernel, []).append(variant)
+    for name in sorted(set(found) - set(by_kernel)):
+        problems.append(f"{name} has no variants: add its launches to kernel_compile's table")
+    for name, vs in sorted(by_kernel.items()):
+        if name not in found:
+            problems.append(f"{name}: variants of a kernel that does not exist")
+            continue
+        kernel = found[name]
+        if hasattr(kernel, "configs"):
+            from dpgrad.kernels.triton_common import PRUNE_RULES, config_name
+
+            names = {config_name({**c.kwargs, "num_warps": c.num_warps}) for c in kernel.configs}
+            for rule, _ in PRUNE_RULES.get(jit_function(kernel).__name__, ()):
+                for family, kept in getattr(rule, "kept", {}).items():
+                    for unknown in sorted(kept - names):
+                        problems.append(f"{name}: its prune rule keeps {unknown!r} for {family}, not one of its configs")
+        params = jit_function(kernel).params
+        blocks = set(kernel.configs[0].kwargs) if hasattr(kernel, "configs") else set()
+        constexprs = {p.name for p in params if p.is_constexpr} - blocks
+        for v in vs:
+            flags = set(dict(v.flags)) | set(dict(v.blocks))
+            if flags != constexprs:
+                problems.append(f"{name} [{v.label}]: sets constexprs {sorted(flags)}, the kernel has "
+                                f"{sorted(constexprs)}")
+                break
+    return problems
+
+
+def kernel_object(name: str):
+    import importlib
+
+    module, attr = name.split(":")
+    return getattr(importlib.import_module(f"dpgrad.kernels.{module}"), attr)
+
+
+def jit_function(kernel):
+    """The ``triton.JITFunction`` of a kernel (autotuned or not)."""
+    return kernel.fn if hasattr(kernel, "configs") else kernel
+
+
+def launch_configs(variant: Variant, capability: int) -> List[Tuple[Dict[str, object], Optional[str]]]:
+    """``(config, None)`` for each config the kernel may run with on ``capability`` for this
+    variant, ``(config, reason)`` for each it is kept from (``triton_common.pruned``).
+    A config: block sizes with ``num_warps`` and ``num_stages``."""
+    from dpgrad.kernels import triton_common
+
+    kernel = kernel_object(variant.kernel)
+    if not hasattr(kernel, "configs"):  # launched with blocks of its own
+        return [({**dict(variant.blocks), "num_warps": variant.num_warps, "num_stages": 3}, None)]
+    configs = [{**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages} for c in kernel.configs]
+    pointers = dict(variant.pointers)
+    return [(c, triton_common.pruned(jit_function(kernel).__name__, c, capability, pointers)) for c in configs]
+
+
+def source_hash(variant: Variant) -> str:
+    """The kernel's source as Triton's own cache keys it: its function's and those of the
+    functions and constants it uses (``JITFunction.cache_key``)."""
+    return jit_function(kernel_object(variant.kernel)).cache_key[:16]
+
+
+def key(variant: Variant, config: Dict[str, object], target: str, triton_version: str) -> str:
+    blocks = ",".join(f"{k}={v}" for k, v in sorted(config.items()))
+    return f"{triton_version}|{target}|{variant.kernel}|{variant.label}|{blocks}|{source_hash(variant)}"
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def compile_one(variant: Variant, config: Dict[str, object], target: str) -> Dict[str, object]:
+    """Compile the variant with the config for the target: what came of it."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = jit_function(kernel_object(variant.kernel))
+    pointers, flags = dict(variant.pointers), dict(variant.flags)
+    blocks = {k: v for k, v in config.items() if k not in ("num_warps", "num_stages")}
+    signature, constexprs = {}, {}
+    for p in fn.params:
+        if p.is_constexpr:
+            signature[p.name] = "constexpr"
+            constexprs[p.name] = flags[p.name] if p.name in flags else blocks[p.name]
+        elif p.name in pointers:
+            if pointers[p.name] is None:
+                signature[p.name], constexprs[p.name] = "constexpr", None
+            else:
+                signature[p.name] = "*" + pointers[p.name]
+        else:
+            signature[p.name] = "fp32" if p.name == "eps" else "i32"
+    missing = set(flags) - set(constexprs)
+    if missing:
+        raise ValueError(f"{variant.kernel}: flags {sorted(missing)} are not the kernel's constexprs")
+    # ptxas's own account of the spills (its log, which Triton prints when asked), from a
+    # compile that Triton's cache cannot answer.
+    log = io.StringIO()
+    knobs = [(triton.knobs.nvidia, "dump_ptxas_log"), (triton.knobs.compilation, "always_compile")]
+    saved = [getattr(group, name) for group, name in knobs]
+    try:
+        for group, name in knobs:
+            setattr(group, name, True)
+        with contextlib.redirect_stdout(log):
+            compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                                      target=GPUTarget("cuda", TARGETS[target], 32),
+                                      options={"num_warps": config["num_warps"], "num_stages": config["num_stages"]})
+    except Exception as exc:  # noqa: BLE001 - a compile failure is a result
+        return {"ok": False, "error": f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[-1][:200]}"}
+    finally:
+        for (group, name), value in zip(knobs, saved):
+            setattr(group, name, value)
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log.getvalue()))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
+                               text=True, check=True).stdout
+    found = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", usage))
+    ptx = compiled.asm["ptx"]
+    return {
+        "ok": True,
+        "regs": int(found.get("REG", 0)),
+        "stack": int(found.get("STACK", 0)),
+        "spills": spills,
+        "local": int(found.get("LOCAL", 0)),
+        "shared": max(int(found.get("SHARED", 0)), int(getattr(compiled.metadata, "shared", 0) or 0)),
+        "tensor_cores": bool(TENSOR_CORES.search(ptx)),
+        "tf32": ".tf32" in ptx,
+        "offsets_i32": len(ADDPTR_I32.findall(compiled.asm["ttir"])),
+    }
+
+
+def _work(item):
+    variant, config, target = item
+    return compile_one(variant, config, target)
+
+
+def problems(variant: Variant, target: str, result: Dict[str, object]) -> List[str]:
+    """What is wrong with one compile of a config the kernel may run with."""
+    if not result["ok"]:
+        return [f"does not compile: {result['error']}"]
+    found = []
+    if result["spills"] or result["local"]:
+        found.append(f"spills: {result['regs']} registers, {result['spills']} bytes of spill stores and loads "
+                     f"({result['stack']} bytes of stack)")
+    if result["shared"] > MAX_SHARED[TARGETS[target]]:
+        found.append(f"{result['shared']} bytes of shared memory, over {target}'s {MAX_SHARED[TARGETS[target]]}")
+    if variant.dots == "tensor cores" and not result["tensor_cores"]:
+        found.append("its dots on half operands use no tensor-core instruction")
+    if variant.dots == "fp32" and (result["tf32"] or result["tensor_cores"]):
+        found.append("its fp32 dots use the tensor cores (TF32), not fp32")
+    if result["offsets_i32"]:
+        found.append(f"{result['offsets_i32']} pointer offsets are 32-bit")
+    return found
+
+
+@dataclass
+class Run:
+    """What ``check`` found: every compile's result, what was pruned, and the problems."""
+
+    results: Dict[str, Dict[str, object]] = field(default_factory=dict)  # key -> result
+    pruned: List[Tuple[Variant, Dict[str, object], str, str]] = field(default_factory=list)
+    problems: List[str] = field(default_factory=list)
+    compiled: int = 0
+
+
+def check(targets: List[str], jobs: int, cache: Optional[Dict[str, Dict[str, object]]] = None,
+          only: Optional[str] = None, progress=None) -> Run:
+    """Compile (or take from ``cache``) every variant with every config it may run with on
+    every target; ``only``: the kernels whose name holds it; ``progress(results)``: called
+    every 200 compiles with what is known so far (to keep it)."""
+    import triton
+
+    cache = cache or {}
+    run = Run()
+    todo, keys, places = [], [], []
+    for variant in variants():
+        if only and only not in variant.kernel:
+            continue
+        for target in targets:
+            for config, reason in launch_configs(variant, TARGETS[target]):
+                if reason is not None:
+                    run.pruned.append((variant, config, target, reason))
+                    continue
+                k = key(variant, config, target, triton.__version__)
+                if k in cache:
+                    run.results[k] = cache[k]
+                else:
+                    todo.append((variant, config, target))
+                    keys.append(k)
+                places.append((k, variant, config, target))
+    if todo:
+        with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:
+            for i, result in enumerate(pool.map(_work, todo, chunksize=8)):
+                run.results[keys[i]] = result
+                if progress is not None and (i + 1) % 200 == 0:
+                    progress(run.results)
+        run.compiled = len(todo)
+    for k, variant, config, target in places:
+        for problem in problems(variant, target, run.results[k]):
+            run.problems.append(f"{target} {variant.kernel} [{variant.label}] {config}: {problem}")
+    return run
+
+
+def supported_targets() -> List[str]:
+    """The targets the installed Triton compiles for (sm_100 needs a newer one than 3.6)."""
+    import triton
+
+    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+    return ["sm_80", "sm_90"] + (["sm_100"] if (major, minor) >= (3, 9) else [])
+
+
+def load_cache(path: Path) -> Dict[str, Dict[str, object]]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"{path}: not a kernel compile cache ({exc}); delete it to start a new one") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("results"), dict):
+        raise SystemExit(f"{path}: not a kernel compile cache (no 'results' mapping); delete it to start a new one")
+    return data["results"]
+
+
+def save_cache(path: Path, results: Dict[str, Dict[str, object]]) -> None:
+    """Keep only entries of the current kernels' sources: the rest can never be asked for again."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"results": dict(sorted(results.items()))}, indent=0, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def report(run: Run) -> str:
+    """A Markdown table: per kernel and target, configs compiled and pruned, registers."""
+    rows: Dict[Tuple[str, str], Dict[str, object]] = {}
+    for k, result in run.results.items():
+        version, target, kernel = k.split("|")[:3]
+        row = rows.setdefault((kernel, target), {"compiles": 0, "regs": [], "tc": False, "pruned": 0, "reasons": set()})
+        row["compiles"] += 1
+        if result.get("ok"):
+            row["regs"].append(result["regs"])
+            row["tc"] |= result["tensor_cores"]
+    for variant, config, target, reason in run.pruned:
+        row = rows.setdefault((variant.kernel, target), {"compiles": 0, "regs": [], "tc": False, "pruned": 0,
+                                                         "reasons": set()})
+        row["pruned"] += 1
+        row["reasons"].add(reason.split(":")[0])  # the reason without its pointer to where it is shown
+    lines = ["| kernel | target | compiles | registers | tensor cores | configs pruned (why) |",
+             "|---|---|---|---|---|---|"]
+    for (kernel, target), row in sorted(rows.items()):
+        regs = f"{min(row['regs'])}-{max(row['regs'])}" if row["regs"] else "-"
+        why = "; ".join(sorted(row["reasons"])) if row["reasons"] else ""
+        lines.append(f"| `{kernel.split(':')[1]}` | {target} | {row['compiles']} | {regs} | "
+                     f"{'yes' if row['tc'] else 'no'} | {row['pruned']}{' (' + why + ')' if why else ''} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", nargs="+", choices=sorted(TARGETS), help="default: all the installed Triton takes")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiles at once")
+    parser.add_argument("--cache", type=Path, default=CACHE, help="the results cache (default: %(default)s)")
+    parser.add_argument("--update", action="store_true", help="write what was compiled into the cache")
+    parser.add_argument("--only", help="the kernels whose name holds this")
+    parser.add_argument("--report", action="store_true", help="print the table of kernels and targets")
+    parser.add_argument("--json", type=Path, help="write the problems and counts as JSON")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        parser.error("run without TRITON_INTERPRET: the interpreter compiles nothing")
+    import triton
+
+    table = table_problems()
+    for problem in table:
+        print("table: " + problem)
+    cache = load_cache(args.cache)
+
+    def keep(results):  # a long run's compiles are not lost if it stops
+        save_cache(args.cache, {**cache, **results})
+
+    run = check(args.target or supported_targets(), args.jobs, cache, args.only, keep if args.update else None)
+    print(f"triton {triton.__version__}: {len(run.results)} compiles ({run.compiled} new, the rest from the cache), "
+          f"{len(run.pruned)} configs pruned, {len(run.problems)} problems")
+    for problem in run.problems[:200]:
+        print("  " + problem)
+    if args.report:
+        print(report(run))
+    if args.update:
+        # A whole run replaces this Triton's entries (dropping those of sources gone); a part adds.
+        keep = {k: v for k, v in cache.items() if args.only or not k.startswith(triton.__version__ + "|")}
+        keep.update(run.results)
+        save_cache(args.cache, keep)
+    if args.json:
+        args.json.write_text(json.dumps({"triton": triton.__version__, "targets": args.target or supported_targets(),
+                                         "compiles": len(run.results), "compiled": run.compiled,
+                                         "pruned": len(run.pruned), "problems": run.problems, "table": table,
+                                         "report": report(run)}, indent=1))
+    return 1 if run.problems or table else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
