@@ -81,6 +81,7 @@ BACKEND_INDEPENDENT = {
     "test_triton_kernels.py",  # chooses its backend per test; runs on the interpreter in the first pass
     "test_kernels_gpu.py",  # the kernels on a GPU, each backend explicitly
     "test_kernel_compile.py",  # compiles the kernels for GPU targets in a process of its own
+    "test_audit.py",  # audits through make_private, whose backends the second pass covers
     "test_reference_kernels.py",  # the eager reference alone
     "test_host_overhead.py",  # counts eager operations whatever the backend
     "test_cli_report.py", "test_dashboard.py", "test_package.py", "test_tuning.py",

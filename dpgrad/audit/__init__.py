@@ -1,0 +1,8 @@
+"""Empirical privacy auditing of dpgrad's training in one run (``dpgrad audit``).
+
+- ``dpgrad.audit.bounds``: the audited epsilon from canary guesses (Steinke, Nasr and
+  Jagielski 2023; Mahloujifar, Melis and Chaudhuri's f-DP bound), pure Python.
+- ``dpgrad.audit.run``: the white-box audit of DP-SGD through ``dpgrad.opacus.make_private``
+  (gradient canaries that are samples of the batch) and the same audit of the idealised
+  Gaussian mechanism (needs Opacus, for the training path and its accountant).
+"""

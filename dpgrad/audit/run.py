@@ -1,0 +1,213 @@
+"""A white-box one-run privacy audit of DP-SGD as dpgrad trains, and its idealised reference.
+
+The canaries are samples of the training data: canary c is included with probability 1/2,
+and each step's Poisson batch takes it like any other sample, through the model's forward
+pass, dpgrad's hooks and norms, the clipping, the noise and the optimizer
+(``dpgrad.opacus.make_private``, Opacus's accountant). The model is a classifier beside an
+audit embedding with one row per canary (and a row 0 that no loss term reaches): a canary's
+loss is ``scale * C * <E[c], u_c>`` with u_c a random unit vector, so its gradient is a Dirac
+on row c of norm ``scale * C``, far above the bound C, and clipping must cut it to C; ordinary
+samples train the classifier and leave the audit rows alone. Plain SGD (no momentum, no weight
+decay): the sum of row c's updates is its last value less its first, and the score of a canary
+is how far its row moved against u_c, ``<E_c(0) - E_c(T), u_c>``. A correct implementation
+moves an included canary's row by about ``lr * C / B`` per step it is drawn in, against noise
+of ``lr * sigma * C / B`` per step in that direction: exactly the Gaussian mechanism that
+``idealised_scores`` simulates without a model.
+
+The guesses and bounds: ``dpgrad.audit.bounds``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from .bounds import Audit, audit_scores
+
+
+@dataclass
+class AuditConfig:
+    """One audit: m canaries among n ordinary samples, ``steps`` steps of Poisson sampling at
+    ``sample_rate``, noise multiplier and bound, the canaries' gradient norm as a multiple of
+    the bound (``scale``), (epsilon, delta) at ``delta``, and the guesses' ``confidence``."""
+
+    canaries: int = 1000
+    samples: int = 1000
+    steps: int = 100
+    sample_rate: float = 0.1
+    noise_multiplier: float = 1.0
+    max_grad_norm: float = 1.0
+    scale: float = 100.0
+    dim: int = 16
+    features: int = 8
+    lr: float = 1.0
+    delta: float = 1e-5
+    confidence: float = 0.95
+    single_backward: bool = True
+    seed: int = 0
+
+
+@dataclass
+class AuditResult:
+    """What an audit found: the accountant's epsilon, the audited epsilons (Steinke et al.'s
+    one-run bound and the f-DP bound), the canaries, guesses and correct guesses that gave
+    each, the confidence, and the mechanism audited ("dpgrad" or "idealised")."""
+
+    mechanism: str
+    config: Dict[str, object]
+    accountant_epsilon: float
+    epsilon_one_run: float
+    epsilon_fdp: float
+    canaries: int
+    guesses_one_run: int
+    correct_one_run: int
+    guesses_fdp: int
+    correct_fdp: int
+    confidence: float
+    choices: int
+    scores: List[float] = field(default_factory=list, repr=False)
+
+    def to_json(self) -> Dict[str, object]:
+        out = asdict(self)
+        out.pop("scores")
+        return out
+
+
+def accountant_epsilon(config: AuditConfig) -> float:
+    """Opacus's RDP accountant's epsilon at ``config.delta`` for the audit's sampling rate,
+    noise and steps (what ``privacy_engine.get_epsilon`` says of the real run)."""
+    from opacus.accountants import RDPAccountant
+
+    accountant = RDPAccountant()
+    accountant.history = [(config.noise_multiplier, config.sample_rate, config.steps)]
+    return accountant.get_epsilon(config.delta)
+
+
+def _memberships(config: AuditConfig, generator: torch.Generator) -> torch.Tensor:
+    return torch.rand(config.canaries, generator=generator) < 0.5
+
+
+def idealised_scores(config: AuditConfig) -> Tuple[List[float], List[bool]]:
+    """The audit's scores under the Gaussian mechanism itself (no model): an included canary
+    adds C to its direction at each step Poisson sampling draws it, every step adds noise of
+    standard deviation sigma * C there; scores in the units of ``white_box_scores`` (times
+    lr / expected batch size, which changes no guess)."""
+    g = torch.Generator().manual_seed(config.seed + 1)
+    included = _memberships(config, g)
+    counts = torch.binomial(torch.full((config.canaries,), float(config.steps)),
+                            torch.full((config.canaries,), config.sample_rate), generator=g) * included
+    noise = torch.randn(config.canaries, generator=g, dtype=torch.float64) * math.sqrt(config.steps)
+    scores = config.max_grad_norm * (counts.double() + config.noise_multiplier * noise)
+    return scores.tolist(), included.tolist()
+
+
+class AuditModel(nn.Module):
+    """A linear classifier beside the audit embedding (row 0 for ordinary samples, row c + 1
+    for canary c); its output is the logits and the sample's audit row side by side."""
+
+    def __init__(self, canaries: int, dim: int, features: int, classes: int = 2):
+        super().__init__()
+        self.classes = classes
+        self.head = nn.Linear(features, classes)
+        self.audit = nn.Embedding(canaries + 1, dim)
+
+    def forward(self, x: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.head(x), self.audit(row)], dim=1)
+
+
+class AuditLoss(nn.Module):
+    """Per sample: cross-entropy for an ordinary sample; ``scale * C * <E[c], u_c>`` for a
+    canary (u_c of norm 1: its gradient on row c has norm scale * C)."""
+
+    def __init__(self, classes: int, weight: float, reduction: str = "mean"):
+        super().__init__()
+        self.classes, self.weight, self.reduction = classes, weight, reduction
+
+    def forward(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits, rows = output[:, :self.classes], output[:, self.classes:]
+        label, direction, canary = target[:, 0].long(), target[:, 1:-1], target[:, -1]
+        ce = nn.functional.cross_entropy(logits, label, reduction="none")
+        losses = torch.where(canary > 0, self.weight * (rows * direction).sum(dim=1), ce)
+        if self.reduction == "none":
+            return losses
+        return losses.sum() if self.reduction == "sum" else losses.mean()
+
+
+def white_box_scores(config: AuditConfig) -> Tuple[List[float], List[bool], float]:
+    """Trains the audit model with ``dpgrad.opacus.make_private`` (ghost clipping, Poisson
+    sampling, Opacus's accountant) and returns the canaries' scores, memberships and the
+    accountant's epsilon after the run."""
+    import opacus
+
+    import dpgrad.opacus
+
+    g = torch.Generator().manual_seed(config.seed)
+    included = _memberships(config, g)
+    m, n = config.canaries, config.samples
+    directions = torch.randn(m, config.dim, generator=g)
+    directions = directions / directions.norm(dim=1, keepdim=True)
+    ids = torch.nonzero(included).flatten()
+    x = torch.randn(n + len(ids), config.features, generator=g)
+    x[n:] = 0.0
+    labels = torch.randint(0, 2, (n + len(ids),), generator=g).float()
+    rows = torch.zeros(n + len(ids), dtype=torch.long)
+    rows[n:] = ids + 1
+    u = torch.zeros(n + len(ids), config.dim)
+    u[n:] = directions[ids]
+    flag = torch.zeros(n + len(ids))
+    flag[n:] = 1.0
+    target = torch.cat([labels[:, None], u, flag[:, None]], dim=1)
+    dataset = torch.utils.data.TensorDataset(x, rows, target)
+    # make_private's Poisson sampling draws at 1 / len(loader): batches that make it the audit's rate.
+    per_epoch = max(1, round(1 / config.sample_rate))
+    if abs(1 / per_epoch - config.sample_rate) > 1e-12:
+        raise ValueError(f"sample_rate {config.sample_rate}: the audit takes 1 / k for an integer k")
+    loader = torch.utils.data.DataLoader(dataset, batch_size=math.ceil(len(dataset) / per_epoch))
+    if len(loader) != per_epoch:
+        raise ValueError(f"{len(dataset)} samples cannot be split into "
+                         f"{per_epoch} batches: use more canaries or samples, or a larger sample rate")
+    expected = len(dataset) / per_epoch
+    torch.manual_seed(config.seed)
+    model = AuditModel(m, config.dim, config.features)
+    start = model.audit.weight.detach().clone()
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
+    engine = opacus.PrivacyEngine(accountant="rdp")
+    criterion = AuditLoss(model.classes, config.scale * config.max_grad_norm)
+    module, optimizer, criterion, loader = dpgrad.opacus.make_private(
+        engine, module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=config.noise_multiplier,
+        max_grad_norm=config.max_grad_norm, criterion=criterion, grad_sample_mode="ghost",
+        single_backward=config.single_backward, noise_generator=torch.Generator().manual_seed(config.seed + 3))
+    # make_private's loader draws a Poisson batch from the dataset each step; steps are counted here.
+    done = 0
+    while done < config.steps:
+        for xb, rb, tb in loader:
+            optimizer.zero_grad(set_to_none=True)
+            criterion(module(xb, rb), tb).backward()
+            optimizer.step()
+            done += 1
+            if done == config.steps:
+                break
+    moved = (start - model.audit.weight.detach())[1:]
+    scores = (moved * directions).sum(dim=1) * (expected / config.lr)
+    return scores.double().tolist(), included.tolist(), engine.get_epsilon(config.delta)
+
+
+def audit(config: AuditConfig, mechanism: str = "dpgrad") -> AuditResult:
+    """The audit of ``mechanism``: "dpgrad" (``white_box_scores``: the real training path) or
+    "idealised" (``idealised_scores``: the Gaussian mechanism with the same sampling rate,
+    noise, steps and canaries)."""
+    if mechanism == "dpgrad":
+        scores, included, epsilon = white_box_scores(config)
+    elif mechanism == "idealised":
+        scores, included = idealised_scores(config)
+        epsilon = accountant_epsilon(config)
+    else:
+        raise ValueError(f"mechanism {mechanism!r}: use 'dpgrad' or 'idealised'")
+    found: Audit = audit_scores(scores, included, config.delta, config.confidence)
+    return AuditResult(mechanism, asdict(config), epsilon, found.epsilon_one_run, found.epsilon_fdp, config.canaries,
+                       found.guesses_one_run.r, found.guesses_one_run.v, found.guesses_fdp.r, found.guesses_fdp.v,
+                       config.confidence, found.choices, scores)
