@@ -77,11 +77,13 @@ def test_a_correct_mechanism_never_audits_above_its_epsilon(noise):
 SMALL = dict(canaries=500, samples=500, steps=50)
 
 
-@pytest.mark.parametrize("single_backward", [True, False])
-@pytest.mark.parametrize("noise", [0.8, 2.0])
-def test_dpgrad_audits_at_or_below_its_epsilon_and_like_the_idealised_mechanism(noise, single_backward):
-    real = audit(AuditConfig(noise_multiplier=noise, single_backward=single_backward, **SMALL), "dpgrad")
-    eps, one_run, fdp = _idealised(noise_multiplier=noise, **SMALL)
+@pytest.mark.parametrize("clipping, single_backward, noise", [
+    ("flat", True, 0.8), ("flat", False, 0.8), ("flat", True, 2.0), ("flat", False, 2.0),
+    ("per_layer", True, 0.8), ("per_layer", False, 2.0)])
+def test_dpgrad_audits_at_or_below_its_epsilon_and_like_the_idealised_mechanism(clipping, single_backward, noise):
+    real = audit(AuditConfig(noise_multiplier=noise, single_backward=single_backward, clipping=clipping, **SMALL),
+                 "dpgrad")
+    eps, one_run, fdp = _idealised(noise_multiplier=noise, clipping=clipping, **SMALL)
     assert real.accountant_epsilon == pytest.approx(eps, rel=1e-6)
     assert max(real.epsilon_one_run, real.epsilon_fdp) <= eps
     # Within the idealised runs' spread over seeds (widened by a third of it each side).

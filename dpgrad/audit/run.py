@@ -48,7 +48,17 @@ class AuditConfig:
     delta: float = 1e-5
     confidence: float = 0.95
     single_backward: bool = True
+    clipping: str = "flat"
     seed: int = 0
+
+    def audit_bound(self) -> float:
+        """The bound on a canary's audit row: C flat; per layer, the bound is split evenly over
+        the model's three parameters (C / sqrt(3) each: the noise, sigma * C, is unchanged)."""
+        if self.clipping == "flat":
+            return self.max_grad_norm
+        if self.clipping == "per_layer":
+            return self.max_grad_norm / math.sqrt(3)
+        raise ValueError(f"clipping {self.clipping!r}: use 'flat' or 'per_layer'")
 
 
 @dataclass
@@ -101,7 +111,7 @@ def idealised_scores(config: AuditConfig) -> Tuple[List[float], List[bool]]:
     counts = torch.binomial(torch.full((config.canaries,), float(config.steps)),
                             torch.full((config.canaries,), config.sample_rate), generator=g) * included
     noise = torch.randn(config.canaries, generator=g, dtype=torch.float64) * math.sqrt(config.steps)
-    scores = config.max_grad_norm * (counts.double() + config.noise_multiplier * noise)
+    scores = config.audit_bound() * counts.double() + config.max_grad_norm * config.noise_multiplier * noise
     return scores.tolist(), included.tolist()
 
 
@@ -177,9 +187,11 @@ def white_box_scores(config: AuditConfig) -> Tuple[List[float], List[bool], floa
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
     engine = opacus.PrivacyEngine(accountant="rdp")
     criterion = AuditLoss(model.classes, config.scale * config.max_grad_norm)
+    bound = config.audit_bound()
+    bounds = config.max_grad_norm if config.clipping == "flat" else [bound] * len(list(model.parameters()))
     module, optimizer, criterion, loader = dpgrad.opacus.make_private(
         engine, module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=config.noise_multiplier,
-        max_grad_norm=config.max_grad_norm, criterion=criterion, grad_sample_mode="ghost",
+        max_grad_norm=bounds, clipping=config.clipping, criterion=criterion, grad_sample_mode="ghost",
         single_backward=config.single_backward, noise_generator=torch.Generator().manual_seed(config.seed + 3))
     # make_private's loader draws a Poisson batch from the dataset each step; steps are counted here.
     done = 0

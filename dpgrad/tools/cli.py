@@ -328,6 +328,8 @@ def audit_command(argv: List[str]) -> int:
     parser.add_argument("--mode", choices=["white-box", "black-box"], default="white-box",
                         help="white-box: gradient canaries, every update observed (default)")
     parser.add_argument("--backward", choices=["single", "double"], default="single", help="backward passes per step")
+    parser.add_argument("--clipping", choices=["flat", "per_layer"], default="flat",
+                        help="one bound for the whole gradient, or split evenly over the parameters")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write the audits as JSON to this file")
     args = parser.parse_args(argv)
@@ -340,7 +342,7 @@ def audit_command(argv: List[str]) -> int:
     for noise in args.noise_multiplier:
         config = AuditConfig(canaries=args.canaries, samples=args.samples, steps=args.steps,
                              sample_rate=args.sample_rate, noise_multiplier=noise, delta=args.delta,
-                             single_backward=args.backward == "single", seed=args.seed)
+                             single_backward=args.backward == "single", clipping=args.clipping, seed=args.seed)
         try:
             found = [audit(config, mechanism) for mechanism in ("dpgrad", "idealised")]
         except ValueError as err:

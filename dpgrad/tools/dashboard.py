@@ -150,6 +150,27 @@ _SCRIPT = r"""
     return bars(figure, groups, series, unit, ref);
   }
 
+  // Audited epsilons (medians over seeds) beside the accountant's, per noise multiplier.
+  function audits(figure, docs) {
+    const groups = [], series = [];
+    for (const r of rowsOf(docs, "audit")) {
+      if (r.status !== "ok") continue;
+      const label = "noise " + r.shape.noise_multiplier + " | " + r.shape.canaries + " canaries, " + r.shape.steps +
+        " steps";
+      let g = groups.find(g => g.label === label);
+      if (!g) { g = {label: label, bars: []}; groups.push(g); }
+      const pairs = [[r.provider + " one-run", "epsilon_one_run"], [r.provider + " f-DP", "epsilon_fdp"]];
+      if (!g.bars.some(b => b.series === "accountant")) pairs.unshift(["accountant", "accountant_epsilon"]);
+      for (const [name, metric] of pairs) {
+        const v = p50(r, metric);
+        if (v === null) continue;
+        if (!series.includes(name)) series.push(name);
+        g.bars.push({series: name, value: v});
+      }
+    }
+    return bars(figure, groups, series, "eps", 0);
+  }
+
   function cell(tr, text, tag) {
     const td = document.createElement(tag || "td");
     td.textContent = text;
@@ -257,6 +278,11 @@ _SCRIPT = r"""
           f => dpStep(f, mine, "peak_memory", 1 / 2 ** 30, "GiB", 0),
           "no peak-memory figures for this machine");
     drawn += 3;
+    if (rowsOf(mine, "audit").length) {
+      chart(section, "audit-" + i, "Audited epsilon (one-run and f-DP bounds, 95%) against the accountant's, " +
+            "dpgrad's training and the idealised Gaussian mechanism", f => audits(f, mine), "no audit results");
+      drawn += 1;
+    }
     hostOverhead(section, mine, i);
     const bad = mine.flatMap(d => d.results).filter(flagged);
     if (bad.length) {
