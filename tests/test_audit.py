@@ -92,8 +92,8 @@ def test_dpgrad_audits_at_or_below_its_epsilon_and_like_the_idealised_mechanism(
         assert min(ideal) - spread / 3 - 0.05 <= value <= max(ideal) + spread / 3 + 0.05, (value, ideal)
 
 
-def _fault_caught(setting):
-    result = audit(AuditConfig(**setting), "dpgrad")
+def _fault_caught(setting, language_model=None):
+    result = audit(AuditConfig(**setting), "dpgrad", language_model)
     assert max(result.epsilon_one_run, result.epsilon_fdp) > result.accountant_epsilon, result.to_json()
 
 
@@ -150,3 +150,48 @@ def test_cli_prints_and_writes_both_mechanisms_and_refuses_what_it_cannot_do(tmp
         main(["audit", "--mode", "black-box"])
     with pytest.raises(SystemExit):
         main(["audit", "--sample-rate", "0.3"])
+    with pytest.raises(SystemExit):
+        main(["audit", "--model", "no-such-model"])
+    assert main(["audit", "--model", "tiny", "--seq-len", "8", "--canaries", "100", "--samples", "100",
+                 "--steps", "5"]) == 0
+
+
+# The built-in transformer trained on synthetic sequences, the canaries' audit rows beside it.
+TINY = dict(model="tiny", canaries=400, samples=400, steps=40, seq_len=12)
+
+
+def _tiny():
+    from dpgrad.tools.presets import audit_language_model
+
+    return audit_language_model("tiny", TINY["seq_len"])
+
+
+def test_a_language_model_audits_like_the_idealised_mechanism_and_catches_clipping_off(monkeypatch):
+    import dpgrad.clipping_path
+    import dpgrad.fast_gradient_clipping
+
+    real = audit(AuditConfig(noise_multiplier=1.0, **TINY), "dpgrad", _tiny())
+    eps, one_run, fdp = _idealised(noise_multiplier=1.0, **TINY)
+    assert real.accountant_epsilon == pytest.approx(eps, rel=1e-6)
+    assert max(real.epsilon_one_run, real.epsilon_fdp) <= eps
+    spread = max(fdp) - min(fdp)
+    assert min(fdp) - spread / 3 - 0.05 <= real.epsilon_fdp <= max(fdp) + spread / 3 + 0.05, (real.epsilon_fdp, fdp)
+    ones = lambda norms, max_grad_norm: torch.ones_like(norms)  # noqa: E731
+    monkeypatch.setattr(dpgrad.clipping_path, "clipping_coefficients", ones)
+    monkeypatch.setattr(dpgrad.fast_gradient_clipping, "clipping_coefficients", ones)
+    _fault_caught(dict(noise_multiplier=2.0, **TINY), _tiny())
+
+
+def test_per_layer_clipping_of_a_language_model_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="per-layer clipping is audited on the linear model only"):
+        audit(AuditConfig(clipping="per_layer", **TINY), "dpgrad", _tiny())
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(canaries=1), "at least 2"), (dict(steps=0), "steps >= 1"), (dict(sample_rate=0.0), "sample_rate"),
+    (dict(sample_rate=float("nan")), "sample_rate"), (dict(noise_multiplier=0.0), "no epsilon to audit"),
+    (dict(scale=1.0), "clipping must cut"), (dict(delta=1.0), "delta"), (dict(clipping="per_block"), "clipping"),
+    (dict(canaries=10.5), "integer"), (dict(confidence=1.0), "confidence")])
+def test_settings_that_cannot_audit_are_refused_naming_the_setting(bad, match):
+    with pytest.raises(ValueError, match=match):
+        AuditConfig(**bad)

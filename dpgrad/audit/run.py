@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -49,16 +49,42 @@ class AuditConfig:
     confidence: float = 0.95
     single_backward: bool = True
     clipping: str = "flat"
+    # "linear": a linear classifier on random features; otherwise the name of the language
+    # model given to ``audit`` (its sequences of ``seq_len`` tokens, its next-token loss).
+    model: str = "linear"
+    seq_len: int = 16
     seed: int = 0
+
+    def __post_init__(self):
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise ValueError(f"AuditConfig: {what}")
+
+        def finite(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        for name in ("canaries", "samples", "steps", "dim", "features", "seq_len", "seed"):
+            need(isinstance(getattr(self, name), int) and not isinstance(getattr(self, name), bool),
+                 f"{name} must be an integer, not {getattr(self, name)!r}")
+        need(self.canaries >= 2, f"canaries = {self.canaries}: at least 2 (half are left out)")
+        need(self.samples >= 0 and self.steps >= 1 and self.dim >= 1 and self.features >= 1 and self.seq_len >= 2,
+             "samples >= 0, steps >= 1, dim >= 1, features >= 1 and seq_len >= 2")
+        need(finite(self.sample_rate) and 0 < self.sample_rate <= 1, f"sample_rate = {self.sample_rate}: in (0, 1]")
+        need(finite(self.noise_multiplier) and self.noise_multiplier > 0,
+             f"noise_multiplier = {self.noise_multiplier}: a finite number > 0 (without noise there is no "
+             "epsilon to audit)")
+        need(finite(self.max_grad_norm) and self.max_grad_norm > 0, f"max_grad_norm = {self.max_grad_norm}: > 0")
+        need(finite(self.scale) and self.scale > 1,
+             f"scale = {self.scale}: above 1, so that clipping must cut the canaries' gradients")
+        need(finite(self.lr) and self.lr > 0, f"lr = {self.lr}: > 0")
+        need(finite(self.delta) and 0 < self.delta < 1, f"delta = {self.delta}: in (0, 1)")
+        need(finite(self.confidence) and 0 < self.confidence < 1, f"confidence = {self.confidence}: in (0, 1)")
+        need(self.clipping in ("flat", "per_layer"), f"clipping = {self.clipping!r}: 'flat' or 'per_layer'")
 
     def audit_bound(self) -> float:
         """The bound on a canary's audit row: C flat; per layer, the bound is split evenly over
         the model's three parameters (C / sqrt(3) each: the noise, sigma * C, is unchanged)."""
-        if self.clipping == "flat":
-            return self.max_grad_norm
-        if self.clipping == "per_layer":
-            return self.max_grad_norm / math.sqrt(3)
-        raise ValueError(f"clipping {self.clipping!r}: use 'flat' or 'per_layer'")
+        return self.max_grad_norm if self.clipping == "flat" else self.max_grad_norm / math.sqrt(3)
 
 
 @dataclass
@@ -147,7 +173,84 @@ class AuditLoss(nn.Module):
         return losses.sum() if self.reduction == "sum" else losses.mean()
 
 
-def white_box_scores(config: AuditConfig) -> Tuple[List[float], List[bool], float]:
+@dataclass
+class LanguageModel:
+    """A language model to audit: the module (a Hugging Face model, ``hf``, returns an output
+    with ``.logits``; otherwise logits (B, T, V)), its vocabulary and padding id, and
+    ``sequences(n, seq_len, generator)``: n training sequences of token ids (n, seq_len)."""
+
+    module: nn.Module
+    vocab_size: int
+    padding_idx: int
+    hf: bool
+    sequences: Callable[[int, int, torch.Generator], torch.Tensor]
+
+
+class AuditedLanguageModel(nn.Module):
+    """A language model beside the audit embedding: its output is each sample's logits,
+    flattened, and its audit row, side by side (one tensor with the batch first)."""
+
+    def __init__(self, language_model: LanguageModel, canaries: int, dim: int):
+        super().__init__()
+        self.model, self.hf = language_model.module, language_model.hf
+        self.audit = nn.Embedding(canaries + 1, dim)
+
+    def forward(self, ids: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=ids) if self.hf else self.model(ids)
+        logits = out.logits if self.hf else out
+        return torch.cat([logits.flatten(1), self.audit(row)], dim=1)
+
+
+class AuditLanguageLoss(nn.Module):
+    """Per sample: the next-token loss for an ordinary sequence; ``weight * <E[c], u_c>`` for a
+    canary (its sequence's own loss left out, so its gradient is the Dirac alone)."""
+
+    def __init__(self, vocab_size: int, seq_len: int, padding_idx: int, weight: float, reduction: str = "mean"):
+        super().__init__()
+        self.vocab_size, self.seq_len, self.padding_idx = vocab_size, seq_len, padding_idx
+        self.weight, self.reduction = weight, reduction
+
+    def forward(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        n = self.seq_len * self.vocab_size
+        logits = output[:, :n].reshape(output.shape[0], self.seq_len, self.vocab_size)
+        ids, direction, canary = target[:, :self.seq_len].long(), target[:, self.seq_len:-1], target[:, -1]
+        # Each sequence's mean next-token cross-entropy over its tokens that are not padding.
+        tokens = nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
+        counted = (ids[:, 1:] != self.padding_idx)
+        lm = (tokens * counted).sum(dim=1) / counted.sum(dim=1).clamp(min=1)
+        losses = torch.where(canary > 0, self.weight * (output[:, n:] * direction).sum(dim=1), lm)
+        if self.reduction == "none":
+            return losses
+        return losses.sum() if self.reduction == "sum" else losses.mean()
+
+
+def _audit_task(config: AuditConfig, g: torch.Generator, ids: torch.Tensor, directions: torch.Tensor,
+                language_model: Optional[LanguageModel]):
+    """The model, its loss and its training samples (inputs, audit rows, targets): ``n``
+    ordinary samples, then the included canaries ``ids``."""
+    n, k = config.samples, len(ids)
+    rows = torch.zeros(n + k, dtype=torch.long)
+    rows[n:] = ids + 1
+    u = torch.zeros(n + k, config.dim)
+    u[n:] = directions[ids]
+    flag = torch.zeros(n + k, 1)
+    flag[n:] = 1.0
+    weight = config.scale * config.max_grad_norm
+    torch.manual_seed(config.seed)
+    if language_model is None:
+        x = torch.randn(n + k, config.features, generator=g)
+        x[n:] = 0.0
+        labels = torch.randint(0, 2, (n + k, 1), generator=g).float()
+        model = AuditModel(config.canaries, config.dim, config.features)
+        return model, AuditLoss(model.classes, weight), x, rows, torch.cat([labels, u, flag], dim=1)
+    sequences = language_model.sequences(n + k, config.seq_len, g)
+    model = AuditedLanguageModel(language_model, config.canaries, config.dim)
+    loss = AuditLanguageLoss(language_model.vocab_size, config.seq_len, language_model.padding_idx, weight)
+    return model, loss, sequences, rows, torch.cat([sequences.float(), u, flag], dim=1)
+
+
+def white_box_scores(config: AuditConfig, language_model: Optional[LanguageModel] = None
+                     ) -> Tuple[List[float], List[bool], float]:
     """Trains the audit model with ``dpgrad.opacus.make_private`` (ghost clipping, Poisson
     sampling, Opacus's accountant) and returns the canaries' scores, memberships and the
     accountant's epsilon after the run."""
@@ -157,21 +260,13 @@ def white_box_scores(config: AuditConfig) -> Tuple[List[float], List[bool], floa
 
     g = torch.Generator().manual_seed(config.seed)
     included = _memberships(config, g)
-    m, n = config.canaries, config.samples
-    directions = torch.randn(m, config.dim, generator=g)
+    directions = torch.randn(config.canaries, config.dim, generator=g)
     directions = directions / directions.norm(dim=1, keepdim=True)
-    ids = torch.nonzero(included).flatten()
-    x = torch.randn(n + len(ids), config.features, generator=g)
-    x[n:] = 0.0
-    labels = torch.randint(0, 2, (n + len(ids),), generator=g).float()
-    rows = torch.zeros(n + len(ids), dtype=torch.long)
-    rows[n:] = ids + 1
-    u = torch.zeros(n + len(ids), config.dim)
-    u[n:] = directions[ids]
-    flag = torch.zeros(n + len(ids))
-    flag[n:] = 1.0
-    target = torch.cat([labels[:, None], u, flag[:, None]], dim=1)
-    dataset = torch.utils.data.TensorDataset(x, rows, target)
+    if language_model is not None and config.clipping != "flat":
+        raise ValueError("per-layer clipping is audited on the linear model only (no language model)")
+    model, criterion, inputs, rows, target = _audit_task(config, g, torch.nonzero(included).flatten(), directions,
+                                                         language_model)
+    dataset = torch.utils.data.TensorDataset(inputs, rows, target)
     # make_private's Poisson sampling draws at 1 / len(loader): batches that make it the audit's rate.
     per_epoch = max(1, round(1 / config.sample_rate))
     if abs(1 / per_epoch - config.sample_rate) > 1e-12:
@@ -181,12 +276,9 @@ def white_box_scores(config: AuditConfig) -> Tuple[List[float], List[bool], floa
         raise ValueError(f"{len(dataset)} samples cannot be split into "
                          f"{per_epoch} batches: use more canaries or samples, or a larger sample rate")
     expected = len(dataset) / per_epoch
-    torch.manual_seed(config.seed)
-    model = AuditModel(m, config.dim, config.features)
     start = model.audit.weight.detach().clone()
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
     engine = opacus.PrivacyEngine(accountant="rdp")
-    criterion = AuditLoss(model.classes, config.scale * config.max_grad_norm)
     bound = config.audit_bound()
     bounds = config.max_grad_norm if config.clipping == "flat" else [bound] * len(list(model.parameters()))
     module, optimizer, criterion, loader = dpgrad.opacus.make_private(
@@ -208,12 +300,14 @@ def white_box_scores(config: AuditConfig) -> Tuple[List[float], List[bool], floa
     return scores.double().tolist(), included.tolist(), engine.get_epsilon(config.delta)
 
 
-def audit(config: AuditConfig, mechanism: str = "dpgrad") -> AuditResult:
-    """The audit of ``mechanism``: "dpgrad" (``white_box_scores``: the real training path) or
-    "idealised" (``idealised_scores``: the Gaussian mechanism with the same sampling rate,
-    noise, steps and canaries)."""
+def audit(config: AuditConfig, mechanism: str = "dpgrad", language_model: Optional[LanguageModel] = None
+          ) -> AuditResult:
+    """The audit of ``mechanism``: "dpgrad" (``white_box_scores``: the real training path, of
+    ``language_model`` where one is given, else of the linear classifier) or "idealised"
+    (``idealised_scores``: the Gaussian mechanism with the same sampling rate, noise, steps and
+    canaries)."""
     if mechanism == "dpgrad":
-        scores, included, epsilon = white_box_scores(config)
+        scores, included, epsilon = white_box_scores(config, language_model)
     elif mechanism == "idealised":
         scores, included = idealised_scores(config)
         epsilon = accountant_epsilon(config)

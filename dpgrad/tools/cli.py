@@ -186,15 +186,7 @@ def autotune_report(argv: List[str]) -> int:
     parser.add_argument("--hf-config", metavar="KEY=VALUE", action="append", default=[],
                         help="override a config field of an hf: model, e.g. num_hidden_layers=2 (repeatable)")
     args = parser.parse_args(argv)
-    hf_config = {}
-    for item in args.hf_config:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            parser.error(f"--hf-config {item!r}: write KEY=VALUE, e.g. num_hidden_layers=2")
-        try:
-            hf_config[key] = json.loads(value)
-        except ValueError:
-            hf_config[key] = value  # a plain string such as hidden_act=silu
+    hf_config = _hf_overrides(parser, args.hf_config)
 
     on_cuda = args.device.startswith("cuda")
     if on_cuda and not cuda:
@@ -313,8 +305,23 @@ def dashboard(argv: List[str]) -> int:
     return status
 
 
+def _hf_overrides(parser: argparse.ArgumentParser, items: List[str]) -> dict:
+    """``--hf-config KEY=VALUE`` items as config overrides (values read as JSON where they are)."""
+    hf_config = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            parser.error(f"--hf-config {item!r}: write KEY=VALUE, e.g. num_hidden_layers=2")
+        try:
+            hf_config[key] = json.loads(value)
+        except ValueError:
+            hf_config[key] = value  # a plain string such as hidden_act=silu
+    return hf_config
+
+
 def audit_command(argv: List[str]) -> int:
     from dpgrad.audit.run import AuditConfig, audit
+    from dpgrad.tools import presets
 
     parser = argparse.ArgumentParser(prog="dpgrad audit", description=_doc(4))
     parser.add_argument("--noise-multiplier", type=number_in(float, 0, low_open=True), nargs="+", default=[1.0],
@@ -330,9 +337,24 @@ def audit_command(argv: List[str]) -> int:
     parser.add_argument("--backward", choices=["single", "double"], default="single", help="backward passes per step")
     parser.add_argument("--clipping", choices=["flat", "per_layer"], default="flat",
                         help="one bound for the whole gradient, or split evenly over the parameters")
+    parser.add_argument("--model", default="linear",
+                        help="linear (a classifier on random features, the default) or a language model: "
+                             f"{presets.model_names()}")
+    parser.add_argument("--seq-len", type=number_in(int, 2), default=16, help="tokens per sequence (default 16)")
+    parser.add_argument("--hf-config", metavar="KEY=VALUE", action="append", default=[],
+                        help="override a config field of an hf: model, e.g. num_hidden_layers=2 (repeatable)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write the audits as JSON to this file")
     args = parser.parse_args(argv)
+    hf_config = _hf_overrides(parser, args.hf_config)
+    language_model = None
+    if args.model != "linear":
+        try:
+            presets.check_name(args.model)
+            presets.check_hf_config(args.model, hf_config)
+            language_model = presets.audit_language_model(args.model, args.seq_len, **hf_config)
+        except ValueError as exc:
+            parser.error(str(exc))
     if args.mode == "black-box":
         parser.error("--mode black-box (input canaries scored by the final model's loss) is not available yet: "
                      "use --mode white-box")
@@ -342,9 +364,10 @@ def audit_command(argv: List[str]) -> int:
     for noise in args.noise_multiplier:
         config = AuditConfig(canaries=args.canaries, samples=args.samples, steps=args.steps,
                              sample_rate=args.sample_rate, noise_multiplier=noise, delta=args.delta,
-                             single_backward=args.backward == "single", clipping=args.clipping, seed=args.seed)
+                             single_backward=args.backward == "single", clipping=args.clipping, model=args.model,
+                             seq_len=args.seq_len, seed=args.seed)
         try:
-            found = [audit(config, mechanism) for mechanism in ("dpgrad", "idealised")]
+            found = [audit(config, mechanism, language_model) for mechanism in ("dpgrad", "idealised")]
         except ValueError as err:
             parser.error(str(err))
         for r in found:

@@ -225,3 +225,14 @@ def _build_hf(name, device, dtype, seq_len, overrides, model_type) -> BuiltModel
 
 __all__ = ["DTYPES", "HF_PREFIX", "HF_PRESETS", "PRESETS", "BuiltModel", "build_model", "check_hf_config",
            "check_name", "check_seq_len", "max_seq_len", "model_names", "transformers_available"]
+
+
+def audit_language_model(name: str, seq_len: int, **hf_overrides: Any):
+    """``name`` built for ``dpgrad.audit`` (``LanguageModel``): on the CPU in fp32, trained on
+    ``dpgrad.tools.models.synthetic_batch`` sequences."""
+    from dpgrad.audit.run import LanguageModel
+    from dpgrad.tools.models import synthetic_batch
+
+    built = build_model(name, seq_len=seq_len, **hf_overrides)
+    return LanguageModel(built.module, built.vocab_size, built.padding_idx, built.hf,
+                         lambda n, length, generator: synthetic_batch(built.batch_config(), n, length, generator))
