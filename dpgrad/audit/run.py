@@ -167,10 +167,7 @@ class AuditLoss(nn.Module):
         logits, rows = output[:, :self.classes], output[:, self.classes:]
         label, direction, canary = target[:, 0].long(), target[:, 1:-1], target[:, -1]
         ce = nn.functional.cross_entropy(logits, label, reduction="none")
-        losses = torch.where(canary > 0, self.weight * (rows * direction).sum(dim=1), ce)
-        if self.reduction == "none":
-            return losses
-        return losses.sum() if self.reduction == "sum" else losses.mean()
+        return _reduce(torch.where(canary > 0, self.weight * (rows * direction).sum(dim=1), ce), self.reduction)
 
 
 @dataclass
@@ -201,6 +198,19 @@ class AuditedLanguageModel(nn.Module):
         return torch.cat([logits.flatten(1), self.audit(row)], dim=1)
 
 
+def sequence_losses(logits: torch.Tensor, ids: torch.Tensor, padding_idx: int) -> torch.Tensor:
+    """Each sequence's mean next-token cross-entropy over its tokens that are not padding, (B,)."""
+    tokens = nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
+    counted = ids[:, 1:] != padding_idx
+    return (tokens * counted).sum(dim=1) / counted.sum(dim=1).clamp(min=1)
+
+
+def _reduce(losses: torch.Tensor, reduction: str) -> torch.Tensor:
+    if reduction == "none":
+        return losses
+    return losses.sum() if reduction == "sum" else losses.mean()
+
+
 class AuditLanguageLoss(nn.Module):
     """Per sample: the next-token loss for an ordinary sequence; ``weight * <E[c], u_c>`` for a
     canary (its sequence's own loss left out, so its gradient is the Dirac alone)."""
@@ -214,14 +224,8 @@ class AuditLanguageLoss(nn.Module):
         n = self.seq_len * self.vocab_size
         logits = output[:, :n].reshape(output.shape[0], self.seq_len, self.vocab_size)
         ids, direction, canary = target[:, :self.seq_len].long(), target[:, self.seq_len:-1], target[:, -1]
-        # Each sequence's mean next-token cross-entropy over its tokens that are not padding.
-        tokens = nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
-        counted = (ids[:, 1:] != self.padding_idx)
-        lm = (tokens * counted).sum(dim=1) / counted.sum(dim=1).clamp(min=1)
-        losses = torch.where(canary > 0, self.weight * (output[:, n:] * direction).sum(dim=1), lm)
-        if self.reduction == "none":
-            return losses
-        return losses.sum() if self.reduction == "sum" else losses.mean()
+        lm = sequence_losses(logits, ids, self.padding_idx)
+        return _reduce(torch.where(canary > 0, self.weight * (output[:, n:] * direction).sum(dim=1), lm), self.reduction)
 
 
 def _audit_task(config: AuditConfig, g: torch.Generator, ids: torch.Tensor, directions: torch.Tensor,
@@ -300,20 +304,114 @@ def white_box_scores(config: AuditConfig, language_model: Optional[LanguageModel
     return scores.double().tolist(), included.tolist(), engine.get_epsilon(config.delta)
 
 
-def audit(config: AuditConfig, mechanism: str = "dpgrad", language_model: Optional[LanguageModel] = None
-          ) -> AuditResult:
-    """The audit of ``mechanism``: "dpgrad" (``white_box_scores``: the real training path, of
-    ``language_model`` where one is given, else of the linear classifier) or "idealised"
-    (``idealised_scores``: the Gaussian mechanism with the same sampling rate, noise, steps and
-    canaries)."""
+def black_box_scores(config: AuditConfig, language_model: Optional[LanguageModel] = None
+                     ) -> Tuple[List[float], List[bool], float]:
+    """Input canaries scored by the final model alone: canary c is a sample of its own (random
+    features and a random label for the linear classifier, a random sequence for a language
+    model), in the training data with probability 1/2, trained on like any other; its score is
+    minus its loss under the final model (a member is fitted better). Returns the scores, the
+    memberships and the accountant's epsilon after the run."""
+    import opacus
+
+    import dpgrad.opacus
+
+    if config.clipping != "flat":
+        raise ValueError("the black-box audit takes flat clipping only")
+    g = torch.Generator().manual_seed(config.seed)
+    included = _memberships(config, g)
+    m, n = config.canaries, config.samples
+    torch.manual_seed(config.seed)
+    if language_model is None:
+        inputs = torch.randn(n + m, config.features, generator=g)
+        labels = torch.randint(0, 2, (n + m,), generator=g)
+        model: nn.Module = nn.Linear(config.features, 2)
+        criterion: nn.Module = nn.CrossEntropyLoss()
+
+        def losses(mod, x, y):
+            return nn.functional.cross_entropy(mod(x), y, reduction="none")
+    else:
+        # Random sequences: no padding in them, nothing the ordinary sequences teach.
+        canaries = torch.randint(0, language_model.vocab_size - 1, (m, config.seq_len), generator=g)
+        canaries += (canaries >= language_model.padding_idx).long()
+        inputs = torch.cat([language_model.sequences(n, config.seq_len, g), canaries])
+        labels = inputs
+        model = _LogitsOf(language_model)
+        criterion = _SequenceLoss(language_model)
+
+        def losses(mod, x, y):
+            return _SequenceLoss(language_model, reduction="none")(mod(x), y)
+    members = torch.cat([torch.arange(n), n + torch.nonzero(included).flatten()])
+    dataset = torch.utils.data.TensorDataset(inputs[members], labels[members])
+    per_epoch = max(1, round(1 / config.sample_rate))
+    if abs(1 / per_epoch - config.sample_rate) > 1e-12:
+        raise ValueError(f"sample_rate {config.sample_rate}: the audit takes 1 / k for an integer k")
+    loader = torch.utils.data.DataLoader(dataset, batch_size=math.ceil(len(dataset) / per_epoch))
+    if len(loader) != per_epoch:
+        raise ValueError(f"{len(dataset)} samples cannot be split into "
+                         f"{per_epoch} batches: use more canaries or samples, or a larger sample rate")
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
+    engine = opacus.PrivacyEngine(accountant="rdp")
+    module, optimizer, criterion, loader = dpgrad.opacus.make_private(
+        engine, module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=config.noise_multiplier,
+        max_grad_norm=config.max_grad_norm, criterion=criterion, grad_sample_mode="ghost",
+        single_backward=config.single_backward, noise_generator=torch.Generator().manual_seed(config.seed + 3))
+    done = 0
+    while done < config.steps:
+        for xb, yb in loader:
+            optimizer.zero_grad(set_to_none=True)
+            criterion(module(xb), yb).backward()
+            optimizer.step()
+            done += 1
+            if done == config.steps:
+                break
+    with torch.no_grad():
+        scores = -losses(model, inputs[n:], labels[n:])
+    return scores.double().tolist(), included.tolist(), engine.get_epsilon(config.delta)
+
+
+class _SequenceLoss(nn.Module):
+    """``sequence_losses`` of a language model's flattened logits (``_LogitsOf``), reduced."""
+
+    def __init__(self, language_model: LanguageModel, reduction: str = "mean"):
+        super().__init__()
+        self.vocab_size, self.padding_idx, self.reduction = language_model.vocab_size, language_model.padding_idx, reduction
+
+    def forward(self, output: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        logits = output.reshape(output.shape[0], ids.shape[1], self.vocab_size)
+        return _reduce(sequence_losses(logits, ids, self.padding_idx), self.reduction)
+
+
+class _LogitsOf(nn.Module):
+    """A language model's logits, flattened per sequence (the audit loss's layout, no audit row)."""
+
+    def __init__(self, language_model: LanguageModel):
+        super().__init__()
+        self.model, self.hf = language_model.module, language_model.hf
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=ids) if self.hf else self.model(ids)
+        return (out.logits if self.hf else out).flatten(1)
+
+
+def audit(config: AuditConfig, mechanism: str = "dpgrad", language_model: Optional[LanguageModel] = None,
+          mode: str = "white-box") -> AuditResult:
+    """The audit of ``mechanism``: "dpgrad" (the real training path, of ``language_model``
+    where one is given, else of the linear classifier; ``mode`` "white-box",
+    ``white_box_scores``, or "black-box", ``black_box_scores``) or "idealised"
+    (``idealised_scores``: the white-box audit of the Gaussian mechanism with the same
+    sampling rate, noise, steps and canaries)."""
+    if mode not in ("white-box", "black-box"):
+        raise ValueError(f"mode {mode!r}: use 'white-box' or 'black-box'")
     if mechanism == "dpgrad":
-        scores, included, epsilon = white_box_scores(config, language_model)
+        scores_of = white_box_scores if mode == "white-box" else black_box_scores
+        scores, included, epsilon = scores_of(config, language_model)
     elif mechanism == "idealised":
         scores, included = idealised_scores(config)
         epsilon = accountant_epsilon(config)
     else:
         raise ValueError(f"mechanism {mechanism!r}: use 'dpgrad' or 'idealised'")
     found: Audit = audit_scores(scores, included, config.delta, config.confidence)
-    return AuditResult(mechanism, asdict(config), epsilon, found.epsilon_one_run, found.epsilon_fdp, config.canaries,
+    name = f"{mechanism} {mode}" if mechanism == "dpgrad" and mode != "white-box" else mechanism
+    return AuditResult(name, asdict(config), epsilon, found.epsilon_one_run, found.epsilon_fdp, config.canaries,
                        found.guesses_one_run.r, found.guesses_one_run.v, found.guesses_fdp.r, found.guesses_fdp.v,
                        config.confidence, found.choices, scores)

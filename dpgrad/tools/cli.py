@@ -327,13 +327,16 @@ def audit_command(argv: List[str]) -> int:
     parser.add_argument("--noise-multiplier", type=number_in(float, 0, low_open=True), nargs="+", default=[1.0],
                         help="one audit per noise multiplier (default 1.0)")
     parser.add_argument("--canaries", type=number_in(int, 2), default=1000, help="canaries (default 1000)")
-    parser.add_argument("--samples", type=number_in(int, 1), default=1000, help="ordinary samples (default 1000)")
+    parser.add_argument("--samples", type=number_in(int, 0), default=1000, help="ordinary samples (default 1000)")
+    parser.add_argument("--features", type=number_in(int, 1), default=8,
+                        help="the linear model's input features (default 8)")
     parser.add_argument("--steps", type=number_in(int, 1), default=100, help="training steps (default 100)")
     parser.add_argument("--sample-rate", type=number_in(float, 0, 1, low_open=True), default=0.1,
                         help="Poisson sampling rate, 1/k for an integer k (default 0.1)")
     parser.add_argument("--delta", type=number_in(float, 0, 1, low_open=True), default=1e-5, help="delta (default 1e-5)")
     parser.add_argument("--mode", choices=["white-box", "black-box"], default="white-box",
-                        help="white-box: gradient canaries, every update observed (default)")
+                        help="white-box: gradient canaries, every update observed (default); black-box: input "
+                             "canaries scored by the final model's loss (the idealised row stays white-box)")
     parser.add_argument("--backward", choices=["single", "double"], default="single", help="backward passes per step")
     parser.add_argument("--clipping", choices=["flat", "per_layer"], default="flat",
                         help="one bound for the whole gradient, or split evenly over the parameters")
@@ -355,23 +358,20 @@ def audit_command(argv: List[str]) -> int:
             language_model = presets.audit_language_model(args.model, args.seq_len, **hf_config)
         except ValueError as exc:
             parser.error(str(exc))
-    if args.mode == "black-box":
-        parser.error("--mode black-box (input canaries scored by the final model's loss) is not available yet: "
-                     "use --mode white-box")
     rows = []
-    print(f"{'noise':>6} {'mechanism':>10} {'accountant eps':>15} {'audited (one run)':>18} {'audited (f-DP)':>15} "
+    print(f"{'noise':>6} {'mechanism':>16} {'accountant eps':>15} {'audited (one run)':>18} {'audited (f-DP)':>15} "
           f"{'guesses':>8} {'correct':>8}")
     for noise in args.noise_multiplier:
-        config = AuditConfig(canaries=args.canaries, samples=args.samples, steps=args.steps,
+        config = AuditConfig(canaries=args.canaries, samples=args.samples, steps=args.steps, features=args.features,
                              sample_rate=args.sample_rate, noise_multiplier=noise, delta=args.delta,
                              single_backward=args.backward == "single", clipping=args.clipping, model=args.model,
                              seq_len=args.seq_len, seed=args.seed)
         try:
-            found = [audit(config, mechanism, language_model) for mechanism in ("dpgrad", "idealised")]
+            found = [audit(config, mechanism, language_model, args.mode) for mechanism in ("dpgrad", "idealised")]
         except ValueError as err:
             parser.error(str(err))
         for r in found:
-            print(f"{noise:>6g} {r.mechanism:>10} {r.accountant_epsilon:>15.3f} {r.epsilon_one_run:>18.3f} "
+            print(f"{noise:>6g} {r.mechanism:>16} {r.accountant_epsilon:>15.3f} {r.epsilon_one_run:>18.3f} "
                   f"{r.epsilon_fdp:>15.3f} {r.guesses_one_run:>8} {r.correct_one_run:>8}")
             rows.append(r.to_json())
     if args.json:
