@@ -74,7 +74,8 @@ CATCH = textwrap.dedent("""
     failing = kc.problems(broken, "sm_90", kc.compile_one(broken, config, "sm_90"))
     # A prune rule that keeps a config the kernel does not have (a misspelt name).
     from dpgrad.kernels import triton_common
-    triton_common.keep_only("_linear_gram_norm_kernel", triton_common.linear_family, {"half": ["BK=32 BT=48 w4"]}, "test")
+    triton_common.keep_only("_linear_gram_norm_kernel", triton_common.linear_family,
+                            {"half": ["BK=32 BT=48 w4"]}, "test")
     print(json.dumps([spilling, failing, kc.table_problems()]))
 """)
 

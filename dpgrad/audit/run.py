@@ -225,7 +225,8 @@ class AuditLanguageLoss(nn.Module):
         logits = output[:, :n].reshape(output.shape[0], self.seq_len, self.vocab_size)
         ids, direction, canary = target[:, :self.seq_len].long(), target[:, self.seq_len:-1], target[:, -1]
         lm = sequence_losses(logits, ids, self.padding_idx)
-        return _reduce(torch.where(canary > 0, self.weight * (output[:, n:] * direction).sum(dim=1), lm), self.reduction)
+        audit_term = self.weight * (output[:, n:] * direction).sum(dim=1)
+        return _reduce(torch.where(canary > 0, audit_term, lm), self.reduction)
 
 
 def _audit_task(config: AuditConfig, g: torch.Generator, ids: torch.Tensor, directions: torch.Tensor,
@@ -253,24 +254,15 @@ def _audit_task(config: AuditConfig, g: torch.Generator, ids: torch.Tensor, dire
     return model, loss, sequences, rows, torch.cat([sequences.float(), u, flag], dim=1)
 
 
-def white_box_scores(config: AuditConfig, language_model: Optional[LanguageModel] = None
-                     ) -> Tuple[List[float], List[bool], float]:
-    """Trains the audit model with ``dpgrad.opacus.make_private`` (ghost clipping, Poisson
-    sampling, Opacus's accountant) and returns the canaries' scores, memberships and the
-    accountant's epsilon after the run."""
+def _train_private(config: AuditConfig, model: nn.Module, criterion: nn.Module, dataset) -> Tuple[object, float]:
+    """``config.steps`` steps of DP-SGD (plain SGD at ``config.lr``) on ``dataset`` through
+    ``dpgrad.opacus.make_private``: ghost clipping, Poisson sampling at ``config.sample_rate``,
+    Opacus's RDP accountant. Each dataset row is (model inputs..., target). Returns the privacy
+    engine and the expected batch size."""
     import opacus
 
     import dpgrad.opacus
 
-    g = torch.Generator().manual_seed(config.seed)
-    included = _memberships(config, g)
-    directions = torch.randn(config.canaries, config.dim, generator=g)
-    directions = directions / directions.norm(dim=1, keepdim=True)
-    if language_model is not None and config.clipping != "flat":
-        raise ValueError("per-layer clipping is audited on the linear model only (no language model)")
-    model, criterion, inputs, rows, target = _audit_task(config, g, torch.nonzero(included).flatten(), directions,
-                                                         language_model)
-    dataset = torch.utils.data.TensorDataset(inputs, rows, target)
     # make_private's Poisson sampling draws at 1 / len(loader): batches that make it the audit's rate.
     per_epoch = max(1, round(1 / config.sample_rate))
     if abs(1 / per_epoch - config.sample_rate) > 1e-12:
@@ -279,26 +271,41 @@ def white_box_scores(config: AuditConfig, language_model: Optional[LanguageModel
     if len(loader) != per_epoch:
         raise ValueError(f"{len(dataset)} samples cannot be split into "
                          f"{per_epoch} batches: use more canaries or samples, or a larger sample rate")
-    expected = len(dataset) / per_epoch
-    start = model.audit.weight.detach().clone()
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
     engine = opacus.PrivacyEngine(accountant="rdp")
-    bound = config.audit_bound()
-    bounds = config.max_grad_norm if config.clipping == "flat" else [bound] * len(list(model.parameters()))
+    per_layer = [config.audit_bound()] * len(list(model.parameters()))
+    bounds = config.max_grad_norm if config.clipping == "flat" else per_layer
     module, optimizer, criterion, loader = dpgrad.opacus.make_private(
         engine, module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=config.noise_multiplier,
         max_grad_norm=bounds, clipping=config.clipping, criterion=criterion, grad_sample_mode="ghost",
         single_backward=config.single_backward, noise_generator=torch.Generator().manual_seed(config.seed + 3))
-    # make_private's loader draws a Poisson batch from the dataset each step; steps are counted here.
     done = 0
-    while done < config.steps:
-        for xb, rb, tb in loader:
+    while done < config.steps:  # the loader draws a Poisson batch each step; steps are counted here
+        for *inputs, target in loader:
             optimizer.zero_grad(set_to_none=True)
-            criterion(module(xb, rb), tb).backward()
+            criterion(module(*inputs), target).backward()
             optimizer.step()
             done += 1
             if done == config.steps:
                 break
+    return engine, len(dataset) / per_epoch
+
+
+def white_box_scores(config: AuditConfig, language_model: Optional[LanguageModel] = None
+                     ) -> Tuple[List[float], List[bool], float]:
+    """Trains the audit model with ``dpgrad.opacus.make_private`` (ghost clipping, Poisson
+    sampling, Opacus's accountant) and returns the canaries' scores, memberships and the
+    accountant's epsilon after the run."""
+    g = torch.Generator().manual_seed(config.seed)
+    included = _memberships(config, g)
+    directions = torch.randn(config.canaries, config.dim, generator=g)
+    directions = directions / directions.norm(dim=1, keepdim=True)
+    if language_model is not None and config.clipping != "flat":
+        raise ValueError("per-layer clipping is audited on the linear model only (no language model)")
+    model, criterion, inputs, rows, target = _audit_task(config, g, torch.nonzero(included).flatten(), directions,
+                                                         language_model)
+    start = model.audit.weight.detach().clone()
+    engine, expected = _train_private(config, model, criterion, torch.utils.data.TensorDataset(inputs, rows, target))
     moved = (start - model.audit.weight.detach())[1:]
     scores = (moved * directions).sum(dim=1) * (expected / config.lr)
     return scores.double().tolist(), included.tolist(), engine.get_epsilon(config.delta)
@@ -311,10 +318,6 @@ def black_box_scores(config: AuditConfig, language_model: Optional[LanguageModel
     model), in the training data with probability 1/2, trained on like any other; its score is
     minus its loss under the final model (a member is fitted better). Returns the scores, the
     memberships and the accountant's epsilon after the run."""
-    import opacus
-
-    import dpgrad.opacus
-
     if config.clipping != "flat":
         raise ValueError("the black-box audit takes flat clipping only")
     g = torch.Generator().manual_seed(config.seed)
@@ -341,29 +344,8 @@ def black_box_scores(config: AuditConfig, language_model: Optional[LanguageModel
         def losses(mod, x, y):
             return _SequenceLoss(language_model, reduction="none")(mod(x), y)
     members = torch.cat([torch.arange(n), n + torch.nonzero(included).flatten()])
-    dataset = torch.utils.data.TensorDataset(inputs[members], labels[members])
-    per_epoch = max(1, round(1 / config.sample_rate))
-    if abs(1 / per_epoch - config.sample_rate) > 1e-12:
-        raise ValueError(f"sample_rate {config.sample_rate}: the audit takes 1 / k for an integer k")
-    loader = torch.utils.data.DataLoader(dataset, batch_size=math.ceil(len(dataset) / per_epoch))
-    if len(loader) != per_epoch:
-        raise ValueError(f"{len(dataset)} samples cannot be split into "
-                         f"{per_epoch} batches: use more canaries or samples, or a larger sample rate")
-    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
-    engine = opacus.PrivacyEngine(accountant="rdp")
-    module, optimizer, criterion, loader = dpgrad.opacus.make_private(
-        engine, module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=config.noise_multiplier,
-        max_grad_norm=config.max_grad_norm, criterion=criterion, grad_sample_mode="ghost",
-        single_backward=config.single_backward, noise_generator=torch.Generator().manual_seed(config.seed + 3))
-    done = 0
-    while done < config.steps:
-        for xb, yb in loader:
-            optimizer.zero_grad(set_to_none=True)
-            criterion(module(xb), yb).backward()
-            optimizer.step()
-            done += 1
-            if done == config.steps:
-                break
+    engine, _ = _train_private(config, model, criterion, torch.utils.data.TensorDataset(inputs[members],
+                                                                                        labels[members]))
     with torch.no_grad():
         scores = -losses(model, inputs[n:], labels[n:])
     return scores.double().tolist(), included.tolist(), engine.get_epsilon(config.delta)
@@ -374,7 +356,8 @@ class _SequenceLoss(nn.Module):
 
     def __init__(self, language_model: LanguageModel, reduction: str = "mean"):
         super().__init__()
-        self.vocab_size, self.padding_idx, self.reduction = language_model.vocab_size, language_model.padding_idx, reduction
+        self.vocab_size, self.padding_idx = language_model.vocab_size, language_model.padding_idx
+        self.reduction = reduction
 
     def forward(self, output: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         logits = output.reshape(output.shape[0], ids.shape[1], self.vocab_size)

@@ -333,7 +333,8 @@ def audit_command(argv: List[str]) -> int:
     parser.add_argument("--steps", type=number_in(int, 1), default=100, help="training steps (default 100)")
     parser.add_argument("--sample-rate", type=number_in(float, 0, 1, low_open=True), default=0.1,
                         help="Poisson sampling rate, 1/k for an integer k (default 0.1)")
-    parser.add_argument("--delta", type=number_in(float, 0, 1, low_open=True), default=1e-5, help="delta (default 1e-5)")
+    parser.add_argument("--delta", type=number_in(float, 0, 1, low_open=True), default=1e-5,
+                        help="delta (default 1e-5)")
     parser.add_argument("--mode", choices=["white-box", "black-box"], default="white-box",
                         help="white-box: gradient canaries, every update observed (default); black-box: input "
                              "canaries scored by the final model's loss (the idealised row stays white-box)")

@@ -178,7 +178,8 @@ def table_problems() -> List[str]:
             for rule, _ in PRUNE_RULES.get(jit_function(kernel).__name__, ()):
                 for family, kept in getattr(rule, "kept", {}).items():
                     for unknown in sorted(kept - names):
-                        problems.append(f"{name}: its prune rule keeps {unknown!r} for {family}, not one of its configs")
+                        problems.append(f"{name}: its prune rule keeps {unknown!r} for {family}, "
+                                        "not one of its configs")
         params = jit_function(kernel).params
         blocks = set(kernel.configs[0].kwargs) if hasattr(kernel, "configs") else set()
         constexprs = {p.name for p in params if p.is_constexpr} - blocks
