@@ -25,7 +25,7 @@ from .triton_common import grouped, layer_pointer
 CONFIGS = configs(TILES + [dict(BP=32, BD=32, BT=16), dict(BP=32, BD=64, BT=16), dict(BP=64, BD=32, BT=16)],
                   interpret=dict(BP=32, BD=32, BT=32))
 keep_only("_linear_clipped_sum_kernel", linear_family, {
-    "fp32": ["BD=32 BP=32 BT=16 w8", "BD=64 BP=32 BT=16 w8", "BD=32 BP=64 BT=16 w8"],
+    "fp32": ["BD=32 BP=32 BT=16 w8", "BD=64 BP=32 BT=16 w8"],
     "half": ["BD=64 BP=64 BT=32 w8", "BD=64 BP=64 BT=64 w8", "BD=128 BP=64 BT=32 w8", "BD=64 BP=128 BT=32 w8"],
     "autocast": ["BD=64 BP=64 BT=32 w8"],
 })

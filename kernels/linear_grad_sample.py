@@ -35,7 +35,7 @@ keep_only("_linear_per_sample_kernel", linear_family, {
     "fp32": ["BD=64 BP=64 BT=16 w8"],
     "half": ["BD=64 BP=64 BT=32 w4", "BD=64 BP=64 BT=32 w8", "BD=64 BP=64 BT=64 w8", "BD=128 BP=64 BT=32 w8",
              "BD=128 BP=64 BT=64 w8", "BD=64 BP=128 BT=64 w8"],
-    "autocast": ["BD=64 BP=64 BT=32 w4", "BD=64 BP=64 BT=32 w8", "BD=64 BP=64 BT=64 w8", "BD=64 BP=128 BT=32 w8"],
+    "autocast": ["BD=64 BP=64 BT=32 w4", "BD=64 BP=64 BT=32 w8", "BD=64 BP=128 BT=32 w8"],
 })
 _MIN_BP = min_block(CONFIGS, "BP")
 _MIN_BD = min_block(CONFIGS, "BD")

@@ -89,8 +89,8 @@ def blocks(d: int) -> Tuple[int, int, int]:
     a step, as many as keep each [BT, BD] tile at ``_PER_THREAD`` elements per thread (up to
     16 rows); 8 warps from 256 elements (fewer spill on some targets)."""
     BD = triton.next_power_of_2(d)
-    num_warps = 4 if BD <= 128 else 8
-    return BD, max(1, min(16, _PER_THREAD * 32 * num_warps // BD)), num_warps
+    num_warps = 4 if BD <= 128 else 16 if BD == 2048 else 8  # 2048 spills on some targets with 8
+    return BD, max(1, min(16, _PER_THREAD * 32 * min(num_warps, 8) // BD)), num_warps
 
 
 def norm_layer_fits(X: torch.Tensor) -> bool:

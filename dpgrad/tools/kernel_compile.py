@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import dataclasses
 import io
 import itertools
 import json
@@ -68,6 +69,13 @@ class Variant:
     dots: Optional[str] = None
     blocks: Tuple[Tuple[str, int], ...] = ()  # constexprs a non-autotuned launch sets (norm layers)
     num_warps: int = 4
+    # As a launch on aligned, contiguous tensors specialises it: pointers and integers that
+    # Triton may specialise taken as multiples of 16, each innermost stride as the constant 1.
+    aligned: bool = False
+
+
+# The innermost (feature) stride of each tensor the kernels read: 1 for a contiguous tensor.
+UNIT_STRIDES = ("s_ad", "s_gp", "s_gd", "s_xd", "s_n")
 
 
 def _out(a: str, g: str) -> str:
@@ -141,8 +149,11 @@ def _norm_layer_variants() -> Iterator[Variant]:
 def variants() -> List[Variant]:
     """Every (kernel, variant) the launchers of ``dpgrad.kernels`` make."""
     # dict: a variant two launchers make alike (an fp32 layer's split and unsplit sums) once.
-    return list(dict.fromkeys([*_linear_variants(), *_token_sum_variants(), *_embedding_variants(),
-                               *_norm_layer_variants()]))
+    plain = list(dict.fromkeys([*_linear_variants(), *_token_sum_variants(), *_embedding_variants(),
+                                *_norm_layer_variants()]))
+    # And each as a launch on aligned, contiguous tensors compiles it (the common case on a GPU).
+    return plain + [dataclasses.replace(v, label=v.label + " aligned", aligned=True) for v in plain
+                    if v.kernel != "embedding_segment_sum:_per_sample_total_kernel"]
 
 
 def table_problems() -> List[str]:
@@ -256,6 +267,16 @@ def compile_one(variant: Variant, config: Dict[str, object], target: str) -> Dic
                 signature[p.name] = "*" + pointers[p.name]
         else:
             signature[p.name] = "fp32" if p.name == "eps" else "i32"
+    attrs = {}
+    if variant.aligned:
+        # What Triton's launcher specialises on a launch with aligned, contiguous tensors.
+        for i, p in enumerate(fn.params):
+            if p.is_constexpr or signature[p.name] == "constexpr" or p.do_not_specialize:
+                continue
+            if p.name in UNIT_STRIDES:
+                signature[p.name], constexprs[p.name] = "constexpr", 1
+            elif signature[p.name] != "fp32":
+                attrs[(i,)] = [["tt.divisibility", 16]]
     missing = set(flags) - set(constexprs)
     if missing:
         raise ValueError(f"{variant.kernel}: flags {sorted(missing)} are not the kernel's constexprs")
@@ -268,7 +289,7 @@ def compile_one(variant: Variant, config: Dict[str, object], target: str) -> Dic
         for group, name in knobs:
             setattr(group, name, True)
         with contextlib.redirect_stdout(log):
-            compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+            compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                                       target=GPUTarget("cuda", TARGETS[target], 32),
                                       options={"num_warps": config["num_warps"], "num_stages": config["num_stages"]})
     except Exception as exc:  # noqa: BLE001 - a compile failure is a result
