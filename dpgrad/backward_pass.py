@@ -486,7 +486,15 @@ class BackwardPath:
         new (``dpgrad.guarantee``)."""
         edges = self._edges
         calls, edges.calls = edges.calls, []
-        tensors = [t for t in tensors_in(output) if t.grad_fn is not None]
+        found = tensors_in(output)
+        if calls and not found:
+            # Nothing to check the guarantee from: the loss could reach the layers unseen.
+            raise TypeError(
+                f"the model's output is a {type(output).__name__}, in which dpgrad finds no tensor: it checks "
+                "the graph from the model's outputs (that every trainable parameter is clipped and each "
+                "sample's outputs are its own), so return a tensor, or tuples, lists, dicts, dataclasses or "
+                "SimpleNamespaces of them (Hugging Face's ModelOutput is a dict)")
+        tensors = [t for t in found if t.grad_fn is not None]
         edges.set_outputs(tensors)
         if not calls or not edges.outputs:
             return

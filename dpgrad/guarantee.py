@@ -24,6 +24,8 @@ Nothing here runs on the device or waits for it.
 
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
 from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
@@ -170,8 +172,8 @@ def unclipped_error(head: str, uses: List[Tuple[torch.Tensor, object]], names: D
 
 
 def tensors_in(output, limit: int = 10_000) -> List[torch.Tensor]:
-    """The tensors in a model's output: a tensor, or tuples, lists and dicts of them (Hugging
-    Face's ``ModelOutput`` is a dict), at any depth."""
+    """The tensors in a model's output: a tensor, or tuples, lists, dicts, dataclasses and
+    ``SimpleNamespace``s of them (Hugging Face's ``ModelOutput`` is a dict), at any depth."""
     found: List[torch.Tensor] = []
     stack = [output]
     while stack and len(found) < limit:
@@ -182,6 +184,10 @@ def tensors_in(output, limit: int = 10_000) -> List[torch.Tensor]:
             stack.extend(item)
         elif isinstance(item, dict):
             stack.extend(item.values())
+        elif isinstance(item, SimpleNamespace):
+            stack.extend(vars(item).values())
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            stack.extend(getattr(item, f.name) for f in dataclasses.fields(item))
     return found
 
 

@@ -16,6 +16,7 @@ both backends.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
@@ -169,6 +170,59 @@ def test_a_model_that_mixes_samples_is_refused(mix, mode):
     first = "layer 'b' (Linear)" if mix in ("reorder", "time_first") else "layer 'a' (Linear)"
     assert first in message, message
     assert "layer 'head'" not in message, message
+
+
+@dataclass
+class Output:
+    logits: torch.Tensor
+
+
+class Wrapped(nn.Module):
+    """A Mixer whose output is an object holding the logits: a dataclass or a SimpleNamespace."""
+
+    def __init__(self, mix, container):
+        super().__init__()
+        self.inner, self.container = Mixer(mix), container
+
+    def forward(self, x):
+        logits = self.inner(x)
+        return Output(logits) if self.container == "dataclass" else SimpleNamespace(logits=logits)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("container", ["dataclass", "namespace"])
+def test_an_output_in_a_dataclass_or_namespace_is_checked(container, mode):
+    """The outputs are found inside a dataclass or a SimpleNamespace: a model that mixes is
+    refused, and one that does not stays exact."""
+    loss = lambda out, y, m: ce(out.logits, y)  # noqa: E731
+    torch.manual_seed(0)
+    model = Wrapped("center", container)
+    x, y = batch()
+    refused(wrap(model, mode), model, x, y, MODEL_WORDS, loss)
+    model = Wrapped(None, container)
+    reference = Mixer()
+    reference.load_state_dict(model.inner.state_dict())
+    wrapped = wrap(model, mode)
+    step(wrapped, model, x, y, loss)
+    check_exact(model.inner, wrapped, x, y, reference)
+
+
+class Box:
+    def __init__(self, logits):
+        self.logits = logits
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_output_in_which_no_tensor_is_found_is_refused(mode):
+    """An object of another class: dpgrad cannot check the graph from it, and says so."""
+    torch.manual_seed(0)
+    model = Mixer("center")
+    wrapped = wrap(model, mode)
+    wrapped._module.forward = lambda x, f=model.forward: Box(f(x))
+    unchanged = mark(model)
+    with pytest.raises(TypeError, match="the model's output is a Box, in which dpgrad finds no tensor"):
+        step(wrapped, model, *batch(), lambda out, y, m: ce(out.logits, y))
+    unchanged()
 
 
 @pytest.mark.parametrize("mode", GHOST)
