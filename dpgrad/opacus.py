@@ -304,6 +304,7 @@ def make_private(
     grad_sample_mode: str = "ghost",
     noise_generator=None,
     clipping: str = "flat",
+    clipping_groups=None,
     wrap_model: bool = True,
     rand_on_empty: bool = False,
     single_backward: bool = False,
@@ -354,7 +355,12 @@ def make_private(
             Under "ghost" each parameter is clipped in the backward pass
             (``GradSampleModuleFastGradientClipping(clipping="groups")``, one backward pass in
             either mode) and the optimizer adds noise for ``sqrt(sum C_l^2)``; under "hooks",
-            Opacus's ``DPPerLayerOptimizer`` clips the per-sample gradients.
+            Opacus's ``DPPerLayerOptimizer`` clips the per-sample gradients. dpgrad's own
+            "groups" (under "ghost" only): the parameters clipped in ``clipping_groups``,
+            ``max_grad_norm`` one bound per group, the noise for ``sqrt(sum C_g^2)``.
+        clipping_groups: for ``clipping="groups"``, lists of parameters or a rule from a
+            parameter's name to its group's label (e.g. ``dpgrad.clipping_groups.per_block``),
+            as ``GradSampleModuleFastGradientClipping`` takes them.
         single_backward: under "ghost", one backward pass per step instead of two
             (``GradSampleModuleFastGradientClipping(single_backward=True)``).
         physical_batch_size: under "ghost" with Poisson sampling in one process, serve every
@@ -375,7 +381,8 @@ def make_private(
 
     Raises:
         ValueError: for a module sharded by FSDP2 under a mode other than "ghost" (or
-            "ghost_fsdp" for one that is not), clipping other than "flat" or "per_layer", a list
+            "ghost_fsdp" for one that is not), clipping other than "flat", "per_layer" or "groups"
+            ("groups" other than under "ghost", or without ``clipping_groups``), a list
             of bounds for "flat" (or not one per trainable optimizer parameter for "per_layer"), a bound
             that is not a finite positive number, an unknown
             ``grad_sample_mode``, ``physical_batch_size`` other than a positive integer or
@@ -417,13 +424,26 @@ def make_private(
             f"grad_sample_mode={grad_sample_mode!r} is not supported by dpgrad.opacus.make_private: "
             f"use one of {sorted(_WRAPPERS)}"
         )
-    if clipping not in ("flat", "per_layer"):
+    if clipping not in ("flat", "per_layer", "groups"):
         raise ValueError(
             f"clipping={clipping!r} is not supported by dpgrad.opacus.make_private: use 'flat' (one "
-            "max_grad_norm over all parameters) or 'per_layer' (one per trainable parameter of the optimizer)"
+            "max_grad_norm over all parameters), 'per_layer' (one per trainable parameter of the optimizer) "
+            "or 'groups' (one per group of clipping_groups)"
         )
-    clipping_groups = None
-    if clipping == "flat":
+    if (clipping == "groups") != (clipping_groups is not None):
+        raise ValueError(
+            "clipping='groups' needs clipping_groups (lists of parameters, or a rule from a parameter's name "
+            "to its group, e.g. dpgrad.clipping_groups.per_block), and clipping_groups needs clipping='groups'"
+        )
+    if clipping == "groups":
+        if grad_sample_mode != "ghost":
+            raise ValueError(f"clipping='groups' clips in the backward pass: it needs grad_sample_mode='ghost', "
+                             f"not {grad_sample_mode!r}")
+        if not isinstance(max_grad_norm, (list, tuple)):
+            raise ValueError(f"clipping='groups' takes one max_grad_norm per group, not {max_grad_norm!r} "
+                             "(dpgrad.clipping_groups.even_split splits one total)")
+        max_grad_norm = [clipping_bound(b, f"max_grad_norm[{i}]") for i, b in enumerate(max_grad_norm)]
+    elif clipping == "flat":
         if isinstance(max_grad_norm, (list, tuple)):
             raise ValueError("flat clipping takes one max_grad_norm, not a list of per-layer bounds: give "
                              "clipping='per_layer' for those")

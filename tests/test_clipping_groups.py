@@ -488,7 +488,49 @@ def test_make_private_per_layer_noise_is_scaled_to_the_total_bound():
     assert noise.std().item() == pytest.approx(3.0 * 0.5, rel=0.03)  # sqrt(0.3^2 + 0.4^2) = 0.5
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_make_private_groups_takes_the_per_group_clipped_step_and_noise_for_the_total(mode):
+    """make_private(clipping="groups", clipping_groups=rule, max_grad_norm=[one per group]): the
+    step is each group's clipped sum over the expected batch size (noise 0); the optimizer's
+    noise is scaled to sqrt(sum C_g^2)."""
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    cfg = NetConfig()
+    model = build(cfg, seed=3)
+    start = copy.deepcopy(model)
+    x, y = make_batch(cfg, B=6, T=3, seed=16)
+    ref = per_sample_grads(model, x, y, per_sample_loss)
+    group_of = reference_groups(model, "groups", LAYER_RULE)
+    G = max(group_of.values()) + 1
+    bounds = middle_bounds(model, (x, y), "groups", LAYER_RULE)
+    wrapped, optimizer, loss, _ = dpgrad.opacus.make_private(
+        PrivacyEngine(), module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=6), noise_multiplier=0.0, max_grad_norm=bounds,
+        clipping="groups", clipping_groups=LAYER_RULE, poisson_sampling=False, single_backward=mode == "single",
+        criterion=nn.CrossEntropyLoss())
+    assert G >= 3 and optimizer.max_grad_norm == pytest.approx(total_bound(bounds), rel=1e-6)
+    optimizer.zero_grad()
+    loss(wrapped(x), y).backward()
+    optimizer.step()
+    norms = group_norms(ref, group_of, G)
+    now, before = dict(model.named_parameters()), dict(start.named_parameters())
+    for n, g in ref.items():
+        coef = (bounds[group_of[n]] / (norms[group_of[n]] + 1e-6)).clamp(max=1.0)
+        want = before[n].detach().double() - torch.einsum("b,b...->...", coef, g) / 6
+        assert_tensor_close(now[n].detach(), want, f"{n} after the step ({mode})")
+
+
 @pytest.mark.parametrize("kw, message", [
+    (dict(clipping="groups", max_grad_norm=[1.0, 1.0]), "clipping='groups' needs clipping_groups"),
+    (dict(clipping_groups=per_block, max_grad_norm=1.0), "clipping_groups needs clipping='groups'"),
+    (dict(clipping="groups", clipping_groups=per_block, max_grad_norm=1.0), "one max_grad_norm per group"),
+    (dict(clipping="groups", clipping_groups=per_block, max_grad_norm=[1.0], grad_sample_mode="hooks"),
+     "clipping='groups' clips in the backward pass: it needs grad_sample_mode='ghost'"),
+    (dict(clipping="groups", clipping_groups=per_block, max_grad_norm=[1.0, 1.0]),
+     "2 max_grad_norm values for 1 groups"),
+    (dict(clipping="groups", clipping_groups=per_block, max_grad_norm=[float("nan")]),
+     r"max_grad_norm\[0\]"),
     (dict(clipping="per_layer", max_grad_norm=1.0), "one max_grad_norm per trainable parameter of the optimizer"),
     (dict(clipping="per_layer", max_grad_norm=[1.0]), r"one max_grad_norm per trainable parameter of the optimizer \(2\)"),
     (dict(max_grad_norm=[1.0, 1.0]), "flat clipping takes one max_grad_norm, not a list"),
