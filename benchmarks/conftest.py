@@ -197,8 +197,8 @@ def _derive_fsdp_memory(rows: List[dict]) -> None:
 DERIVE = {"dp_step": _derive_dp_step, "kernels": _derive_kernels, "host_overhead": _derive_host_overhead,
           "fsdp_memory": _derive_fsdp_memory, "audit": lambda rows: None}  # audits: nothing to derive
 # What a suite's results file says about how it measured, beside the timer.
-SETTINGS = {"audit": {"timer": "none: epsilons, p20/p50/p80 over the seeds of a case (five; one when timing "
-                               "is disabled)"},
+SETTINGS = {"audit": {"timer": "none: epsilons, p20/p50/p80 over the seeds of a case (twenty; five with "
+                               "DPGRAD_BENCH_QUICK=1; one when timing is disabled)"},
             "fsdp_memory": {
     "timer": "perf_counter around rank 0's steps (CPU, gloo)",
     "memory": "largest over the ranks: parameters, gradients and optimizer state live at a step's start plus "

@@ -156,6 +156,21 @@ def epsilon_one_run_fdp(m: int, r: int, v: int, delta: float, confidence: float 
     return _largest_rejected(lambda eps: _fdp_rejects(m, r, v, gaussian_mu(max(eps, 1e-9), delta), significance))
 
 
+def expected_correct(m: int, guesses: int, sigma: float) -> float:
+    """The expected correct guesses among ``guesses`` (half "in" for the highest scores, half
+    "out" for the lowest) of m canaries, each in with probability 1/2 and scored ``in + N(0,
+    sigma^2)``: the idealised one-step Gaussian mechanism of Mahloujifar et al.'s Table 1 (in
+    the limit of many canaries, where the fraction guessed is the threshold's tail)."""
+    def tail(x: float) -> float:
+        return 1.0 - _NORMAL.cdf(x)
+
+    lo, hi = -50.0, 50.0
+    for _ in range(200):  # the threshold above which scores are the top guesses / 2
+        t = (lo + hi) / 2
+        lo, hi = (t, hi) if 0.5 * (tail((t - 1) / sigma) + tail(t / sigma)) > guesses / m / 2 else (lo, t)
+    return guesses * tail((t - 1) / sigma) / (tail((t - 1) / sigma) + tail(t / sigma))
+
+
 @dataclass
 class Guesses:
     """What an auditor's guesses came to: m canaries, r guesses (k_in "in", k_out "out"), v correct."""

@@ -14,7 +14,8 @@ flat records for dashboard tools, ``--markdown`` prints the README's results tab
 ``--update-readme`` puts them into a README and ``--summary`` ends with a short summary.
 
 ``dpgrad audit``: a one-run privacy audit of DP-SGD as dpgrad trains (white-box gradient
-canaries through ``dpgrad.opacus.make_private``), beside the same audit of the idealised
+canaries, or black-box input canaries, through ``dpgrad.opacus.make_private`` or
+``dpgrad.hf.DPTrainer``), beside the same audit of the idealised
 Gaussian mechanism: the accountant's epsilon and the audited lower bounds (Steinke et al.'s
 and the f-DP one), per noise multiplier.
 """
@@ -339,8 +340,12 @@ def audit_command(argv: List[str]) -> int:
                         help="white-box: gradient canaries, every update observed (default); black-box: input "
                              "canaries scored by the final model's loss (the idealised row stays white-box)")
     parser.add_argument("--backward", choices=["single", "double"], default="single", help="backward passes per step")
-    parser.add_argument("--clipping", choices=["flat", "per_layer"], default="flat",
-                        help="one bound for the whole gradient, or split evenly over the parameters")
+    parser.add_argument("--clipping", choices=["flat", "per_layer", "per_block"], default="flat",
+                        help="flat: one bound for the whole gradient (default); per_layer, per_block: the audit "
+                             "embedding C/sqrt(2), the model's parameters or blocks sharing the rest of C^2")
+    parser.add_argument("--path", choices=["make_private", "trainer"], default="make_private",
+                        help="the training path audited: dpgrad.opacus.make_private (default) or dpgrad.hf.DPTrainer "
+                             "(a language model, flat clipping)")
     parser.add_argument("--model", default="linear",
                         help="linear (a classifier on random features, the default) or a language model: "
                              f"{presets.model_names()}")
@@ -363,11 +368,11 @@ def audit_command(argv: List[str]) -> int:
     print(f"{'noise':>6} {'mechanism':>16} {'accountant eps':>15} {'audited (one run)':>18} {'audited (f-DP)':>15} "
           f"{'guesses':>8} {'correct':>8}")
     for noise in args.noise_multiplier:
-        config = AuditConfig(canaries=args.canaries, samples=args.samples, steps=args.steps, features=args.features,
-                             sample_rate=args.sample_rate, noise_multiplier=noise, delta=args.delta,
-                             single_backward=args.backward == "single", clipping=args.clipping, model=args.model,
-                             seq_len=args.seq_len, seed=args.seed)
         try:
+            config = AuditConfig(canaries=args.canaries, samples=args.samples, steps=args.steps, features=args.features,
+                                 sample_rate=args.sample_rate, noise_multiplier=noise, delta=args.delta,
+                                 single_backward=args.backward == "single", clipping=args.clipping, model=args.model,
+                                 seq_len=args.seq_len, seed=args.seed, path=args.path)
             found = [audit(config, mechanism, language_model, args.mode) for mechanism in ("dpgrad", "idealised")]
         except ValueError as err:
             parser.error(str(err))
