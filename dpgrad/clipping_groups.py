@@ -22,12 +22,12 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
-from typing import Callable, Dict, List, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 
-from dpgrad.clipping_path import clipping_bound
+from dpgrad.clipping_path import clipping_bound, clipping_coefficients
 
 CLIPPINGS = ("flat", "per_layer", "groups")
 # A transformer block in a parameter's qualified name: "...h.3.", "...layers.11.", "...blocks.0.".
@@ -72,9 +72,12 @@ class ClipGroups:
         max_grad_norm: one threshold per group, in the groups' order (for a rule, the order in
             which ``model.named_parameters()`` first reaches each label).
         groups: for "groups", lists of parameters or a rule ``name -> label``.
+        gamma: automatic clipping's gamma (``C_g / (norm + gamma)``); None for Opacus's
+            ``min(1, C_g / (norm + 1e-6))``.
     """
 
-    def __init__(self, model: nn.Module, clipping: str, max_grad_norm, groups: GroupSpec = None):
+    def __init__(self, model: nn.Module, clipping: str, max_grad_norm, groups: GroupSpec = None,
+                 gamma: Optional[float] = None):
         trainable = [p for p in model.parameters() if p.requires_grad]
         if clipping == "per_layer":
             if groups is not None:
@@ -97,7 +100,7 @@ class ClipGroups:
         if len(bounds) != len(members):
             what = "trainable parameters" if clipping == "per_layer" else "groups"
             raise ValueError(f"{len(bounds)} max_grad_norm values for {len(members)} {what}: give one per group")
-        self.labels, self.bounds, self.members = labels, bounds, members
+        self.labels, self.bounds, self.members, self.gamma = labels, bounds, members, gamma
         self.index: Dict[nn.Parameter, int] = {p: g for g, ps in enumerate(members) for p in ps}
         self.total = total_bound(bounds)
         self._names = {p: n for n, p in model.named_parameters()}
@@ -143,8 +146,9 @@ class ClipGroups:
         return self.squares(params, rows).sqrt()
 
     def coefficients(self, norms: torch.Tensor) -> torch.Tensor:
-        """``min(1, C_g / (norm + 1e-6))`` (G, B) from the groups' norms (G, B)."""
-        return (self.bounds_like(norms) / (norms + 1e-6)).clamp(max=1.0)
+        """``min(1, C_g / (norm + 1e-6))`` (G, B) from the groups' norms (G, B); with ``gamma``
+        (automatic clipping), ``C_g / (norm + gamma)``."""
+        return clipping_coefficients(norms, self.bounds_like(norms), self.gamma)
 
 
 def _by_lists(model: nn.Module, groups) -> tuple:

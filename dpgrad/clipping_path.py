@@ -120,10 +120,22 @@ def per_sample_bounds(bounds, max_grad_norm: float, loss_per_sample: torch.Tenso
     return host.to(torch.float32).to(loss_per_sample.device, non_blocking=True)
 
 
-def clipping_coefficients(norms: torch.Tensor, max_grad_norm) -> torch.Tensor:
-    """Opacus's per-sample clipping factors ``min(1, C / (norm + 1e-6))``, (B,); ``max_grad_norm``
-    a float or per-sample bounds (B,)."""
+def clipping_coefficients(norms: torch.Tensor, max_grad_norm, gamma: Optional[float] = None) -> torch.Tensor:
+    """Opacus's per-sample clipping factors ``min(1, C / (norm + 1e-6))``, (B,); with ``gamma``,
+    automatic clipping's ``C / (norm + gamma)`` (Bu et al. 2022: every sample's gradient scaled
+    to just below C, ``C * norm / (norm + gamma)``). ``max_grad_norm`` a float or per-sample
+    bounds (B,)."""
+    if gamma is not None:
+        return max_grad_norm / (norms + gamma)
     return (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+
+
+def automatic_gamma(value) -> float:
+    """Automatic clipping's stability constant gamma, checked: a finite number > 0 (0 would
+    divide a zero gradient by zero)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"automatic_gamma must be a finite number > 0 (0.01 in Bu et al. 2022), not {value!r}")
+    return float(value)
 
 
 def reduce_losses(loss_per_sample: torch.Tensor, loss_reduction: str) -> torch.Tensor:
@@ -158,11 +170,13 @@ class ClippingPath(BackwardPath):
                                           "_held", "_flushed", "records_peak", "_layer_groups", "_group_layers", "_plans",
                                           "_row_indices", "_constants")
 
-    def __init__(self, model: nn.Module, *, ghost: bool, single_backward: bool, clip_groups=None, **settings):
+    def __init__(self, model: nn.Module, *, ghost: bool, single_backward: bool, clip_groups=None,
+                 gamma: Optional[float] = None, **settings):
         # Clipping groups (dpgrad.clipping_groups.ClipGroups) clip in one backward pass: a second
         # pass of sum_b c_b loss_b has one coefficient per sample, not one per sample and group.
         self.ghost, self.single_backward = ghost, single_backward or clip_groups is not None
         self.clip_groups = clip_groups
+        self.gamma = gamma  # automatic clipping's gamma (``clipping_coefficients``); None: Opacus's
         self._clipped_seen = False  # whether clipped_backward ran (then it probes new layouts)
         super().__init__(model, **settings)
 
@@ -643,7 +657,7 @@ class ClippingPath(BackwardPath):
                     "give one loss per sample"
                 )
             # With clipping groups each group was clipped with its own coefficients (``_flush``).
-            coef = clipping_coefficients(norms, max_grad_norm) if self.clip_groups is None else None
+            coef = clipping_coefficients(norms, max_grad_norm, self.gamma) if self.clip_groups is None else None
             if self.single_backward:
                 self._add_clipped_gradients(coef)
             else:
@@ -664,7 +678,7 @@ class ClippingPath(BackwardPath):
     def _clip_one_sample(self, loss: torch.Tensor, max_grad_norm) -> torch.Tensor:
         """A batch of one sample: its per-sample gradient is the plain gradient. One backward
         pass computes it (as the non-private step would), its norm is one reduction, and the
-        clipped gradient ``min(1, C / (norm + 1e-6)) * g`` reaches ``p.grad`` as in single
+        clipped gradient ``c * g`` (``clipping_coefficients``) reaches ``p.grad`` as in single
         backward: no norm or clipped-sum kernel runs, and nothing is recorded."""
         self._check_trainable_since_forward()  # before autograd is asked for those of the forward
         params = list(self.trainable_parameters)
@@ -695,7 +709,7 @@ class ClippingPath(BackwardPath):
                             "gradient norms").wait()
             groups = self.clip_groups
             if groups is None:
-                torch._foreach_mul_(grads, clipping_coefficients(self.pass_norm, max_grad_norm).view(()))
+                torch._foreach_mul_(grads, clipping_coefficients(self.pass_norm, max_grad_norm, self.gamma).view(()))
             else:  # each parameter by its group's coefficient
                 self.group_norms = groups.norms(params, rows.view(-1, 1))
                 coef = groups.coefficients(self.group_norms).view(-1)

@@ -21,15 +21,20 @@ A model sharded by FSDP2 (``fully_shard``) is taken in both modes: see ``dpgrad.
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.nn as nn
 
-from dpgrad.clipping_groups import ClipGroups
+from dpgrad.clipping_groups import CLIPPINGS, ClipGroups
 from dpgrad.clipping_path import ClippingPath, clipping_bound, clipping_coefficients, per_sample_bounds
+from dpgrad.clipping_path import automatic_gamma as checked_gamma
 from dpgrad.fsdp import sharded_modules
 from dpgrad.grad_sample_module import GradSampleModule, _delegated
+
+
+# Automatic clipping's forms, and the clipping whose groups each takes.
+AUTOMATIC = {"automatic": "flat", "automatic_per_layer": "per_layer", "automatic_groups": "groups"}
 
 
 class GradSampleModuleFastGradientClipping(GradSampleModule):
@@ -60,9 +65,16 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
             Per-layer and group-wise clipping take one backward pass in either mode (Opacus's
             second pass has one coefficient per sample, not one per sample and group), and
             are not available on a model sharded by FSDP2.
+            "automatic", "automatic_per_layer" and "automatic_groups" are the same with
+            automatic clipping (Bu et al. 2022, fastDP's default): every sample's gradient
+            (of the group) scaled by ``c = C / (norm + automatic_gamma)``, to just below C,
+            instead of clipped by ``min(1, C / (norm + 1e-6))``; the bound the noise is scaled
+            to is the same.
         clipping_groups: for "groups": lists of parameters (every trainable parameter in one),
             or a rule from a parameter's qualified name to its group's label, such as
             ``dpgrad.clipping_groups.per_block`` (one group per transformer block).
+        automatic_gamma: automatic clipping's gamma, a finite number > 0 (0.01, as in the
+            paper); only with an automatic clipping.
         check_independence: as for ``GradSampleModule``; ``clipped_backward`` (and so
             ``DPLossFastGradientClipping``) also probes the loss, once per layout of it: one
             sample's loss must depend on that sample's rows of the model's outputs alone, else
@@ -88,24 +100,37 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         single_backward: bool = False,
         clipping: str = "flat",
         clipping_groups=None,
+        automatic_gamma: Optional[float] = None,
     ):
+        if clipping not in CLIPPINGS + tuple(AUTOMATIC):
+            raise ValueError(f"clipping={clipping!r}: use one of {', '.join(CLIPPINGS + tuple(AUTOMATIC))}")
         groups = None
-        if clipping == "flat" and clipping_groups is None:
+        gamma = None
+        if clipping in AUTOMATIC:
+            gamma = checked_gamma(0.01 if automatic_gamma is None else automatic_gamma)
+            clipping_style = AUTOMATIC[clipping]
+        elif automatic_gamma is not None:
+            raise ValueError(f"automatic_gamma is for automatic clipping ({', '.join(AUTOMATIC)}), not "
+                             f"clipping={clipping!r}")
+        else:
+            clipping_style = clipping
+        if clipping_style == "flat" and clipping_groups is None:
             if isinstance(max_grad_norm, (list, tuple)):
                 raise ValueError("flat clipping takes one max_grad_norm, not a list: for one threshold per "
                                  "parameter or group, give clipping='per_layer' or 'groups'")
             clipping_bound(max_grad_norm)
         else:
-            if clipping == "flat":
-                raise ValueError("clipping_groups needs clipping='groups'")
-            groups = ClipGroups(m, clipping, max_grad_norm, clipping_groups)
+            if clipping_style == "flat":
+                raise ValueError("clipping_groups needs clipping='groups' (or 'automatic_groups')")
+            groups = ClipGroups(m, clipping_style, max_grad_norm, clipping_groups, gamma)
             if sharded_modules(m):
                 raise ValueError(f"clipping={clipping!r} is not available on a model sharded by FSDP2 yet: use "
                                  "flat clipping, or DistributedDataParallel")
         self._wrap(m, ClippingPath(m, batch_first=batch_first, loss_reduction=loss_reduction,
                                    check_finite=check_finite, check_independence=check_independence,
                                    force_functorch=force_functorch, strict=strict,
-                                   ghost=use_ghost_clipping, single_backward=single_backward, clip_groups=groups))
+                                   ghost=use_ghost_clipping, single_backward=single_backward, clip_groups=groups,
+                                   gamma=gamma))
         self.clipping = clipping
         self.max_grad_norms = None if groups is None else list(groups.bounds)
         self._max_grad_norm = clipping_bound(max_grad_norm if groups is None else groups.total)
@@ -171,14 +196,15 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         return norm_sample
 
     def get_clipping_coef(self) -> torch.Tensor:
-        """Per-sample clipping factors ``min(1, C / (norm + 1e-6))``, (B,) (Opacus's formula).
+        """Per-sample clipping factors ``min(1, C / (norm + 1e-6))``, (B,) (Opacus's formula;
+        ``C / (norm + automatic_gamma)`` under automatic clipping).
         Flat clipping only: per-layer and group-wise clipping have one per sample and group,
         applied by ``clipped_backward``."""
         if self._path.clip_groups is not None:
             raise RuntimeError(f"clipping={self.clipping!r} has one coefficient per sample and group, not per "
                                "sample: clip with clipped_backward (dpgrad.DPLossFastGradientClipping does), not "
                                "with Opacus's loss wrapper")
-        return clipping_coefficients(self.get_norm_sample(), self.max_grad_norm)
+        return clipping_coefficients(self.get_norm_sample(), self.max_grad_norm, self._path.gamma)
 
     @property
     def per_sample_gradient_norms(self) -> torch.Tensor:
@@ -200,13 +226,15 @@ class GradSampleModuleFastGradientClippingFSDP(GradSampleModuleFastGradientClipp
 
     ``GradSampleModuleFastGradientClipping`` on ``m``, which must be sharded by ``fully_shard``
     (on its blocks and its root) already, with ghost clipping always on, as in Opacus. Unlike
-    Opacus's, it takes tied parameters and ``single_backward=True``, and its norms are on
-    ``p._norm_sample`` of the sharded parameters.
+    Opacus's, it takes tied parameters, ``single_backward=True`` and ``clipping="automatic"``
+    (with ``automatic_gamma``), and its norms are on ``p._norm_sample`` of the sharded
+    parameters.
     """
 
     def __init__(self, m: nn.Module, *, batch_first: bool = True, loss_reduction: str = "mean",
                  strict: bool = True, max_grad_norm: float = 1, check_finite: bool = True,
-                 check_independence: bool = True, single_backward: bool = False):
+                 check_independence: bool = True, single_backward: bool = False, clipping: str = "flat",
+                 automatic_gamma: Optional[float] = None):
         if not sharded_modules(m):
             raise ValueError(
                 "GradSampleModuleFastGradientClippingFSDP takes a model sharded by FSDP2: call "
@@ -214,4 +242,5 @@ class GradSampleModuleFastGradientClippingFSDP(GradSampleModuleFastGradientClipp
             )
         super().__init__(m, batch_first=batch_first, loss_reduction=loss_reduction, strict=strict,
                          max_grad_norm=max_grad_norm, use_ghost_clipping=True, check_finite=check_finite,
-                         check_independence=check_independence, single_backward=single_backward)
+                         check_independence=check_independence, single_backward=single_backward,
+                         clipping=clipping, automatic_gamma=automatic_gamma)

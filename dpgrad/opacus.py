@@ -34,8 +34,10 @@ from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processe
 
 from dpgrad import registry
 from dpgrad.batches import FixedShapeBatches, rank_generator
+from dpgrad.clipping_path import automatic_gamma as checked_gamma
 from dpgrad.clipping_path import clipping_bound
-from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping, GradSampleModuleFastGradientClippingFSDP
+from dpgrad.fast_gradient_clipping import (AUTOMATIC, GradSampleModuleFastGradientClipping,
+                                           GradSampleModuleFastGradientClippingFSDP)
 from dpgrad.fsdp import sharded_modules
 from dpgrad.grad_sample_module import GradSampleModule
 from dpgrad.loss import DPLossFastGradientClipping
@@ -252,8 +254,12 @@ def _wrap(
     single_backward: bool,
     clipping_groups=None,
     check_independence: bool = True,
+    automatic_gamma: Optional[float] = None,
 ):
     cls = _WRAPPERS[grad_sample_mode]
+    # The wrapper's clipping: groups (per layer: one per parameter) or flat, automatic or not.
+    clipping = ("flat" if clipping_groups is None else "groups") if automatic_gamma is None else (
+        "automatic" if clipping_groups is None else "automatic_groups")
     if isinstance(module, GradSampleModule):
         # A dpgrad wrapper is reused only if it already is what this call would build.
         ghost = cls is GradSampleModuleFastGradientClipping
@@ -265,7 +271,7 @@ def _wrap(
             or module.loss_reduction != loss_reduction
             or module.force_functorch != (grad_sample_mode == "functorch")
             or module.check_independence != check_independence
-            or (ghost and (module.clipping != ("flat" if clipping_groups is None else "groups")
+            or (ghost and (module.clipping != clipping or module._path.gamma != automatic_gamma
                            or (module.max_grad_norms or module.max_grad_norm) != max_grad_norm
                            or module.single_backward != single_backward))
         )
@@ -283,9 +289,8 @@ def _wrap(
     if grad_sample_mode == "functorch":
         kwargs["force_functorch"] = True
     if cls is GradSampleModuleFastGradientClipping:
-        kwargs.update(max_grad_norm=max_grad_norm, single_backward=single_backward)
-        if clipping_groups is not None:
-            kwargs.update(clipping="groups", clipping_groups=clipping_groups)
+        kwargs.update(max_grad_norm=max_grad_norm, single_backward=single_backward, clipping=clipping,
+                      clipping_groups=clipping_groups, automatic_gamma=automatic_gamma)
     return cls(module, **kwargs)
 
 
@@ -305,6 +310,7 @@ def make_private(
     noise_generator=None,
     clipping: str = "flat",
     clipping_groups=None,
+    automatic_gamma: Optional[float] = None,
     wrap_model: bool = True,
     rand_on_empty: bool = False,
     single_backward: bool = False,
@@ -358,9 +364,13 @@ def make_private(
             Opacus's ``DPPerLayerOptimizer`` clips the per-sample gradients. dpgrad's own
             "groups" (under "ghost" only): the parameters clipped in ``clipping_groups``,
             ``max_grad_norm`` one bound per group, the noise for ``sqrt(sum C_g^2)``.
+            "automatic", "automatic_per_layer", "automatic_groups" (under "ghost" only): the same
+            with automatic clipping (each sample's gradient scaled by ``C / (norm +
+            automatic_gamma)``, Bu et al. 2022).
         clipping_groups: for ``clipping="groups"``, lists of parameters or a rule from a
             parameter's name to its group's label (e.g. ``dpgrad.clipping_groups.per_block``),
             as ``GradSampleModuleFastGradientClipping`` takes them.
+        automatic_gamma: automatic clipping's gamma (default 0.01).
         single_backward: under "ghost", one backward pass per step instead of two
             (``GradSampleModuleFastGradientClipping(single_backward=True)``).
         physical_batch_size: under "ghost" with Poisson sampling in one process, serve every
@@ -424,12 +434,23 @@ def make_private(
             f"grad_sample_mode={grad_sample_mode!r} is not supported by dpgrad.opacus.make_private: "
             f"use one of {sorted(_WRAPPERS)}"
         )
+    given_clipping = clipping
+    clipping = AUTOMATIC.get(clipping, clipping)  # the groups an automatic clipping takes
     if clipping not in ("flat", "per_layer", "groups"):
         raise ValueError(
-            f"clipping={clipping!r} is not supported by dpgrad.opacus.make_private: use 'flat' (one "
-            "max_grad_norm over all parameters), 'per_layer' (one per trainable parameter of the optimizer) "
-            "or 'groups' (one per group of clipping_groups)"
+            f"clipping={given_clipping!r} is not supported by dpgrad.opacus.make_private: use 'flat' (one "
+            "max_grad_norm over all parameters), 'per_layer' (one per trainable parameter of the optimizer), "
+            "'groups' (one per group of clipping_groups), or 'automatic', 'automatic_per_layer', "
+            "'automatic_groups' (the same with automatic clipping)"
         )
+    if given_clipping in AUTOMATIC:
+        if grad_sample_mode != "ghost":
+            raise ValueError(f"clipping={given_clipping!r} scales each sample's gradient in the backward pass: it "
+                             f"needs grad_sample_mode='ghost', not {grad_sample_mode!r}")
+        automatic_gamma = checked_gamma(0.01 if automatic_gamma is None else automatic_gamma)
+    elif automatic_gamma is not None:
+        raise ValueError(f"automatic_gamma is for automatic clipping ({', '.join(AUTOMATIC)}), not "
+                         f"clipping={given_clipping!r}")
     if (clipping == "groups") != (clipping_groups is not None):
         raise ValueError(
             "clipping='groups' needs clipping_groups (lists of parameters, or a rule from a parameter's name "
@@ -496,6 +517,7 @@ def make_private(
         single_backward=single_backward,
         clipping_groups=clipping_groups,
         check_independence=check_independence,
+        automatic_gamma=automatic_gamma,
     )
     if clipping_groups is not None:
         # Ghost clipping clips in the backward pass: the optimizer only adds noise, scaled to the

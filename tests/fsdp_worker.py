@@ -87,12 +87,13 @@ def _full(t: torch.Tensor) -> np.ndarray:
 
 def clipped_gradients(rank: int, world: int, kind: str, single: bool, reduction: str,
                       precision: str = "fp32", leaves: bool = False, no_sync: bool = False,
-                      opacus_name: bool = False, sharded: bool = True) -> dict:
+                      opacus_name: bool = False, sharded: bool = True, automatic: bool = False) -> dict:
     """The gathered gradient after the clipped backward of MICRO_BATCHES micro-batches
     (accumulated), and this rank's per-sample norms of each. With ``no_sync``, FSDP reduces
     only the last micro-batch's gradients (``set_requires_gradient_sync``), with the sum of
     the unsharded gradients of all. With ``opacus_name``, the wrapper is built by its Opacus
-    name for sharded models (GradSampleModuleFastGradientClippingFSDP)."""
+    name for sharded models (GradSampleModuleFastGradientClippingFSDP). With ``automatic``,
+    automatic clipping (``clipping="automatic"``)."""
     net = model(kind)
     if sharded:
         shard(net, precision, leaves)
@@ -100,7 +101,8 @@ def clipped_gradients(rank: int, world: int, kind: str, single: bool, reduction:
         net = net.to(torch.bfloat16)
     wrapper = dpgrad.GradSampleModuleFastGradientClippingFSDP if opacus_name and sharded else \
         dpgrad.GradSampleModuleFastGradientClipping
-    wrapped = wrapper(net, max_grad_norm=C[kind], single_backward=single, loss_reduction=reduction)
+    wrapped = wrapper(net, max_grad_norm=C[kind], single_backward=single, loss_reduction=reduction,
+                      clipping="automatic" if automatic else "flat")
     criterion = dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss(reduction=reduction), reduction)
     norms = []
     for i, ids in enumerate(batches()):

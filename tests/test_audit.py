@@ -125,7 +125,7 @@ def _like_idealised(value, ideal):
 # Noise 0.9, 2 and 5 in SMALL's setting: accountant epsilon 7.25, 1.84 and 0.58.
 @pytest.mark.parametrize("noise", [0.9, 2.0, 5.0])
 @pytest.mark.parametrize("single_backward", [True, False], ids=["single", "double"])
-@pytest.mark.parametrize("clipping", ["flat", "per_block", "per_layer"])
+@pytest.mark.parametrize("clipping", ["flat", "per_block", "per_layer", "automatic"])
 def test_dpgrad_audits_at_or_below_its_epsilon_and_like_the_idealised_mechanism(clipping, single_backward, noise):
     real = audit(AuditConfig(noise_multiplier=noise, single_backward=single_backward, clipping=clipping, **SMALL),
                  "dpgrad")
@@ -145,7 +145,7 @@ def test_clipping_turned_off_is_caught(monkeypatch):
     import dpgrad.clipping_path
     import dpgrad.fast_gradient_clipping
 
-    ones = lambda norms, max_grad_norm: torch.ones_like(norms)  # noqa: E731
+    ones = lambda norms, max_grad_norm, gamma=None: torch.ones_like(norms)  # noqa: E731
     monkeypatch.setattr(dpgrad.clipping_path, "clipping_coefficients", ones)
     monkeypatch.setattr(dpgrad.fast_gradient_clipping, "clipping_coefficients", ones)
     _fault_caught(dict(noise_multiplier=2.0, **SMALL))
@@ -218,7 +218,7 @@ def test_a_language_model_audits_like_the_idealised_mechanism_and_catches_clippi
     assert max(real.epsilon_one_run, real.epsilon_fdp) <= eps
     spread = max(fdp) - min(fdp)
     assert min(fdp) - spread / 3 - 0.05 <= real.epsilon_fdp <= max(fdp) + spread / 3 + 0.05, (real.epsilon_fdp, fdp)
-    ones = lambda norms, max_grad_norm: torch.ones_like(norms)  # noqa: E731
+    ones = lambda norms, max_grad_norm, gamma=None: torch.ones_like(norms)  # noqa: E731
     monkeypatch.setattr(dpgrad.clipping_path, "clipping_coefficients", ones)
     monkeypatch.setattr(dpgrad.fast_gradient_clipping, "clipping_coefficients", ones)
     _fault_caught(dict(noise_multiplier=2.0, **TINY), _tiny())
@@ -277,7 +277,7 @@ def test_the_audit_through_the_trainer_audits_like_the_idealised_mechanism_and_c
         _like_idealised(real.epsilon_fdp, fdp)
     black = audit(AuditConfig(noise_multiplier=1.0, path="trainer", **TINY), "dpgrad", _tiny(), mode="black-box")
     assert max(black.epsilon_one_run, black.epsilon_fdp) <= black.accountant_epsilon
-    ones = lambda norms, max_grad_norm: torch.ones_like(norms)  # noqa: E731
+    ones = lambda norms, max_grad_norm, gamma=None: torch.ones_like(norms)  # noqa: E731
     monkeypatch.setattr(dpgrad.clipping_path, "clipping_coefficients", ones)
     _fault_caught(dict(noise_multiplier=2.0, path="trainer", **TINY), _tiny())
 
@@ -310,7 +310,7 @@ def test_black_box_audits_below_its_epsilon_and_says_what_it_cannot_catch(monkey
     lm = audit(AuditConfig(noise_multiplier=1.0, **TINY), "dpgrad", _tiny(), mode="black-box")
     assert max(lm.epsilon_one_run, lm.epsilon_fdp) <= lm.accountant_epsilon
     correct = audit(AuditConfig(noise_multiplier=2.0, **linear), "dpgrad", mode="black-box")
-    ones = lambda norms, max_grad_norm: torch.ones_like(norms)  # noqa: E731
+    ones = lambda norms, max_grad_norm, gamma=None: torch.ones_like(norms)  # noqa: E731
     monkeypatch.setattr(dpgrad.clipping_path, "clipping_coefficients", ones)
     monkeypatch.setattr(dpgrad.fast_gradient_clipping, "clipping_coefficients", ones)
     broken = audit(AuditConfig(noise_multiplier=2.0, **linear), "dpgrad", mode="black-box")

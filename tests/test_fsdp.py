@@ -46,6 +46,8 @@ LEAVES = [dict(kind="transformer", single=s, reduction="mean", leaves=True) for 
 HF = [dict(kind="gpt2", single=s, reduction="mean", leaves=leaves) for s in MODES.values() for leaves in (False, True)] \
     if importlib.util.find_spec("transformers") else []
 OPACUS_NAME = [dict(kind="transformer", single=s, reduction="mean", opacus_name=True) for s in MODES.values()]
+AUTOMATIC = [dict(kind="transformer", single=s, reduction="mean", opacus_name=True, automatic=True)
+             for s in MODES.values()]
 NO_SYNC = [dict(kind=k, single=s, reduction="mean", no_sync=True) for k in KINDS for s in MODES.values()]
 REFUSALS = ["tied apart", "grad sample module", "sharded after wrapping", "blocks only", "other torch",
             "opacus name, not sharded", "clipping groups", "mixing model", "mixing loss"]
@@ -56,7 +58,7 @@ def two():
     jobs = [("clipped_gradients", kw) for kw in CLIPPED]
     if BACKEND_PASS:
         return jobs, spawn(2, jobs, "fsdp_worker")
-    jobs += [("clipped_gradients", kw) for kw in BF16 + LEAVES + NO_SYNC + HF + OPACUS_NAME]
+    jobs += [("clipped_gradients", kw) for kw in BF16 + LEAVES + NO_SYNC + HF + OPACUS_NAME + AUTOMATIC]
     jobs += [("held_gradients", {})] + [("refusal", dict(case=c)) for c in REFUSALS]
     jobs += [("finish_groups", dict(single=s)) for s in MODES.values()]
     jobs += [("after_non_finite", dict(single=s)) for s in MODES.values()]
@@ -132,6 +134,13 @@ def test_hugging_face_gpt2(two, kw):
 @pytest.mark.parametrize("kw", OPACUS_NAME, ids=lambda kw: "single" if kw["single"] else "double")
 def test_opacus_name_for_the_wrapper(two, kw):
     """dpgrad.GradSampleModuleFastGradientClippingFSDP, Opacus's class name and constructor."""
+    _check_clipped(two, kw)
+
+
+@whole_matrix
+@pytest.mark.parametrize("kw", AUTOMATIC, ids=lambda kw: "single" if kw["single"] else "double")
+def test_automatic_clipping(two, kw):
+    """clipping="automatic" on the sharded model, through Opacus's name for the wrapper."""
     _check_clipped(two, kw)
 
 

@@ -6,7 +6,9 @@ import math
 from dataclasses import dataclass
 
 
-CLIPPINGS = ("flat", "per_layer", "per_block")
+CLIPPINGS = ("flat", "per_layer", "per_block", "automatic")
+# Automatic clipping's gamma in the audit (make_private's default).
+GAMMA = 0.01
 PATHS = ("make_private", "trainer")
 
 
@@ -29,7 +31,7 @@ class AuditConfig:
     delta: float = 1e-5
     confidence: float = 0.95
     single_backward: bool = True
-    # "flat", "per_layer" or "per_block" (see ``audit_bound``).
+    # "flat", "per_layer", "per_block" or "automatic" (see ``audit_bound``).
     clipping: str = "flat"
     # The training path: "make_private" (dpgrad.opacus.make_private) or "trainer" (dpgrad.hf.DPTrainer).
     path: str = "make_private"
@@ -72,8 +74,12 @@ class AuditConfig:
                  f"{self.clipping!r}")
 
     def audit_bound(self) -> float:
-        """The bound on a canary's audit row: C flat; per layer or per block, the audit
-        embedding's own bound C / sqrt(2), the model's parameters (per layer) or blocks (per
-        block) sharing the other half of C^2 evenly, so the bound the noise is scaled to,
-        sqrt(sum C_g^2), is C."""
-        return self.max_grad_norm if self.clipping == "flat" else self.max_grad_norm / math.sqrt(2)
+        """What a canary's audit row moves by when drawn: C flat; per layer or per block, the
+        audit embedding's own bound C / sqrt(2), the model's parameters (per layer) or blocks
+        (per block) sharing the other half of C^2 evenly, so the bound the noise is scaled to,
+        sqrt(sum C_g^2), is C; automatic clipping (gamma ``GAMMA``), the canary's gradient of
+        norm ``scale * C`` scaled to ``C * scale * C / (scale * C + gamma)``, just below C."""
+        C = self.max_grad_norm
+        if self.clipping == "automatic":
+            return C * (self.scale * C) / (self.scale * C + GAMMA)
+        return C if self.clipping == "flat" else C / math.sqrt(2)

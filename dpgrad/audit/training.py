@@ -9,7 +9,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from .config import AuditConfig
+from .config import GAMMA, AuditConfig
 from .models import AuditedLanguageModel, AuditLanguageLoss, AuditLoss, AuditModel, LanguageModel
 
 
@@ -40,7 +40,7 @@ def audit_task(config: AuditConfig, g: torch.Generator, ids: torch.Tensor, direc
 
 def clipping_arguments(config: AuditConfig, model: nn.Module) -> Dict[str, object]:
     """``make_private``'s clipping arguments for ``config.clipping`` (``AuditConfig.audit_bound``):
-    flat, C; per layer, C / sqrt(2) for the audit embedding and the rest of C^2 split evenly over
+    flat or automatic, C; per layer, C / sqrt(2) for the audit embedding and the rest of C^2 split evenly over
     the model's other parameters; per block, the same over groups, the audit embedding one and
     ``dpgrad.clipping_groups.per_block``'s blocks of the model the others."""
     from dpgrad.clipping_groups import per_block
@@ -48,6 +48,8 @@ def clipping_arguments(config: AuditConfig, model: nn.Module) -> Dict[str, objec
     C = config.max_grad_norm
     if config.clipping == "flat":
         return dict(max_grad_norm=C)
+    if config.clipping == "automatic":
+        return dict(clipping="automatic", max_grad_norm=C, automatic_gamma=GAMMA)
     if config.clipping == "per_layer":
         others = [p for p in model.parameters() if p.requires_grad and p is not model.audit.weight]
         return dict(clipping="per_layer", max_grad_norm=[config.audit_bound() if p is model.audit.weight

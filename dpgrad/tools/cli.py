@@ -340,9 +340,10 @@ def audit_command(argv: List[str]) -> int:
                         help="white-box: gradient canaries, every update observed (default); black-box: input "
                              "canaries scored by the final model's loss (the idealised row stays white-box)")
     parser.add_argument("--backward", choices=["single", "double"], default="single", help="backward passes per step")
-    parser.add_argument("--clipping", choices=["flat", "per_layer", "per_block"], default="flat",
+    parser.add_argument("--clipping", choices=["flat", "per_layer", "per_block", "automatic"], default="flat",
                         help="flat: one bound for the whole gradient (default); per_layer, per_block: the audit "
-                             "embedding C/sqrt(2), the model's parameters or blocks sharing the rest of C^2")
+                             "embedding C/sqrt(2), the model's parameters or blocks sharing the rest of C^2; "
+                             "automatic: automatic clipping at C (gamma 0.01)")
     parser.add_argument("--path", choices=["make_private", "trainer"], default="make_private",
                         help="the training path audited: dpgrad.opacus.make_private (default) or dpgrad.hf.DPTrainer "
                              "(a language model, flat clipping)")
