@@ -3,10 +3,12 @@
 Drop-in replacements for Opacus's wrappers: ``GradSampleModule`` (per-sample gradients) and
 ``GradSampleModuleFastGradientClipping`` (per-sample gradient norms, ghost clipping; its
 ``...FSDP`` twin for models sharded by FSDP2), and for its loss wrapper
-``DPLossFastGradientClipping`` (one backward pass with ``single_backward=True``).
+``DPLossFastGradientClipping`` (one backward pass with ``single_backward=True``) and Opacus
+1.6's adaptive ``DPLossFastGradientAdaptiveClipping`` (``dpgrad.adaptive``).
 """
 
 from . import samplers  # noqa: F401  (registers the built-in samplers)
+from .adaptive import DPLossFastGradientAdaptiveClipping, DPTensorFastGradientAdaptiveClipping
 from .fast_gradient_clipping import GradSampleModuleFastGradientClipping, GradSampleModuleFastGradientClippingFSDP
 from .grad_sample_module import GradSampleModule
 from .guarantee import UnclippedGradientError
@@ -25,7 +27,9 @@ from .version import __version__  # noqa: F401
 
 __all__ = [
     "CLIPPED_SUM_SAMPLERS",
+    "DPLossFastGradientAdaptiveClipping",
     "DPLossFastGradientClipping",
+    "DPTensorFastGradientAdaptiveClipping",
     "DPTensorFastGradientClipping",
     "GRAD_SAMPLERS",
     "NORM_SAMPLERS",

@@ -656,6 +656,8 @@ class ClippingPath(BackwardPath):
                     f"{loss_per_sample.shape[0]} losses for a batch of {norms.shape[0]} samples: "
                     "give one loss per sample"
                 )
+            if callable(max_grad_norm):  # the bound from the norms (adaptive clipping)
+                max_grad_norm = max_grad_norm(norms)
             # With clipping groups each group was clipped with its own coefficients (``_flush``).
             coef = clipping_coefficients(norms, max_grad_norm, self.gamma) if self.clip_groups is None else None
             if self.single_backward:
@@ -708,6 +710,8 @@ class ClippingPath(BackwardPath):
                 FiniteCheck([self.pass_norm], lambda: [(self.param_name(p), n) for p, n in zip(params, rows)],
                             "gradient norms").wait()
             groups = self.clip_groups
+            if callable(max_grad_norm):  # the bound from the norm (adaptive clipping)
+                max_grad_norm = max_grad_norm(self.pass_norm)
             if groups is None:
                 torch._foreach_mul_(grads, clipping_coefficients(self.pass_norm, max_grad_norm, self.gamma).view(()))
             else:  # each parameter by its group's coefficient

@@ -139,7 +139,8 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
 
     @property
     def max_grad_norm(self) -> float:
-        """The clipping bound C: a finite positive number (checked when set)."""
+        """The clipping bound C: a finite positive number (checked when set); under adaptive
+        clipping, a 0-d tensor on the device."""
         return self._max_grad_norm
 
     @max_grad_norm.setter
@@ -149,13 +150,20 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
                              "thresholds: wrap the model again to change them")
         self._max_grad_norm = clipping_bound(value)
 
+    def adapt_max_grad_norm(self, bound: torch.Tensor) -> None:
+        """Set the flat bound to a 0-d tensor on the device (``dpgrad.adaptive``: the bound
+        each step computes, never read back to the host); ``max_grad_norm`` returns it."""
+        if self._path.clip_groups is not None:
+            raise ValueError(f"clipping={self.clipping!r} has one bound per group: it cannot adapt one")
+        self._max_grad_norm = bound
+
     @property
     def trainable_parameters(self) -> List[nn.Parameter]:
         """The model's trainable parameters (as of the last forward pass)."""
         return self._path.trainable_parameters
 
     # ------------------------------------------------------------------ dpgrad's backward
-    def clipped_backward(self, loss_per_sample: torch.Tensor, max_grad_norms=None) -> None:
+    def clipped_backward(self, loss_per_sample: torch.Tensor, max_grad_norms=None, bound_from_norms=None) -> None:
         """Add the clipped gradient ``sum_b c_b * grad(loss_b)`` of the last forward pass to ``p.grad``.
 
         ``loss_per_sample``: (B,), each sample's own loss. ``c_b = min(1, C / (norm_b + 1e-6))``
@@ -177,9 +185,17 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         e.g. the rows of one user each clipped to ``C / rows``, so that the user moves the gradient
         by at most ``C`` (``dpgrad.hf``). A sequence or a CPU tensor is checked without waiting
         for the device; a bound outside ``[0, max_grad_norm]`` raises ValueError.
+
+        ``bound_from_norms``: optional, a function of the per-sample norms (B,) that returns the
+        bound (a float or a 0-d tensor) to clip them to, called between the norm pass and the
+        clipping (``dpgrad.adaptive``); flat clipping, without ``max_grad_norms``.
         """
         bound = self.max_grad_norm
-        if max_grad_norms is not None:
+        if bound_from_norms is not None:
+            if max_grad_norms is not None or self._path.clip_groups is not None:
+                raise ValueError("bound_from_norms takes flat clipping, without per-sample bounds")
+            bound = bound_from_norms
+        elif max_grad_norms is not None:
             if self._path.clip_groups is not None:
                 raise ValueError(f"per-sample bounds (max_grad_norms) are for flat clipping, not clipping="
                                  f"{self.clipping!r}")

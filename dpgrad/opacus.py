@@ -30,6 +30,10 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
     GradSampleHooksFastGradientClipping,
 )
 from opacus.optimizers import DPOptimizerFastGradientClipping as _OpacusDPOptimizerFastGradientClipping
+from opacus.optimizers.ddpoptimizer_fast_gradient_clipping import (
+    DistributedDPOptimizerFastGradientClipping as _OpacusDistributedDPOptimizerFastGradientClipping,
+)
+from opacus.utils.adaptive_clipping import PrivacyEngineAdaptiveClipping as _OpacusPrivacyEngineAdaptiveClipping
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
 from dpgrad import registry
@@ -177,6 +181,7 @@ class DPOptimizerFastGradientClipping(_OpacusDPOptimizerFastGradientClipping):
     def add_noise(self):
         if self.secure_mode:
             return super().add_noise()
+        # A tensor under adaptive clipping (dpgrad.adaptive): the bound stays on the device.
         std = getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier) * self.max_grad_norm
         params = self.params
         for p in params:
@@ -187,7 +192,9 @@ class DPOptimizerFastGradientClipping(_OpacusDPOptimizerFastGradientClipping):
         for (device, dtype), group in groups.items():
             sizes = [p.numel() for p in group]
             noise = torch.empty(sum(sizes), device=device, dtype=dtype)
-            if std == 0:
+            if isinstance(std, torch.Tensor):
+                noise.normal_(0, 1, generator=self.generator).mul_(std.to(device=device, dtype=dtype))
+            elif std == 0:
                 noise.zero_()
             else:
                 noise.normal_(0, std, generator=self.generator)
@@ -201,6 +208,57 @@ class DPOptimizerFastGradientClipping(_OpacusDPOptimizerFastGradientClipping):
     def scale_grad(self):
         if self.loss_reduction == "mean":
             torch._foreach_div_([p.grad for p in self.params], self.expected_batch_size * self.accumulated_iterations)
+
+
+class DistributedDPOptimizerFastGradientClipping(DPOptimizerFastGradientClipping):
+    """Opacus's ``DistributedDPOptimizerFastGradientClipping`` (the noise added once, on rank
+    0, then the ranks' gradients summed, and averaged under "mean"), with the batched noise of
+    ``DPOptimizerFastGradientClipping``, which takes a bound on the device: what adaptive
+    clipping under DDP uses. Same arguments."""
+
+    def __init__(self, optimizer, **kwargs):
+        super().__init__(optimizer, **kwargs)
+        self.rank = torch.distributed.get_rank()
+        self.world_size = torch.distributed.get_world_size()
+
+    def add_noise(self):
+        if self.rank == 0:
+            super().add_noise()
+        else:
+            for p in self.params:
+                p.grad = p.summed_grad.view_as(p)
+
+    def reduce_gradients(self):
+        grads = [p.grad for p in self.params if p.requires_grad]
+        for g in grads:
+            torch.distributed.all_reduce(g, op=torch.distributed.ReduceOp.SUM)
+        if self.loss_reduction == "mean" and grads:
+            torch._foreach_div_(grads, self.world_size)
+
+    def step(self, closure=None):
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        if self.pre_step():
+            self.reduce_gradients()
+            return self.original_optimizer.step()
+        return None
+
+
+class PrivacyEngineAdaptiveClipping(_OpacusPrivacyEngineAdaptiveClipping):
+    """Opacus 1.6's ``PrivacyEngineAdaptiveClipping`` whose ``make_private`` is dpgrad's
+    (``make_private`` below with this engine: ghost clipping, dpgrad's wrapper and
+    ``dpgrad.DPLossFastGradientAdaptiveClipping``). The same keywords: the adaptive ones
+    (``target_unclipped_quantile``, ``min_clipbound``, ``max_clipbound``,
+    ``clipbound_learning_rate``) and dpgrad's ``public_batch_size``."""
+
+    def make_private(self, **kwargs):
+        return make_private(self, **kwargs)
+
+
+# The adaptive rule's keywords (Opacus's), with their defaults.
+ADAPTIVE_SETTINGS = {"target_unclipped_quantile": 0.5, "min_clipbound": 1, "max_clipbound": 1e8,
+                     "clipbound_learning_rate": 0.2}
 
 
 # ---------------------------------------------------------------------- make_private
@@ -311,6 +369,7 @@ def make_private(
     clipping: str = "flat",
     clipping_groups=None,
     automatic_gamma: Optional[float] = None,
+    public_batch_size: bool = False,
     wrap_model: bool = True,
     rand_on_empty: bool = False,
     single_backward: bool = False,
@@ -366,11 +425,17 @@ def make_private(
             ``max_grad_norm`` one bound per group, the noise for ``sqrt(sum C_g^2)``.
             "automatic", "automatic_per_layer", "automatic_groups" (under "ghost" only): the same
             with automatic clipping (each sample's gradient scaled by ``C / (norm +
-            automatic_gamma)``, Bu et al. 2022).
+            automatic_gamma)``, Bu et al. 2022). "adaptive" (or a ``PrivacyEngineAdaptiveClipping``
+            engine, Opacus's or dpgrad's): Opacus 1.6's adaptive clipping (``dpgrad.adaptive``)
+            under "ghost", flat, with the keywords ``target_unclipped_quantile``,
+            ``min_clipbound``, ``max_clipbound`` and ``clipbound_learning_rate``;
+            ``max_grad_norm`` the initial bound.
         clipping_groups: for ``clipping="groups"``, lists of parameters or a rule from a
             parameter's name to its group's label (e.g. ``dpgrad.clipping_groups.per_block``),
             as ``GradSampleModuleFastGradientClipping`` takes them.
         automatic_gamma: automatic clipping's gamma (default 0.01).
+        public_batch_size: with adaptive clipping, count the unclipped samples over the expected
+            batch size (public) instead of the drawn one (dpgrad's; see ``dpgrad.adaptive``).
         single_backward: under "ghost", one backward pass per step instead of two
             (``GradSampleModuleFastGradientClipping(single_backward=True)``).
         physical_batch_size: under "ghost" with Poisson sampling in one process, serve every
@@ -435,13 +500,27 @@ def make_private(
             f"use one of {sorted(_WRAPPERS)}"
         )
     given_clipping = clipping
+    adaptive = clipping == "adaptive" or isinstance(privacy_engine, _OpacusPrivacyEngineAdaptiveClipping)
+    settings = {name: kwargs.pop(name, default) for name, default in ADAPTIVE_SETTINGS.items()}
+    if adaptive:
+        if grad_sample_mode != "ghost" or distribution == "fsdp" or physical_batch_size is not None:
+            raise ValueError("adaptive clipping adapts the bound in dpgrad's ghost-clipping loss: it needs "
+                             "grad_sample_mode='ghost', a model not sharded by FSDP2 and no physical_batch_size")
+        if isinstance(max_grad_norm, (list, tuple)) or clipping not in ("adaptive", "flat"):
+            raise ValueError(f"adaptive clipping adapts one flat bound: not clipping={given_clipping!r} or a list "
+                             "of bounds")
+        clipping = given_clipping = "flat"
+    elif public_batch_size or any(settings[name] != default for name, default in ADAPTIVE_SETTINGS.items()):
+        raise ValueError("public_batch_size and the adaptive settings (target_unclipped_quantile, min_clipbound, "
+                         "max_clipbound, clipbound_learning_rate) are for adaptive clipping: give "
+                         "clipping='adaptive' or a PrivacyEngineAdaptiveClipping")
     clipping = AUTOMATIC.get(clipping, clipping)  # the groups an automatic clipping takes
     if clipping not in ("flat", "per_layer", "groups"):
         raise ValueError(
             f"clipping={given_clipping!r} is not supported by dpgrad.opacus.make_private: use 'flat' (one "
             "max_grad_norm over all parameters), 'per_layer' (one per trainable parameter of the optimizer), "
-            "'groups' (one per group of clipping_groups), or 'automatic', 'automatic_per_layer', "
-            "'automatic_groups' (the same with automatic clipping)"
+            "'groups' (one per group of clipping_groups), 'automatic', 'automatic_per_layer', "
+            "'automatic_groups' (the same with automatic clipping), or 'adaptive'"
         )
     if given_clipping in AUTOMATIC:
         if grad_sample_mode != "ghost":
@@ -567,6 +646,18 @@ def make_private(
             secure_mode=optimizer.secure_mode,
             **kwargs,
         )
+    elif adaptive and type(optimizer) is _OpacusDistributedDPOptimizerFastGradientClipping:
+        # Its noise scaled by the bound on the device.
+        optimizer = DistributedDPOptimizerFastGradientClipping(
+            optimizer=optimizer.original_optimizer,
+            noise_multiplier=noise_multiplier,
+            max_grad_norm=max_grad_norm,
+            expected_batch_size=expected_batch_size,
+            loss_reduction=loss_reduction,
+            generator=optimizer.generator,
+            secure_mode=optimizer.secure_mode,
+            **kwargs,
+        )
     optimizer.attach_step_hook(privacy_engine.accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
 
     if grad_sample_mode == "ghost":
@@ -574,7 +665,15 @@ def make_private(
             data_loader = FixedShapeBatches(data_loader, physical_batch_size, optimizer)
         if criterion is None:
             criterion = nn.CrossEntropyLoss(reduction=loss_reduction)
-        criterion = DPLossFastGradientClipping(module, optimizer, criterion, loss_reduction=loss_reduction,
-                                               batches=data_loader if physical_batch_size is not None else None)
+        if adaptive:
+            from dpgrad.adaptive import DPLossFastGradientAdaptiveClipping
+
+            world = torch.distributed.get_world_size() if distributed else 1
+            criterion = DPLossFastGradientAdaptiveClipping(
+                module, optimizer, criterion, loss_reduction=loss_reduction, initial_noise_multiplier=noise_multiplier,
+                expected_batch_size=expected_batch_size * world if public_batch_size else None, **settings)
+        else:
+            criterion = DPLossFastGradientClipping(module, optimizer, criterion, loss_reduction=loss_reduction,
+                                                   batches=data_loader if physical_batch_size is not None else None)
         return module, optimizer, criterion, data_loader
     return module, optimizer, data_loader

@@ -166,6 +166,38 @@ def privacy_engine_step(rank: int, world: int, single: bool, noise: float) -> di
     return {n: p.detach().clone().numpy() for n, p in net.named_parameters()}
 
 
+def adaptive_steps(rank: int, world: int, single: bool, public: bool, steps: int = 3,
+                   sharded: bool = True) -> dict:
+    """``steps`` steps of adaptive clipping (dpgrad.opacus.PrivacyEngineAdaptiveClipping) on the
+    DDP model, each rank on its share of the same batch, without gradient noise, the global
+    generator seeded alike before each step (the count's noise: drawn on rank 0); with
+    ``sharded=False``, the same in one process on the whole batch. The bounds and parameters."""
+    import dpgrad.opacus
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    net = model()
+    data = TensorDataset(global_ids())
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False) if sharded else None
+    module = DDP(net) if sharded else net
+    wrapped, optimizer, criterion, loader = dpgrad.opacus.PrivacyEngineAdaptiveClipping(accountant="rdp").make_private(
+        module=module, optimizer=torch.optim.SGD(net.parameters(), lr=1.0),
+        data_loader=DataLoader(data, batch_size=len(data) // world, sampler=sampler),
+        criterion=nn.CrossEntropyLoss(), noise_multiplier=0.0, max_grad_norm=C, poisson_sampling=False,
+        single_backward=single, target_unclipped_quantile=0.5, min_clipbound=0.01, clipbound_learning_rate=1.0,
+        public_batch_size=public)
+    if sharded:  # noise scaled by the bound on the device, added once (rank 0)
+        assert type(optimizer) is dpgrad.opacus.DistributedDPOptimizerFastGradientClipping
+    (batch,) = next(iter(loader))
+    bounds = []
+    for step in range(steps):
+        torch.manual_seed(100 + step)
+        optimizer.zero_grad()
+        lm_step(wrapped, criterion, batch)
+        optimizer.step()
+        bounds.append(float(wrapped.max_grad_norm))
+    return {"bounds": np.array(bounds), **{n: p.detach().clone().numpy() for n, p in net.named_parameters()}}
+
+
 def fsdp_refused(rank: int, world: int) -> str:
     """The error of GradSampleModule on a model sharded by FSDP2, and whether the model was left as it was."""
     from torch.distributed.fsdp import fully_shard
@@ -185,6 +217,7 @@ def fsdp_refused(rank: int, world: int) -> str:
 
 
 SCENARIOS = {
+    "adaptive_steps": adaptive_steps,
     "fsdp_refused": fsdp_refused,
     "mixing_refused": mixing_refused,
     "clipped_gradients": clipped_gradients,

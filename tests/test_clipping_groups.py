@@ -534,7 +534,7 @@ def test_make_private_groups_takes_the_per_group_clipped_step_and_noise_for_the_
     (dict(clipping="per_layer", max_grad_norm=1.0), "one max_grad_norm per trainable parameter of the optimizer"),
     (dict(clipping="per_layer", max_grad_norm=[1.0]), r"one max_grad_norm per trainable parameter of the optimizer \(2\)"),
     (dict(max_grad_norm=[1.0, 1.0]), "flat clipping takes one max_grad_norm, not a list"),
-    (dict(clipping="adaptive", max_grad_norm=1.0), "clipping='adaptive' is not supported"),
+    (dict(clipping="median", max_grad_norm=1.0), "clipping='median' is not supported"),
 ])
 def test_make_private_refusals(kw, message):
     from opacus import PrivacyEngine

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -39,6 +40,7 @@ def ranks():
     jobs += [("mixing_refused", dict(order=o, where=w)) for o in ORDERS for w in ("model", "loss")]
     if OPACUS:
         jobs += [("privacy_engine_step", dict(single=s, noise=n)) for s in MODES.values() for n in (0.0, 1.0)]
+        jobs += [("adaptive_steps", dict(single=s, public=p)) for s in MODES.values() for p in (False, True)]
     return jobs, spawn(WORLD, jobs, "distributed_worker")
 
 
@@ -134,6 +136,22 @@ def test_privacy_engine_step_is_the_one_process_step(ranks, mode, noise):
             assert update.abs().max() > 0, n
             assert_tensor_close(torch.from_numpy(params[n]).double() - start[n].detach().double(), update,
                                 f"rank {rank} {n}")
+
+
+@pytest.mark.skipif(not OPACUS, reason="needs opacus")
+@pytest.mark.parametrize("public", [False, True], ids=["drawn", "public"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_adaptive_clipping_is_the_one_process_run(ranks, mode, public):
+    """Adaptive clipping under DDP: the ranks' counts summed, the count's noise drawn once (rank
+    0), so every rank has the one-process bounds, step by step, and its parameters."""
+    ref = W.adaptive_steps(0, 1, single=MODES[mode], public=public, sharded=False)
+    assert len(set(ref["bounds"].tolist())) == len(ref["bounds"])  # the bound moved every step
+    for rank, got in enumerate(_result(ranks, "adaptive_steps", single=MODES[mode], public=public)):
+        np.testing.assert_allclose(got["bounds"], ref["bounds"], rtol=1e-6, err_msg=f"rank {rank} bounds")
+        for n, want in ref.items():
+            if n != "bounds":
+                assert_tensor_close(torch.from_numpy(got[n]).double(), torch.from_numpy(want).double(),
+                                    f"rank {rank} {n}")
 
 
 def test_fsdp_is_refused_before_any_change(ranks):

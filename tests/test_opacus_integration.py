@@ -188,7 +188,7 @@ def test_make_private_default_criterion_follows_loss_reduction():
     "kwargs, match",
     [
         (dict(clipping="per_layer"), "clipping='per_layer' takes one max_grad_norm per trainable parameter of the optimizer"),
-        (dict(clipping="adaptive"), "clipping='adaptive' is not supported"),
+        (dict(clipping="median"), "clipping='median' is not supported"),
         (dict(max_grad_norm=[1.0, 1.0]), "one max_grad_norm"),
         (dict(grad_sample_mode="ew"), "not supported"),
         (dict(wrap_model=False), "always wraps"),
