@@ -165,8 +165,10 @@ class PoissonSampler(Sampler[List[int]]):
     def __init__(self, units: List[List[int]], sample_rate: float, generator: torch.Generator):
         self.units, self.sample_rate, self.generator = units, sample_rate, generator
         self.steps = max(1, int(1 / sample_rate))
+        self.epoch_start: Optional[torch.Tensor] = None  # the generator's state when this epoch began
 
     def __iter__(self) -> Iterator[List[int]]:
+        self.epoch_start = self.generator.get_state()
         for _ in range(self.steps):
             taken = torch.rand(len(self.units), generator=self.generator) < self.sample_rate
             yield [i for u in taken.nonzero().flatten().tolist() for i in self.units[u]]
@@ -288,6 +290,7 @@ class DPTrainer(transformers.Trainer):
         self._loss: Optional[DPLossFastGradientClipping] = None
         self._dp_optimizer = None
         self._generator = _sampling_generator(args.seed, self.rank, self.world_size)
+        self._sampler: Optional[PoissonSampler] = None
         self.add_callback(_Budget(self))
 
     # ------------------------------------------------------------------ refusals
@@ -344,7 +347,8 @@ class DPTrainer(transformers.Trainer):
     # ------------------------------------------------------------------ data
     def _get_train_sampler(self, train_dataset=None):
         """This rank's Poisson sampler, over its share of the units (every unit in one process)."""
-        return PoissonSampler(self._units[self.rank::self.world_size], self.sample_rate, self._generator)
+        self._sampler = PoissonSampler(self._units[self.rank::self.world_size], self.sample_rate, self._generator)
+        return self._sampler
 
     def get_train_dataloader(self) -> DataLoader:
         """Logical batches (``LogicalBatch``, uncollated) of Poisson-sampled rows; collated later,
@@ -422,9 +426,19 @@ class DPTrainer(transformers.Trainer):
                  "noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate,
                  "target_delta": self.target_delta, "max_grad_norm": self.privacy_args.max_grad_norm,
                  "world_size": self.world_size, "rank": self.rank,
-                 "generator": base64.b64encode(self._generator.get_state().numpy().tobytes()).decode("ascii")}
+                 "generator": base64.b64encode(self._resume_state().numpy().tobytes()).decode("ascii")}
         with open(self._privacy_file(directory), "w") as f:
             json.dump(state, f, indent=1)
+
+    def _resume_state(self) -> torch.Tensor:
+        """The sampler's generator state a resumed run starts from: where it stands, at the end
+        of an epoch; in the middle of one, where that epoch began, since the Trainer, resuming,
+        draws and drops the epoch's batches already taken (``skip_first_batches``), and then
+        goes on with exactly the uninterrupted run's next draws."""
+        sampler = self._sampler
+        if sampler is not None and sampler.epoch_start is not None and self.state.global_step % sampler.steps:
+            return sampler.epoch_start
+        return self._generator.get_state()
 
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)

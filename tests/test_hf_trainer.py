@@ -374,13 +374,33 @@ def test_resuming_from_a_checkpoint_goes_on_spending_the_same_budget(tmp_path, b
     assert resumed.noise_multiplier == first.noise_multiplier
     if budget == "target":
         assert 0.9 < first.privacy_spent()[0] <= 1.0 * 1.01
-    # The draws after the checkpoint come from the sampler's stream where it stood (the Trainer
-    # skips the epoch's draws it had taken), never from its start.
+    # The checkpoint is one step into the second epoch: the resumed run's draws are exactly the
+    # uninterrupted run's fifth and sixth (the Trainer draws and drops the epoch's first again).
     sampler = PoissonSampler(first._units, first.sample_rate, torch.Generator().manual_seed(first.args.seed))
-    stream = [list(batch) for _ in range(4) for batch in sampler]  # 4 epochs of 3 draws
-    assert first.drawn == stream[:6] and len(resumed.drawn) == 2
-    starts = [j for j in range(len(stream) - 1) if stream[j:j + 2] == resumed.drawn]
-    assert starts and starts[0] >= 4, (resumed.drawn, stream)
+    stream = [list(batch) for _ in range(2) for batch in sampler]  # 2 epochs of 3 draws
+    assert first.drawn == stream[:6] and resumed.drawn == stream[4:6], (resumed.drawn, stream)
+    for (n, p), q in zip(first.model.named_parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_a_mid_epoch_resume_takes_the_uninterrupted_run_s_batches(tmp_path):
+    """N=20, batch 2, accumulation 2 (5 steps an epoch), resumed from step 2 of 5: steps 3-5
+    take the uninterrupted run's draws 3-5, and the final weights are its weights."""
+    privacy = PrivacyArguments(noise_multiplier=1.0, accountant="rdp")
+    common = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=5)
+
+    def recording(**kw):
+        return Recording(model=gpt2(), args=training_args(tmp_path, **common, **kw), train_dataset=rows(20),
+                         privacy_args=privacy)
+
+    first = recording(save_strategy="steps", save_steps=2)
+    first.train()
+    resumed = recording()
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert len(first.drawn) == 5 and resumed.drawn == first.drawn[2:]
+    assert steps(resumed) == 5 and resumed.privacy_spent() == pytest.approx(first.privacy_spent(), rel=1e-9)
+    for (n, p), q in zip(first.model.named_parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-7, msg=n)
 
 
 @pytest.mark.parametrize("problem, message", [
