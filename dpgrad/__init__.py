@@ -4,7 +4,9 @@ Drop-in replacements for Opacus's wrappers: ``GradSampleModule`` (per-sample gra
 ``GradSampleModuleFastGradientClipping`` (per-sample gradient norms, ghost clipping; its
 ``...FSDP`` twin for models sharded by FSDP2), and for its loss wrapper
 ``DPLossFastGradientClipping`` (one backward pass with ``single_backward=True``) and Opacus
-1.6's adaptive ``DPLossFastGradientAdaptiveClipping`` (``dpgrad.adaptive``).
+1.6's adaptive ``DPLossFastGradientAdaptiveClipping`` (``dpgrad.adaptive``); its hooks objects
+``GradSampleHooks`` and ``GradSampleHooksFastGradientClipping`` leave the model unwrapped
+(``dpgrad.hooks``).
 """
 
 from . import samplers  # noqa: F401  (registers the built-in samplers)
@@ -12,6 +14,7 @@ from .adaptive import DPLossFastGradientAdaptiveClipping, DPTensorFastGradientAd
 from .fast_gradient_clipping import GradSampleModuleFastGradientClipping, GradSampleModuleFastGradientClippingFSDP
 from .grad_sample_module import GradSampleModule
 from .guarantee import UnclippedGradientError
+from .hooks import GradSampleHooks, GradSampleHooksFastGradientClipping
 from .independence import SampleMixingError
 from .loss import DPLossFastGradientClipping, DPTensorFastGradientClipping
 from .registry import (
@@ -33,6 +36,8 @@ __all__ = [
     "DPTensorFastGradientClipping",
     "GRAD_SAMPLERS",
     "NORM_SAMPLERS",
+    "GradSampleHooks",
+    "GradSampleHooksFastGradientClipping",
     "GradSampleModule",
     "GradSampleModuleFastGradientClipping",
     "GradSampleModuleFastGradientClippingFSDP",

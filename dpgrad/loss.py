@@ -18,6 +18,7 @@ import torch
 
 from dpgrad.clipping_path import clipping_bound, reduce_losses
 from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping
+from dpgrad.hooks import GradSampleHooksFastGradientClipping
 
 REDUCTIONS = ("mean", "sum")
 
@@ -25,7 +26,9 @@ REDUCTIONS = ("mean", "sum")
 def clipping_wrapper(module):
     """The ghost-clipping wrapper in ``module``: itself, or the one inside a
     ``DistributedDataParallel``, a ``torch.compile`` of it, or any wrapper that keeps it as
-    ``.module`` or ``._orig_mod``."""
+    ``.module`` or ``._orig_mod``; for a hooks object (``dpgrad.hooks``), the wrapper it holds."""
+    if isinstance(module, GradSampleHooksFastGradientClipping):
+        return module.wrapper
     found = module
     while not isinstance(found, GradSampleModuleFastGradientClipping):
         inner = found.__dict__.get("_modules", {}).get("_orig_mod")  # torch.compile's OptimizedModule
@@ -164,7 +167,8 @@ class DPLossFastGradientClipping:
 
     Args:
         module: ``dpgrad.GradSampleModuleFastGradientClipping`` (or Opacus's), possibly inside
-            ``torch.nn.parallel.DistributedDataParallel``.
+            ``torch.nn.parallel.DistributedDataParallel``, or a
+            ``dpgrad.GradSampleHooksFastGradientClipping`` (the model left unwrapped).
         optimizer: the DP optimizer (Opacus's ``DPOptimizerFastGradientClipping``); its
             ``loss_reduction`` must match.
         criterion: a loss with a ``reduction`` attribute (set to the module's if missing),

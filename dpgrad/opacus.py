@@ -43,6 +43,7 @@ from dpgrad.clipping_path import clipping_bound
 from dpgrad.fast_gradient_clipping import (AUTOMATIC, GradSampleModuleFastGradientClipping,
                                            GradSampleModuleFastGradientClippingFSDP)
 from dpgrad.fsdp import sharded_modules
+from dpgrad import hooks as dpgrad_hooks
 from dpgrad.grad_sample_module import GradSampleModule
 from dpgrad.loss import DPLossFastGradientClipping
 
@@ -447,12 +448,16 @@ def make_private(
         check_independence: dpgrad's own keyword: verify on the first step of each layout that
             each sample's rows and loss are its own (``dpgrad.independence``); False gives up
             that check.
-        wrap_model: only True; dpgrad always wraps the model.
+        wrap_model: False leaves the model as it is (its class, attributes and state_dict
+            keys): the hooks object (``dpgrad.hooks``: ``GradSampleHooksFastGradientClipping``
+            under "ghost", ``GradSampleHooks`` otherwise) is returned in the wrapper's place, and
+            the caller calls the model itself; ``hooks.cleanup()`` takes the hooks off.
         **kwargs: passed to the DP optimizer, as ``PrivacyEngine.make_private`` does.
 
     Returns:
         ``(module, optimizer, criterion, data_loader)`` for "ghost";
-        ``(module, optimizer, data_loader)`` otherwise.
+        ``(module, optimizer, data_loader)`` otherwise; ``module`` the wrapper, or with
+        ``wrap_model=False`` the hooks object.
 
     Raises:
         ValueError: for a module sharded by FSDP2 under a mode other than "ghost" (or
@@ -560,8 +565,6 @@ def make_private(
         max_grad_norm = [clipping_bound(b, f"max_grad_norm[{i}]") for i, b in enumerate(max_grad_norm)]
         if grad_sample_mode == "ghost":
             clipping_groups = [[p] for p in optimizer_params]
-    if not wrap_model:
-        raise ValueError("dpgrad always wraps the model: wrap_model=False is not supported")
     if single_backward and grad_sample_mode != "ghost":
         raise ValueError(
             f"single_backward=True clips from per-sample norms: it needs grad_sample_mode='ghost', "
@@ -598,6 +601,11 @@ def make_private(
         check_independence=check_independence,
         automatic_gamma=automatic_gamma,
     )
+    if not wrap_model:
+        # The model left as it is: its hooks handed out in place of the wrapper (dpgrad.hooks).
+        hooks = (dpgrad_hooks.GradSampleHooksFastGradientClipping if grad_sample_mode == "ghost"
+                 else dpgrad_hooks.GradSampleHooks)
+        module = hooks.of(module)
     if clipping_groups is not None:
         # Ghost clipping clips in the backward pass: the optimizer only adds noise, scaled to the
         # most a sample moves the gradient by, sqrt(sum C_l^2) (Opacus's per-layer total).
@@ -633,22 +641,14 @@ def make_private(
                           "ghost" if grad_sample_mode == "ghost" else "hooks"),
         **kwargs,
     )
-    if type(optimizer) is _OpacusDPOptimizerFastGradientClipping:
-        # The same optimizer, its per-parameter loops batched (one process; Opacus's
-        # distributed optimizers stay as they are).
-        optimizer = DPOptimizerFastGradientClipping(
-            optimizer=optimizer.original_optimizer,
-            noise_multiplier=noise_multiplier,
-            max_grad_norm=max_grad_norm,
-            expected_batch_size=expected_batch_size,
-            loss_reduction=loss_reduction,
-            generator=optimizer.generator,
-            secure_mode=optimizer.secure_mode,
-            **kwargs,
-        )
-    elif adaptive and type(optimizer) is _OpacusDistributedDPOptimizerFastGradientClipping:
-        # Its noise scaled by the bound on the device.
-        optimizer = DistributedDPOptimizerFastGradientClipping(
+    # The same optimizer, its per-parameter loops batched: in one process; under DDP for adaptive
+    # clipping, whose noise is scaled by the bound on the device (Opacus's distributed
+    # optimizers stay as they are otherwise).
+    batched = {_OpacusDPOptimizerFastGradientClipping: DPOptimizerFastGradientClipping}
+    if adaptive:
+        batched[_OpacusDistributedDPOptimizerFastGradientClipping] = DistributedDPOptimizerFastGradientClipping
+    if type(optimizer) in batched:
+        optimizer = batched[type(optimizer)](
             optimizer=optimizer.original_optimizer,
             noise_multiplier=noise_multiplier,
             max_grad_norm=max_grad_norm,

@@ -140,8 +140,9 @@ def all_reduce_calls(rank: int, world: int, protocol: str) -> list:
     return calls
 
 
-def privacy_engine_step(rank: int, world: int, single: bool, noise: float) -> dict:
-    """One step of dpgrad.opacus.make_private on the DDP model, each rank on its share."""
+def privacy_engine_step(rank: int, world: int, single: bool, noise: float, wrap: bool = True) -> dict:
+    """One step of dpgrad.opacus.make_private on the DDP model, each rank on its share; with
+    ``wrap=False`` the DDP model itself is called (its hooks object returned in the wrapper's place)."""
     import dpgrad.opacus
     from opacus import PrivacyEngine
     from opacus.optimizers import DistributedDPOptimizerFastGradientClipping
@@ -151,12 +152,16 @@ def privacy_engine_step(rank: int, world: int, single: bool, noise: float) -> di
     data = TensorDataset(global_ids())
     # Rank r's rows r, r + world, ...: its share of the one batch.
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False)
+    ddp = DDP(net)
     wrapped, optimizer, criterion, loader = dpgrad.opacus.make_private(
-        PrivacyEngine(), module=DDP(net), optimizer=torch.optim.SGD(net.parameters(), lr=1.0),
+        PrivacyEngine(), module=ddp, optimizer=torch.optim.SGD(net.parameters(), lr=1.0),
         data_loader=DataLoader(data, batch_size=len(data) // world, sampler=sampler),
         criterion=nn.CrossEntropyLoss(), noise_multiplier=noise, max_grad_norm=C, poisson_sampling=False,
-        single_backward=single, noise_generator=torch.Generator().manual_seed(7 + rank),
+        single_backward=single, noise_generator=torch.Generator().manual_seed(7 + rank), wrap_model=wrap,
     )
+    if not wrap:
+        assert isinstance(wrapped, dpgrad.GradSampleHooksFastGradientClipping) and wrapped._module is ddp
+        wrapped = ddp  # the caller calls its own model
     assert isinstance(optimizer, DistributedDPOptimizerFastGradientClipping)
     (batch,) = next(iter(loader))
     assert torch.equal(batch, share(global_ids(), rank, world))

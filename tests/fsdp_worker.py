@@ -114,10 +114,12 @@ def clipped_gradients(rank: int, world: int, kind: str, single: bool, reduction:
     return {"grads": grads, "norms": np.stack(norms)}
 
 
-def noisy_step(rank: int, world: int, kind: str, single: bool, mode: str = "ghost", sharded: bool = True) -> dict:
+def noisy_step(rank: int, world: int, kind: str, single: bool, mode: str = "ghost", sharded: bool = True,
+               wrap: bool = True) -> dict:
     """One step of ``dpgrad.opacus.make_private`` (noise multiplier 1, SGD with lr 1, a
     generator seeded alike everywhere; ``mode``, its grad_sample_mode on the sharded model),
-    each rank on its share of the batch: the gathered parameters after it."""
+    each rank on its share of the batch: the gathered parameters after it. With ``wrap=False``
+    the sharded model itself is called (its hooks object returned in the wrapper's place)."""
     import dpgrad.opacus
     from opacus import PrivacyEngine
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -133,8 +135,11 @@ def noisy_step(rank: int, world: int, kind: str, single: bool, mode: str = "ghos
         data_loader=DataLoader(data, batch_size=len(data) // world, sampler=sampler),
         criterion=nn.CrossEntropyLoss(), noise_multiplier=1.0, max_grad_norm=C[kind], poisson_sampling=False,
         single_backward=single, noise_generator=torch.Generator().manual_seed(7),
-        grad_sample_mode=mode if sharded else "ghost",
+        grad_sample_mode=mode if sharded else "ghost", wrap_model=wrap,
     )
+    if not wrap:
+        assert isinstance(wrapped, dpgrad.GradSampleHooksFastGradientClipping) and wrapped._module is net
+        wrapped = net  # the caller calls its own model
     (batch,) = next(iter(loader))
     assert torch.equal(batch, share(batches()[0], rank, world))
     optimizer.zero_grad()

@@ -40,6 +40,7 @@ def ranks():
     jobs += [("mixing_refused", dict(order=o, where=w)) for o in ORDERS for w in ("model", "loss")]
     if OPACUS:
         jobs += [("privacy_engine_step", dict(single=s, noise=n)) for s in MODES.values() for n in (0.0, 1.0)]
+        jobs += [("privacy_engine_step", dict(single=s, noise=1.0, wrap=False)) for s in MODES.values()]
         jobs += [("adaptive_steps", dict(single=s, public=p)) for s in MODES.values() for p in (False, True)]
     return jobs, spawn(WORLD, jobs, "distributed_worker")
 
@@ -130,7 +131,10 @@ def test_privacy_engine_step_is_the_one_process_step(ranks, mode, noise):
     W.lm_step(wrapped, criterion, batch)
     optimizer.step()
     start = dict(W.model().named_parameters())
-    for rank, params in enumerate(_result(ranks, "privacy_engine_step", single=MODES[mode], noise=noise)):
+    runs = [_result(ranks, "privacy_engine_step", single=MODES[mode], noise=noise)]
+    if noise:  # the model left unwrapped (wrap_model=False), called itself: the same step
+        runs.append(_result(ranks, "privacy_engine_step", single=MODES[mode], noise=noise, wrap=False))
+    for rank, params in ((rank, params) for run in runs for rank, params in enumerate(run)):
         for n, p in net.named_parameters():
             update = (p - start[n]).detach().double()
             assert update.abs().max() > 0, n

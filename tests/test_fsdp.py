@@ -65,6 +65,7 @@ def two():
     if OPACUS:
         jobs += [("noisy_step", dict(kind=k, single=s)) for k in KINDS for s in MODES.values()]
         jobs += [("noisy_step", dict(kind="transformer", single=True, mode="ghost_fsdp")), ("poisson_batches", {})]
+        jobs += [("noisy_step", dict(kind="transformer", single=s, wrap=False)) for s in MODES.values()]
     return jobs, spawn(2, jobs, "fsdp_worker")
 
 
@@ -206,6 +207,8 @@ def test_make_private_adds_the_noise_once(two, kind, mode, monkeypatch):
     runs = [_results(two, "noisy_step", kind=kind, single=MODES[mode])]
     if kind == "transformer" and mode == "single":  # Opacus's name for it too
         runs.append(_results(two, "noisy_step", kind=kind, single=True, mode="ghost_fsdp"))
+    if kind == "transformer":  # the sharded model left unwrapped (wrap_model=False), called itself
+        runs.append(_results(two, "noisy_step", kind=kind, single=MODES[mode], wrap=False))
     for rank, got in ((rank, got) for ranks in runs for rank, got in enumerate(ranks)):
         assert got["optimizer"] == "FSDPOptimizerFastGradientClipping"
         for n, expected in ref["params"].items():

@@ -191,7 +191,6 @@ def test_make_private_default_criterion_follows_loss_reduction():
         (dict(clipping="median"), "clipping='median' is not supported"),
         (dict(max_grad_norm=[1.0, 1.0]), "one max_grad_norm"),
         (dict(grad_sample_mode="ew"), "not supported"),
-        (dict(wrap_model=False), "always wraps"),
         (dict(grad_sample_mode="hooks", single_backward=True), "needs grad_sample_mode='ghost'"),
         (dict(grad_sample_mode="ghost_fsdp"), "for a model sharded by FSDP2"),
         (dict(max_grad_norm=-1.0), "max_grad_norm must be a finite positive number"),

@@ -11,7 +11,8 @@ collects them from this module, and substitute dpgrad's classes while each test 
 * ``grad_sample_module_test`` / ``grad_sample_module_fast_gradient_clipping_test`` use the
   names ``GradSampleModule``, ``GradSampleModuleFastGradientClipping`` and
   ``register_grad_sampler`` from their module globals, which are patched to dpgrad's, and
-  ``CLS``, which our subclasses set.
+  ``CLS``, which our subclasses set; ``grad_sample_hooks_fast_gradient_clipping_test`` (the
+  no-wrap mode) uses ``GradSampleHooksFastGradientClipping`` too, patched to dpgrad's.
 * ``grad_samples.embedding_norm_sample_test`` (hand-computed Embedding gradient norms) calls
   ``embedding_norm_sample.compute_embedding_norm_sample``; that name, in the test module, is
   pointed at dpgrad's Embedding norm sampler.
@@ -60,6 +61,7 @@ _rms_norm_test = import_opacus_test_module("grad_samples.rms_norm_test")
 _embedding_norm_test = import_opacus_test_module("grad_samples.embedding_norm_sample_test")
 _gsm_test = import_opacus_test_module("grad_sample_module_test")
 _fgc_test = import_opacus_test_module("grad_sample_module_fast_gradient_clipping_test")
+_hooks_test = import_opacus_test_module("grad_sample_hooks_fast_gradient_clipping_test")
 
 # Types of every wrapper built while a test runs (appended by the patched GradSampleModule._wrap).
 _BUILT: list = []
@@ -69,8 +71,6 @@ _WRAPPED: list = []
 
 def _dpgrad_wrap_model(model, grad_sample_mode, wrap_model=True, *args, **kwargs):
     """Stand-in for ``opacus.grad_sample.wrap_model`` that builds dpgrad's wrappers."""
-    if not wrap_model:
-        raise NotImplementedError("dpgrad has no hooks-only (wrap_model=False) mode")
     if grad_sample_mode in ("hooks", "ew"):
         cls = dpgrad.GradSampleModule
     elif grad_sample_mode == "functorch":
@@ -82,6 +82,9 @@ def _dpgrad_wrap_model(model, grad_sample_mode, wrap_model=True, *args, **kwargs
         raise ValueError(f"no dpgrad wrapper for grad_sample_mode={grad_sample_mode!r}")
     wrapper = cls(model, *args, **kwargs)
     _WRAPPED.append((grad_sample_mode, wrapper))
+    if not wrap_model:  # the model left as it is: the hooks object of the wrapper
+        hooks = dpgrad.GradSampleHooksFastGradientClipping if grad_sample_mode == "ghost" else dpgrad.GradSampleHooks
+        return hooks.of(wrapper)
     return wrapper
 
 
@@ -121,6 +124,13 @@ def _dpgrad_in_place_of_opacus(monkeypatch):
     monkeypatch.setattr(_gsm_test, "register_grad_sampler", dpgrad.register_grad_sampler)
     monkeypatch.setattr(
         _fgc_test, "GradSampleModuleFastGradientClipping", dpgrad.GradSampleModuleFastGradientClipping
+    )
+    # The no-wrap test builds both by these names (dpgrad's hooks object holds a dpgrad wrapper).
+    monkeypatch.setattr(
+        _hooks_test, "GradSampleModuleFastGradientClipping", dpgrad.GradSampleModuleFastGradientClipping
+    )
+    monkeypatch.setattr(
+        _hooks_test, "GradSampleHooksFastGradientClipping", dpgrad.GradSampleHooksFastGradientClipping
     )
     yield
     _BUILT.clear()
@@ -236,6 +246,13 @@ class TestOpacusFastGradientClippingEmbedding(
     _BuildsDpgradWrappers, _fgc_test.GradSampleModuleFastGradientClippingEmbeddingLayerTest
 ):
     """Opacus's ghost-clipping tests of an Embedding layer, on dpgrad."""
+
+
+class TestOpacusHooksFastGradientClipping(
+    _BuildsDpgradWrappers, _hooks_test.GradSampleHooksFastGradientClippingTest
+):
+    """Opacus's no-wrap tests (``GradSampleHooksFastGradientClipping`` on the model itself) with
+    ``dpgrad.GradSampleHooksFastGradientClipping``."""
 
 
 class TestOpacusDPTensorArithmetic(_fgc_test.DPTensorArithmeticTest):
