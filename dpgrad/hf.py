@@ -27,12 +27,17 @@
   noise, the sampling, the sampler's generator), and a run resumed from it goes on spending the
   same budget from the same stream of batches; with ``model_init`` every ``train()``'s model gets
   a private optimizer and the same accountant. The Trainer's
-  ``grad_norm`` (the norm of the gradient before its noise, which is not private) is not logged.
+  ``grad_norm`` (the norm of the gradient before its noise, which is not private) is not logged;
+- a model sharded by FSDP2 (``fully_shard`` by the caller before the Trainer, or the Trainer's
+  FSDP in its version 2) is trained as under DDP, each rank running as many physical batches as
+  the rank with the most (FSDP2's collectives run in every pass), Opacus's FSDP optimizer adding
+  each shard's noise; a model the caller sharded is not given to Accelerate (which would put DDP
+  around it), and its checkpoints hold the gathered weights and each rank's optimizer state.
 
 It refuses what would break the guarantee or the accounting (``DPTrainer.__init__``): a
 sampler other than its own (``train_sampling_strategy`` other than "random", an overridden
-``_get_train_sampler`` or ``get_train_dataloader``), DeepSpeed, FSDP, several GPUs in one
-process (DataParallel), reentrant activation checkpointing, LOMO optimizers, an optimizer holding
+``_get_train_sampler`` or ``get_train_dataloader``), DeepSpeed, FSDP in its version 1, several
+GPUs in one process (DataParallel), reentrant activation checkpointing, LOMO optimizers, an optimizer holding
 parameters that are not the model's, a dataset without a length or without rows, a default delta
 of 1 (one row or user), a checkpoint without a sound privacy state, a ``compute_loss_func``
 (the loss clipped is each row's mean token cross-entropy, label-smoothed by
@@ -64,6 +69,7 @@ from torch.utils.data import DataLoader, Sampler
 from dpgrad.batches import padded_parts, rank_generator
 from dpgrad.clipping_path import clipping_bound
 from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping
+from dpgrad.fsdp import sharded_modules
 from dpgrad.loss import DPLossFastGradientClipping
 
 logger = logging.getLogger(__name__)
@@ -307,10 +313,13 @@ class DPTrainer(transformers.Trainer):
                                  "own Poisson sampler, which the privacy accounting assumes")
         if getattr(args, "deepspeed", None) or getattr(self, "is_deepspeed_enabled", False):
             raise ValueError("DPTrainer does not support DeepSpeed: its engine takes the backward pass and the "
-                             "optimizer step, where per-sample clipping and the noise must happen")
-        if getattr(args, "fsdp", None) or getattr(self, "is_fsdp_enabled", False):
-            raise ValueError("DPTrainer does not support the Trainer's FSDP yet: use dpgrad.opacus.make_private "
-                             "with a model sharded by fully_shard")
+                             "optimizer step, where per-sample clipping and the noise must happen. To shard a "
+                             "model over several GPUs, use FSDP2: the Trainer's fsdp with fsdp_config "
+                             "{'fsdp_version': 2}, or a model sharded by torch's fully_shard")
+        if (getattr(args, "fsdp", None) or getattr(self, "is_fsdp_enabled", False)) and self._fsdp_version() != 2:
+            raise ValueError("DPTrainer takes the Trainer's FSDP in its version 2 only (fsdp_config "
+                             "{'fsdp_version': 2}: FSDP2's fully_shard, whose sharded gradients dpgrad clips); "
+                             "FSDP1 flattens the parameters, which per-sample clipping cannot see through")
         if args.n_gpu > 1:
             raise ValueError(f"DPTrainer runs one device per process, not {args.n_gpu} GPUs in one (DataParallel, "
                              "whose module replicas the per-sample hooks do not see): launch one process per GPU "
@@ -334,6 +343,19 @@ class DPTrainer(transformers.Trainer):
                              "draws each row independently): not an IterableDataset")
         if self.optimizer is not None:
             self._check_optimizer(self.optimizer)
+
+    def _fsdp_version(self) -> int:
+        plugin = getattr(getattr(self, "accelerator", None), "state", None)
+        plugin = getattr(plugin, "fsdp_plugin", None)
+        if plugin is not None:
+            return int(getattr(plugin, "fsdp_version", 1))
+        config = getattr(self.args, "fsdp_config", None) or {}
+        return int(config.get("fsdp_version", config.get("version", 1)))
+
+    def _sharded(self) -> bool:
+        """Whether the model is sharded by FSDP2: by the caller (``fully_shard`` before the
+        Trainer) or by the Trainer's own FSDP (version 2, through Accelerate)."""
+        return bool(sharded_modules(self.model)) or bool(getattr(self, "is_fsdp_enabled", False))
 
     def _check_optimizer(self, optimizer) -> None:
         own = {id(p) for p in self.model.parameters()}
@@ -389,7 +411,11 @@ class DPTrainer(transformers.Trainer):
                     target_epsilon=privacy.target_epsilon, target_delta=self.target_delta,
                     sample_rate=self.sample_rate, steps=steps, accountant=privacy.accountant)
             self.allowed_steps = self._allowed_steps(steps)
-        if self.world_size > 1:
+        if self.world_size > 1 and self._sharded():
+            # FSDP2: each rank adds the noise of its own shards (Opacus's FSDP optimizer, as
+            # make_private uses it); the sharded gradients were reduce-scattered by FSDP.
+            from opacus.optimizers import FSDPOptimizerFastGradientClipping as optimizer_class
+        elif self.world_size > 1:
             # Noise on rank 0 only, then the ranks' sums added (Opacus's distributed optimizer,
             # as make_private uses it): its expected batch size is per rank, as Opacus has it.
             from opacus.optimizers import DistributedDPOptimizerFastGradientClipping as optimizer_class
@@ -440,8 +466,48 @@ class DPTrainer(transformers.Trainer):
             return sampler.epoch_start
         return self._generator.get_state()
 
+    def _sharded_by_caller(self) -> bool:
+        return bool(sharded_modules(self.model)) and not getattr(self, "is_fsdp_enabled", False)
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """The Trainer's, but for a model the caller sharded by ``fully_shard``: every rank
+        gathers the full state dict (a collective), rank 0 writes it."""
+        if not self._sharded_by_caller():
+            return super().save_model(output_dir, _internal_call)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.args.should_save:
+            self._save(output_dir or self.args.output_dir, state_dict=state)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """For a model the caller sharded, each rank's optimizer state (its shards') in a file of
+        its own; otherwise the Trainer's."""
+        if not self._sharded_by_caller():
+            return super()._save_optimizer_and_scheduler(output_dir)
+        os.makedirs(output_dir, exist_ok=True)  # each rank writes here, whichever comes first
+        torch.save(self.optimizer.state_dict(), os.path.join(output_dir, f"optimizer-rank{self.rank}.pt"))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """For a model the caller sharded, the checkpoint's full weights put into every rank's
+        shards; otherwise the Trainer's."""
+        if not self._sharded_by_caller():
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        state = load_file(os.path.join(resume_from_checkpoint, "model.safetensors"))
+        set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
-        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and self._sharded_by_caller():
+            self.optimizer.load_state_dict(torch.load(os.path.join(checkpoint, f"optimizer-rank{self.rank}.pt"),
+                                                      weights_only=False))
+            self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=False))
+        else:
+            super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None:
             self._load_privacy_state(checkpoint)
 
@@ -528,6 +594,14 @@ class DPTrainer(transformers.Trainer):
         logs["epsilon"] = self.privacy_spent()[0]
         super().log(logs, start_time)
 
+    def _wrap_model(self, model, training=True, dataloader=None):
+        """A model the caller sharded by ``fully_shard`` is trained through dpgrad's wrapper as it
+        is: Accelerate would put DistributedDataParallel around it (its collectives and FSDP2's
+        would both reduce). Otherwise the Trainer's own."""
+        if training and sharded_modules(self.model) and not getattr(self, "is_fsdp_enabled", False):
+            return self._wrapped(self.model)
+        return super()._wrap_model(model, training, dataloader)
+
     # ------------------------------------------------------------------ the step
     def _wrapped(self, model: nn.Module) -> GradSampleModuleFastGradientClipping:
         """dpgrad's wrapper around ``model`` and its per-sequence loss (each row's mean over its
@@ -557,6 +631,8 @@ class DPTrainer(transformers.Trainer):
             logger.warning("DPTrainer: the privacy budget (epsilon %s) is spent; stopping before step %d",
                            self.privacy_args.target_epsilon, self.state.global_step + 1)
             return torch.zeros((), device=self.args.device)
+        if isinstance(model, GradSampleModuleFastGradientClipping):  # a model sharded by the caller
+            model = model._module
         if isinstance(model, nn.parallel.DistributedDataParallel):
             # The distributed DP optimizer sums the ranks' clipped gradients once, after the noise:
             # DDP's forward (which would have its hooks reduce every physical batch, in lock step
@@ -569,7 +645,14 @@ class DPTrainer(transformers.Trainer):
         collator = self._get_collator_with_removed_columns(self.data_collator, description="training")
         total = torch.zeros((), device=self.args.device)
         # Physical batches padded as dpgrad.batches pads them: the padding's losses weigh zero.
-        for part, real in padded_parts(list(zip(inputs.rows, inputs.shares)), size, (self.train_dataset[0], 0.0)):
+        parts = list(padded_parts(list(zip(inputs.rows, inputs.shares)), size, (self.train_dataset[0], 0.0)))
+        if self.world_size > 1 and self._sharded():
+            # FSDP2's collectives run in every forward and backward pass: every rank runs as many
+            # physical batches as the rank with the most, the extra ones padding alone.
+            count = torch.tensor([len(parts)], device=self.args.device)
+            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+            parts += [next(padded_parts([], size, (self.train_dataset[0], 0.0)))] * (int(count.item()) - len(parts))
+        for part, real in parts:
             batch = self._prepare_inputs(collator([row for row, _ in part]))
             with self.compute_loss_context_manager():
                 losses = self._per_sample_losses(wrapper, batch)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn as nn
 import transformers
 
 from dpgrad.hf import DPTrainer, PrivacyArguments
@@ -62,14 +63,34 @@ def _as_rank(rank: int, world: int) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
 
 
-def ddp_step(rank: int, world: int, noise: float, out: str) -> dict:
-    """One DPTrainer step under DDP (the Trainer's own, as under torchrun): this rank's logical
-    batch, its physical batches, and the weights after the step."""
+def _model(sharded: bool) -> nn.Module:
+    """The workers' GPT-2; with ``sharded``, sharded by FSDP2 (``fully_shard`` on its blocks and
+    its root), as the caller does it under torchrun."""
+    model = gpt2()
+    if sharded:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.transformer.h:
+            fully_shard(block)
+        fully_shard(model)
+    return model
+
+
+def _weights(model: nn.Module) -> dict:
+    """The model's weights, gathered where they are sharded."""
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone().numpy()
+            for n, p in model.named_parameters()}
+
+
+def ddp_step(rank: int, world: int, noise: float, out: str, sharded: bool = False) -> dict:
+    """One DPTrainer step under DDP (the Trainer's own, as under torchrun; with ``sharded``, on
+    the model sharded by FSDP2 instead): this rank's logical batch, its physical batches, and the
+    weights after the step."""
     _as_rank(rank, world)
     torch.manual_seed(0)  # the same weights on every rank (DDP broadcasts rank 0's anyway)
-    model = gpt2()
+    model = _model(sharded)
     privacy = PrivacyArguments(noise_multiplier=noise, max_grad_norm=0.05, physical_batch_size=2)
-    args = training_args(f"{out}/{rank}", per_device_train_batch_size=4,
+    args = training_args(f"{out}/{'fsdp' if sharded else ''}{rank}", per_device_train_batch_size=4,
                          gradient_accumulation_steps=1, seed=5)
     t = Recording(model=model, args=args, train_dataset=rows(), privacy_args=privacy)
     t.train()
@@ -77,26 +98,26 @@ def ddp_step(rank: int, world: int, noise: float, out: str) -> dict:
     return {"indices": indices, "model": t.stepped, "world_size": t.world_size,
             "sample_rate": t.sample_rate, "expected_batch_size": t.expected_batch_size,
             "optimizer": type(t._dp_optimizer).__name__, "epsilon": t.privacy_spent()[0],
-            "params": {n: p.detach().clone().numpy() for n, p in model.named_parameters()}}
+            "params": _weights(model)}
 
 
-def ddp_resume(rank: int, world: int, out: str) -> dict:
-    """Under DDP, a run of 4 steps saving at step 3, the end of the first epoch (into one output
-    directory, as under torchrun), then a run resumed from that checkpoint: the draws of each,
-    and its accountant's steps and weights at the end."""
+def ddp_resume(rank: int, world: int, out: str, sharded: bool = False) -> dict:
+    """Under DDP (with ``sharded``, FSDP2), a run of 4 steps saving at step 3, the end of the
+    first epoch (into one output directory, as under torchrun), then a run resumed from that
+    checkpoint: the draws of each, and its accountant's steps and weights at the end."""
     _as_rank(rank, world)
     privacy = PrivacyArguments(noise_multiplier=0.0, max_grad_norm=0.05, physical_batch_size=2, accountant="rdp")
+    prefix = f"{out}/{'fsdp-' if sharded else ''}"
     got = {}
-    for run, save, resume in (("first", "steps", None), ("resumed", "no", f"{out}/first/checkpoint-3")):
+    for run, save, resume in (("first", "steps", None), ("resumed", "no", f"{prefix}first/checkpoint-3")):
         torch.manual_seed(0 if resume is None else 1)  # the resumed run must load the checkpoint's weights
-        model = gpt2()
-        args = training_args(f"{out}/{run}", per_device_train_batch_size=4, gradient_accumulation_steps=1,
+        model = _model(sharded)
+        args = training_args(f"{prefix}{run}", per_device_train_batch_size=4, gradient_accumulation_steps=1,
                              seed=5, max_steps=4, save_strategy=save, save_steps=3)
         t = Recording(model=model, args=args, train_dataset=rows(), privacy_args=privacy)
         t.train(resume_from_checkpoint=resume)
-        got[run] = {"drawn": t.drawn, "history": list(t.accountant.history),
-                    "params": {n: p.detach().clone().numpy() for n, p in model.named_parameters()}}
-    got["files"] = sorted(os.listdir(f"{out}/first/checkpoint-3"))
+        got[run] = {"drawn": t.drawn, "history": list(t.accountant.history), "params": _weights(model)}
+    got["files"] = sorted(os.listdir(f"{prefix}first/checkpoint-3"))
     return got
 
 

@@ -246,7 +246,7 @@ class _Stream(torch.utils.data.IterableDataset):
 @pytest.mark.parametrize("case, message", [
     ("group_by_length", "train_sampling_strategy='group_by_length'"),
     ("own_loader", "_OwnLoader overrides get_train_dataloader"),
-    ("deepspeed", "does not support DeepSpeed"),
+    ("deepspeed", "does not support DeepSpeed.*To shard a model over several GPUs, use FSDP2"),
     ("reentrant", "non-reentrant activation checkpointing"),
     ("lomo", "LOMO optimizers update the weights inside the backward pass"),
     ("foreign_optimizer", "not the model's"),
@@ -281,6 +281,19 @@ def test_refusals(tmp_path, case, message):
         extra["compute_loss_func"] = lambda outputs, labels, num_items_in_batch=None: outputs.logits.mean()
     with pytest.raises(ValueError, match=message):
         cls(model=model, args=args, train_dataset=data, privacy_args=PrivacyArguments(noise_multiplier=1.0), **extra)
+
+
+def test_the_trainer_s_fsdp_is_taken_in_its_version_2_only(tmp_path):
+    """The Trainer's FSDP (which Accelerate enables on GPUs only, so set by hand here): version
+    2 (fully_shard) passes the checks, version 1 (flat parameters) is refused."""
+    t = trainer(tmp_path, gpt2(), rows(), privacy=PrivacyArguments(noise_multiplier=1.0))
+    t.is_fsdp_enabled = True
+    t.args.fsdp_config = {"fsdp_version": 2}
+    t._refuse_what_breaks_the_guarantee()
+    assert t._sharded()
+    t.args.fsdp_config = {"fsdp_version": 1}
+    with pytest.raises(ValueError, match="takes the Trainer's FSDP in its version 2 only"):
+        t._refuse_what_breaks_the_guarantee()
 
 
 @pytest.mark.parametrize("kw, message", [
@@ -530,7 +543,10 @@ def ddp(tmp_path_factory):
 
     out = str(tmp_path_factory.mktemp("ddp"))
     jobs = [("ddp_step", dict(noise=noise, out=out)) for noise in (0.0, 2.0)] + [("ddp_resume", dict(out=out))]
-    got = dict(zip((0.0, 2.0, "resume"), zip(*spawn(WORLD, jobs, "hf_trainer_worker"))))
+    jobs += [("ddp_step", dict(noise=noise, out=out, sharded=True)) for noise in (0.0, 2.0)]
+    jobs += [("ddp_resume", dict(out=out, sharded=True))]
+    got = dict(zip((0.0, 2.0, "resume", "fsdp", "fsdp noisy", "fsdp resume"),
+                   zip(*spawn(WORLD, jobs, "hf_trainer_worker"))))
     got["out"] = out
     return got
 
@@ -559,6 +575,45 @@ def test_ddp_step_is_the_one_process_clipped_step_of_the_ranks_batches(ddp):
             torch.testing.assert_close(p, q.detach(), rtol=1e-5, atol=1e-6, msg=f"rank {rank} {n}")
             moved += int(not torch.equal(p, before.detach()))
         assert moved > 0
+
+
+def test_a_model_sharded_by_fsdp2_takes_the_one_process_clipped_step(ddp):
+    """A GPT-2 sharded by fully_shard before the Trainer (Accelerate enables its own FSDP on
+    GPUs only: on CPU ranks this is the FSDP2 path that runs): the same Poisson batches as under
+    DDP, every rank running as many physical batches as the one with the most, the step
+    make_private's clipped step over the ranks' batches; with noise, each coordinate noised
+    once (each rank its shards) and accounted at the global rate."""
+    ranks, noisy = ddp["fsdp"], ddp["fsdp noisy"]
+    taken = []
+    for rank, got in enumerate(ranks):
+        assert got["model"] == "GradSampleModuleFastGradientClipping"  # not Accelerate's DDP around FSDP2
+        assert got["optimizer"] == "FSDPOptimizerFastGradientClipping"
+        assert got["indices"] == ddp[0.0][rank]["indices"]
+        taken += got["indices"]
+    expected = reference_step(_start(), rows(), taken, lr=0.5, max_grad_norm=0.05, expected=8)
+    for rank, got in enumerate(ranks):
+        for (n, _), q in zip(_start().named_parameters(), expected.parameters()):
+            torch.testing.assert_close(torch.from_numpy(got["params"][n]), q.detach(), rtol=1e-5, atol=1e-6,
+                                       msg=f"rank {rank} {n}")
+    for n, p in noisy[0]["params"].items():
+        assert (p == noisy[1]["params"][n]).all(), n
+    noise = torch.cat([torch.from_numpy(noisy[0]["params"][n] - ranks[0]["params"][n]).flatten()
+                       for n in ranks[0]["params"]]) * 8 / 0.5
+    assert noise.std().item() == pytest.approx(2.0 * 0.05, rel=0.03)
+    assert noisy[0]["epsilon"] == pytest.approx(ddp[2.0][0]["epsilon"], rel=1e-9)
+
+
+def test_a_model_sharded_by_fsdp2_resumes_as_under_ddp(ddp):
+    """Under FSDP2 (sharded by the caller) the checkpoint holds the gathered weights, each rank's
+    optimizer state and privacy state; the resumed run counts the steps before it, draws on
+    from each rank's stream, and ends on the uninterrupted run's weights."""
+    for rank, got in enumerate(ddp["fsdp resume"]):
+        first, resumed = got["first"], got["resumed"]
+        assert len(first["drawn"]) == 4 and resumed["drawn"] == first["drawn"][3:]
+        assert resumed["history"] == first["history"] and sum(n for *_, n in resumed["history"]) == 4
+        assert first["drawn"] == ddp["resume"][rank]["first"]["drawn"]  # the batches DDP draws
+        for n, p in first["params"].items():
+            torch.testing.assert_close(torch.from_numpy(resumed["params"][n]), torch.from_numpy(p), msg=n)
 
 
 def test_ddp_noise_is_added_once_and_accounted_at_the_global_rate(ddp):

@@ -166,3 +166,43 @@ def test_a_hugging_face_model_keeps_its_class_and_keys():
     assert callable(model.save_pretrained)  # a PreTrainedModel's own methods are there
     hooks.cleanup()
     assert list(model.state_dict()) == keys
+
+
+def test_lora_adapters_unwrapped_take_the_wrapped_step():
+    """A PEFT LoRA model (only its adapters train) left unwrapped: the wrapped model's step, its
+    class and keys kept."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=32, n_positions=16, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    base = peft.get_peft_model(transformers.GPT2LMHeadModel(cfg), peft.LoraConfig(r=2, lora_alpha=4,
+                               target_modules=["c_attn"], lora_dropout=0.0, fan_in_fan_out=True))
+    for n, p in base.named_parameters():
+        if "lora_B" in n:
+            nn.init.normal_(p, std=0.2)
+    ids = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(8).expand(4, 8)
+    models = {}
+    for wrap in (True, False):
+        model = copy.deepcopy(base)
+        keys = list(model.state_dict())
+        handle, optimizer, criterion, _ = dpgrad.opacus.make_private(
+            opacus.PrivacyEngine(), module=model,
+            optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5),
+            data_loader=DataLoader(TensorDataset(ids), batch_size=4), noise_multiplier=0.0, max_grad_norm=0.01,
+            poisson_sampling=False, criterion=nn.CrossEntropyLoss(), wrap_model=wrap, single_backward=True)
+        caller = handle if wrap else model
+        logits = caller(input_ids=ids, position_ids=positions).logits
+        optimizer.zero_grad()
+        criterion(logits[:, :-1].reshape(-1, 32), ids[:, 1:].reshape(-1), shape=(4, 7)).backward()
+        optimizer.step()
+        if not wrap:
+            assert type(model) is type(base) and list(model.state_dict()) == keys
+        models[wrap] = model
+    moved = 0
+    for (n, p), (_, q), (_, before) in zip(models[True].named_parameters(), models[False].named_parameters(),
+                                           base.named_parameters()):
+        torch.testing.assert_close(q, p, rtol=0, atol=0, msg=n)
+        moved += int(not torch.equal(p, before))
+    assert moved == sum(p.requires_grad for p in base.parameters()) > 0
