@@ -81,7 +81,9 @@ class AdaptiveBound:
         sigma = self.initial_noise_multiplier
         if batch_size <= 10 * sigma:
             raise ValueError(f"adaptive clipping needs a batch larger than 10 * noise_multiplier = {10 * sigma:g}, "
-                             f"not {batch_size:g}: the count's noise would take all of the privacy budget")
+                             f"not {batch_size:g}: the count's noise would take all of the privacy budget (with "
+                             "Poisson sampling a drawn batch can be small: public_batch_size=True counts over the "
+                             "expected batch size instead)")
         if sigma == 0:
             return 0.0
         return (sigma ** -2 - (2.0 * batch_size / 20.0) ** -2) ** -0.5
