@@ -21,7 +21,7 @@ A model sharded by FSDP2 (``fully_shard``) is taken in both modes: see ``dpgrad.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -35,6 +35,18 @@ from dpgrad.grad_sample_module import GradSampleModule, _delegated
 
 # Automatic clipping's forms, and the clipping whose groups each takes.
 AUTOMATIC = {"automatic": "flat", "automatic_per_layer": "per_layer", "automatic_groups": "groups"}
+
+
+def automatic_settings(clipping: str, automatic_gamma: Optional[float]) -> Tuple[str, Optional[float]]:
+    """The groups ``clipping`` takes ("flat", "per_layer", "groups": an automatic form's own)
+    and automatic clipping's gamma (checked; 0.01 by default), None for a fixed bound. Raises
+    ValueError for ``automatic_gamma`` given with a fixed bound."""
+    if clipping in AUTOMATIC:
+        return AUTOMATIC[clipping], checked_gamma(0.01 if automatic_gamma is None else automatic_gamma)
+    if automatic_gamma is not None:
+        raise ValueError(f"automatic_gamma is for automatic clipping ({', '.join(AUTOMATIC)}), not "
+                         f"clipping={clipping!r}")
+    return clipping, None
 
 
 class GradSampleModuleFastGradientClipping(GradSampleModule):
@@ -105,15 +117,7 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         if clipping not in CLIPPINGS + tuple(AUTOMATIC):
             raise ValueError(f"clipping={clipping!r}: use one of {', '.join(CLIPPINGS + tuple(AUTOMATIC))}")
         groups = None
-        gamma = None
-        if clipping in AUTOMATIC:
-            gamma = checked_gamma(0.01 if automatic_gamma is None else automatic_gamma)
-            clipping_style = AUTOMATIC[clipping]
-        elif automatic_gamma is not None:
-            raise ValueError(f"automatic_gamma is for automatic clipping ({', '.join(AUTOMATIC)}), not "
-                             f"clipping={clipping!r}")
-        else:
-            clipping_style = clipping
+        clipping_style, gamma = automatic_settings(clipping, automatic_gamma)
         if clipping_style == "flat" and clipping_groups is None:
             if isinstance(max_grad_norm, (list, tuple)):
                 raise ValueError("flat clipping takes one max_grad_norm, not a list: for one threshold per "

@@ -38,10 +38,9 @@ from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processe
 
 from dpgrad import registry
 from dpgrad.batches import FixedShapeBatches, rank_generator
-from dpgrad.clipping_path import automatic_gamma as checked_gamma
 from dpgrad.clipping_path import clipping_bound
-from dpgrad.fast_gradient_clipping import (AUTOMATIC, GradSampleModuleFastGradientClipping,
-                                           GradSampleModuleFastGradientClippingFSDP)
+from dpgrad.fast_gradient_clipping import (GradSampleModuleFastGradientClipping,
+                                           GradSampleModuleFastGradientClippingFSDP, automatic_settings)
 from dpgrad.fsdp import sharded_modules
 from dpgrad import hooks as dpgrad_hooks
 from dpgrad.grad_sample_module import GradSampleModule
@@ -519,7 +518,7 @@ def make_private(
         raise ValueError("public_batch_size and the adaptive settings (target_unclipped_quantile, min_clipbound, "
                          "max_clipbound, clipbound_learning_rate) are for adaptive clipping: give "
                          "clipping='adaptive' or a PrivacyEngineAdaptiveClipping")
-    clipping = AUTOMATIC.get(clipping, clipping)  # the groups an automatic clipping takes
+    clipping, automatic_gamma = automatic_settings(clipping, automatic_gamma)  # an automatic form's groups
     if clipping not in ("flat", "per_layer", "groups"):
         raise ValueError(
             f"clipping={given_clipping!r} is not supported by dpgrad.opacus.make_private: use 'flat' (one "
@@ -527,14 +526,9 @@ def make_private(
             "'groups' (one per group of clipping_groups), 'automatic', 'automatic_per_layer', "
             "'automatic_groups' (the same with automatic clipping), or 'adaptive'"
         )
-    if given_clipping in AUTOMATIC:
-        if grad_sample_mode != "ghost":
-            raise ValueError(f"clipping={given_clipping!r} scales each sample's gradient in the backward pass: it "
-                             f"needs grad_sample_mode='ghost', not {grad_sample_mode!r}")
-        automatic_gamma = checked_gamma(0.01 if automatic_gamma is None else automatic_gamma)
-    elif automatic_gamma is not None:
-        raise ValueError(f"automatic_gamma is for automatic clipping ({', '.join(AUTOMATIC)}), not "
-                         f"clipping={given_clipping!r}")
+    if automatic_gamma is not None and grad_sample_mode != "ghost":
+        raise ValueError(f"clipping={given_clipping!r} scales each sample's gradient in the backward pass: it "
+                         f"needs grad_sample_mode='ghost', not {grad_sample_mode!r}")
     if (clipping == "groups") != (clipping_groups is not None):
         raise ValueError(
             "clipping='groups' needs clipping_groups (lists of parameters, or a rule from a parameter's name "
