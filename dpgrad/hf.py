@@ -297,6 +297,7 @@ class DPTrainer(transformers.Trainer):
         self._dp_optimizer = None
         self._generator = _sampling_generator(args.seed, self.rank, self.world_size)
         self._sampler: Optional[PoissonSampler] = None
+        self._sharding: Tuple[Optional[nn.Module], bool] = (None, False)  # (model, sharded by the caller)
         self.add_callback(_Budget(self))
 
     # ------------------------------------------------------------------ refusals
@@ -352,10 +353,18 @@ class DPTrainer(transformers.Trainer):
         config = getattr(self.args, "fsdp_config", None) or {}
         return int(config.get("fsdp_version", config.get("version", 1)))
 
+    def _sharded_by_caller(self) -> bool:
+        """Whether the caller sharded the model by ``fully_shard`` before the Trainer (the
+        Trainer's own FSDP aside); looked up once per model."""
+        if self._sharding[0] is not self.model:
+            by_caller = bool(sharded_modules(self.model)) and not getattr(self, "is_fsdp_enabled", False)
+            self._sharding = (self.model, by_caller)
+        return self._sharding[1]
+
     def _sharded(self) -> bool:
         """Whether the model is sharded by FSDP2: by the caller (``fully_shard`` before the
         Trainer) or by the Trainer's own FSDP (version 2, through Accelerate)."""
-        return bool(sharded_modules(self.model)) or bool(getattr(self, "is_fsdp_enabled", False))
+        return bool(getattr(self, "is_fsdp_enabled", False)) or self._sharded_by_caller()
 
     def _check_optimizer(self, optimizer) -> None:
         own = {id(p) for p in self.model.parameters()}
@@ -465,9 +474,6 @@ class DPTrainer(transformers.Trainer):
         if sampler is not None and sampler.epoch_start is not None and self.state.global_step % sampler.steps:
             return sampler.epoch_start
         return self._generator.get_state()
-
-    def _sharded_by_caller(self) -> bool:
-        return bool(sharded_modules(self.model)) and not getattr(self, "is_fsdp_enabled", False)
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
         """The Trainer's, but for a model the caller sharded by ``fully_shard``: every rank
@@ -598,7 +604,7 @@ class DPTrainer(transformers.Trainer):
         """A model the caller sharded by ``fully_shard`` is trained through dpgrad's wrapper as it
         is: Accelerate would put DistributedDataParallel around it (its collectives and FSDP2's
         would both reduce). Otherwise the Trainer's own."""
-        if training and sharded_modules(self.model) and not getattr(self, "is_fsdp_enabled", False):
+        if training and self._sharded_by_caller():
             return self._wrapped(self.model)
         return super()._wrap_model(model, training, dataloader)
 
