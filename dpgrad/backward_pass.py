@@ -114,7 +114,16 @@ def validate(module: nn.Module, *, strict: bool = False) -> List[NotImplementedE
         if not own_trainable(m):
             continue
         buffers = [b for b, _ in m.named_buffers()]
-        if buffers:
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            # Even without running statistics, training mode normalises by the batch's own.
+            errors.append(NotImplementedError(
+                f"layer '{name}' ({type(m).__name__}) is trainable, and BatchNorm normalises each "
+                "sample by statistics of the whole batch, so one sample's gradient depends on the "
+                "others and per-sample gradients are undefined. Replace it by GroupNorm (e.g. "
+                "nn.GroupNorm(min(32, C), C); opacus.validators.ModuleValidator.fix does this), freeze "
+                "it with requires_grad_(False) and keep it in eval mode, or pass strict=False to skip it.",
+                name))
+        elif buffers:
             errors.append(NotImplementedError(
                 f"layer '{name}' ({type(m).__name__}) is trainable and has buffers {buffers}: buffer "
                 "state is shared across the samples of a batch, so per-sample gradients are "

@@ -21,6 +21,9 @@ from typing import Iterator, NamedTuple, Optional, Tuple
 
 import torch
 
+from . import conv_unfold
+from .conv_unfold import ConvGeometry
+
 NAME = "eager"
 
 # Upper bound on the elements of one batch slice's intermediate tensor.
@@ -461,3 +464,62 @@ def embedding_clipped_sum(
     scale = coef.to(device=G.device, dtype=acc)[sample]
     out.index_add_(0, tok, rows.to(acc) * scale[:, None])
     return out[:num_embeddings].to(out_dtype or G.dtype)
+
+
+# ---------------------------------------------------------------- convolutions (conv_unfold.py)
+def _conv_operands(x: torch.Tensor, G: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A convolution's input and backprops in the accumulation dtype, as autocast's forward took
+    them (``autocast_operands``): fp32 copies of half ones, for the convolution's backward."""
+    x, G = autocast_operands(x, G)
+    acc = accumulation_dtype(x, G)
+    return x.to(acc), G.to(acc)
+
+
+def conv_per_sample(x: torch.Tensor, G: torch.Tensor, geom: ConvGeometry, weight_shape: Tuple[int, ...]) -> torch.Tensor:
+    """Per-sample weight gradients of a convolution, (B, *weight_shape) in fp32 (fp64 for
+    fp64): x (B, C_in, *S), G (B, C_out, *out). B times the weight's memory, no unfolding."""
+    return conv_unfold.per_sample_weight(*_conv_operands(x, G), geom, weight_shape)
+
+
+def conv_weight_sq_norm_grad_sample(x: torch.Tensor, G: torch.Tensor, geom: ConvGeometry) -> torch.Tensor:
+    """Squared per-sample weight-gradient norms from the per-sample gradients, a batch slice at
+    a time (a slice's gradients at most CHUNK_ELEMENTS): (B,)."""
+    B, C_out = x.shape[0], G.shape[1]
+    shape = (C_out, x.shape[1] // geom.groups, *geom.kernel_size)
+    out = torch.empty(B, dtype=accumulation_dtype(x, G), device=x.device)
+    for s in batch_slices(B, math.prod(shape)):
+        out[s] = conv_per_sample(x[s], G[s], geom, shape).flatten(1).square().sum(1)
+    return out
+
+
+def conv_weight_sq_norm_unfolded(x: torch.Tensor, G: torch.Tensor, geom: ConvGeometry, linear_sq_norm) -> torch.Tensor:
+    """Squared per-sample weight-gradient norms by a Linear algorithm ``linear_sq_norm(A, G)``
+    on the unfolded input (``conv_unfold``), summed over the groups: (B,). The unfolded input
+    (T * C_in * K elements per sample) is built a batch slice at a time."""
+    B, g = x.shape[0], geom.groups
+    T = math.prod(G.shape[2:])
+    out = torch.empty(B, dtype=accumulation_dtype(x, G), device=x.device)
+    for s in batch_slices(B, T * x.shape[1] * geom.positions):
+        U = conv_unfold.unfold(x[s], geom)
+        out[s] = linear_sq_norm(U, conv_unfold.grouped_backprops(G[s], g)).view(-1, g).sum(1)
+    return out
+
+
+def conv_weight_sq_norm_gram(x: torch.Tensor, G: torch.Tensor, geom: ConvGeometry) -> torch.Tensor:
+    """``conv_weight_sq_norm_unfolded`` by the Gram ("ghost norm") algorithm: (B,)."""
+    return conv_weight_sq_norm_unfolded(x, G, geom, linear_weight_sq_norm_gram)
+
+
+def conv_weight_sq_norm_direct(x: torch.Tensor, G: torch.Tensor, geom: ConvGeometry) -> torch.Tensor:
+    """``conv_weight_sq_norm_unfolded`` by the direct algorithm: (B,)."""
+    return conv_weight_sq_norm_unfolded(x, G, geom, linear_weight_sq_norm_direct)
+
+
+def conv_clipped_sum(x: torch.Tensor, G: torch.Tensor, coef: torch.Tensor, geom: ConvGeometry,
+                     weight_shape: Tuple[int, ...], out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The clipped weight gradient ``sum_b c_b G_b^T U_b`` (weight_shape) by one convolution
+    backward on the scaled backprops (no unfolded input, no per-sample gradient); accumulated in
+    fp32 (fp64 for fp64), returned in ``out_dtype`` (default G's dtype). coef: (B,)."""
+    xa, Ga = _conv_operands(x, G)
+    scaled = Ga * coef.to(device=Ga.device, dtype=Ga.dtype).view(-1, *([1] * (Ga.dim() - 1)))
+    return conv_unfold.weight_gradient(xa, scaled, geom, weight_shape).to(out_dtype or G.dtype)

@@ -24,11 +24,19 @@ from .norm_layer_grad_sample import norm_layer_fits, norm_layer_grad_sample_grou
 # The cross term of a parameter used twice is two batched GEMMs (or a gather): torch's own
 # kernels serve on every device.
 from .reference import LinearPerSample, linear_norm_function, outer_sum_inner
+# A convolution's norms are a Linear kernel's on its unfolded input; its per-sample gradients
+# and clipped sums are the convolution's own backward (cuDNN), on every device.
+from .reference import conv_clipped_sum, conv_per_sample, conv_weight_sq_norm_grad_sample, conv_weight_sq_norm_unfolded
 
 NAME = "triton"
 
 __all__ = [
     "LinearPerSample",
+    "conv_clipped_sum",
+    "conv_per_sample",
+    "conv_weight_sq_norm_direct",
+    "conv_weight_sq_norm_grad_sample",
+    "conv_weight_sq_norm_gram",
     "embedding_clipped_sum",
     "embedding_grad_sample",
     "embedding_sq_norm",
@@ -66,3 +74,14 @@ def linear_weight_sq_norm(A: torch.Tensor, G: torch.Tensor, algorithm: str) -> t
 
 _SQ_NORMS = {"direct": linear_weight_sq_norm_direct, "gram": linear_weight_sq_norm_gram,
              "outer": linear_weight_sq_norm_outer}
+
+
+def conv_weight_sq_norm_gram(x: torch.Tensor, G: torch.Tensor, geom) -> torch.Tensor:
+    """Squared per-sample weight-gradient norms of a convolution by the Gram kernel on its
+    unfolded input (``reference.conv_weight_sq_norm_unfolded``): (B,) fp32."""
+    return conv_weight_sq_norm_unfolded(x, G, geom, linear_weight_sq_norm_gram)
+
+
+def conv_weight_sq_norm_direct(x: torch.Tensor, G: torch.Tensor, geom) -> torch.Tensor:
+    """As ``conv_weight_sq_norm_gram``, by the direct kernel: (B,) fp32."""
+    return conv_weight_sq_norm_unfolded(x, G, geom, linear_weight_sq_norm_direct)

@@ -4,7 +4,8 @@ The tests ship inside the Opacus wheel (``opacus.tests``). We subclass them here
 collects them from this module, and substitute dpgrad's classes while each test runs:
 
 * ``grad_samples.linear_test`` / ``embedding_test`` (and ``layer_norm_test`` /
-  ``rms_norm_test``, for dpgrad's other registered samplers) build their wrapper through
+  ``rms_norm_test`` / ``conv1d_test`` / ``conv2d_test`` / ``conv3d_test`` / ``group_norm_test``,
+  for dpgrad's other registered samplers) build their wrapper through
   ``opacus.utils.per_sample_gradients_utils.wrap_model``; it is replaced by
   ``_dpgrad_wrap_model`` ("hooks"/"ew" -> ``dpgrad.GradSampleModule``, "functorch" -> the
   same with ``force_functorch=True``, "ghost" -> ``dpgrad.GradSampleModuleFastGradientClipping``).
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import sys
 import types
+from unittest import mock
 
 import pytest
 
@@ -59,6 +61,10 @@ _embedding_test = import_opacus_test_module("grad_samples.embedding_test")
 _layer_norm_test = import_opacus_test_module("grad_samples.layer_norm_test")
 _rms_norm_test = import_opacus_test_module("grad_samples.rms_norm_test")
 _embedding_norm_test = import_opacus_test_module("grad_samples.embedding_norm_sample_test")
+_conv1d_test = import_opacus_test_module("grad_samples.conv1d_test")
+_conv2d_test = import_opacus_test_module("grad_samples.conv2d_test")
+_conv3d_test = import_opacus_test_module("grad_samples.conv3d_test")
+_group_norm_test = import_opacus_test_module("grad_samples.group_norm_test")
 _gsm_test = import_opacus_test_module("grad_sample_module_test")
 _fgc_test = import_opacus_test_module("grad_sample_module_fast_gradient_clipping_test")
 _hooks_test = import_opacus_test_module("grad_sample_hooks_fast_gradient_clipping_test")
@@ -216,6 +222,30 @@ class TestOpacusLayerNorm(_ChecksWrapModel, _layer_norm_test.LayerNorm_test):
 
 class TestOpacusRMSNorm(_ChecksWrapModel, _rms_norm_test.RMSNorm_test):
     """Opacus's RMSNorm per-sample gradient test (hooks, functorch) on dpgrad."""
+
+
+class TestOpacusConv1d(_ChecksWrapModel, _conv1d_test.Conv1d_test):
+    """Opacus's Conv1d per-sample gradient test (hooks, functorch, ew) on dpgrad."""
+
+
+class TestOpacusConv2d(_ChecksWrapModel, _conv2d_test.Conv2d_test):
+    """Opacus's Conv2d per-sample gradient and unfold tests on dpgrad (its swap of Opacus's own
+    Conv2d sampler leaves dpgrad's registry alone: dpgrad's sampler runs both times)."""
+
+    def test_asymetric_dilation_and_kernel_size(self):
+        # Builds its wrapper by the name GradSampleModule of its module: dpgrad's here.
+        start = len(_BUILT)
+        with mock.patch.object(_conv2d_test, "GradSampleModule", dpgrad.GradSampleModule):
+            super().test_asymetric_dilation_and_kernel_size()
+        assert _BUILT[start:] == [dpgrad.GradSampleModule]
+
+
+class TestOpacusConv3d(_ChecksWrapModel, _conv3d_test.Conv3d_test):
+    """Opacus's Conv3d per-sample gradient test on dpgrad."""
+
+
+class TestOpacusGroupNorm(_ChecksWrapModel, _group_norm_test.GroupNorm_test):
+    """Opacus's GroupNorm per-sample gradient test on dpgrad."""
 
 
 class TestOpacusEmbeddingNormSample(_embedding_norm_test.TestComputeEmbeddingNormSample):

@@ -1,6 +1,10 @@
-"""Grad samplers for normalisation layers: ``nn.LayerNorm``, ``nn.RMSNorm``, and the RMSNorm of
-Hugging Face's Llama family (``HF_RMS_NORMS``, registered by dotted path: dpgrad does not
-import transformers).
+"""Grad samplers for normalisation layers: ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``,
+and the RMSNorm of Hugging Face's Llama family (``HF_RMS_NORMS``, registered by dotted path:
+dpgrad does not import transformers).
+
+GroupNorm normalises each sample's (C/g, *spatial) block per group and scales channel c by
+weight[c]: its per-sample gradients are ``sum_s x̂[c, s] g[c, s]`` and ``sum_s g[c, s]``, (B, C),
+computed eagerly (the Triton kernel normalises rows of the last dimension only).
 
 Their per-sample gradients are as small as their parameters, so ghost clipping takes norms
 of these directly; ``NormLayerGroup`` computes those of many such layers at once.
@@ -28,7 +32,7 @@ from dpgrad.samplers.groups import Group, cat, clipped_sums_of, row_norms, stack
 HF_RMS_NORMS = [f"transformers.models.{m}.modeling_{m}.{c}RMSNorm" for m, c in (
     ("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3"),
     ("phi3", "Phi3"))]
-LAYERS = [nn.LayerNorm, nn.RMSNorm, *HF_RMS_NORMS]
+LAYERS = [nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, *HF_RMS_NORMS]
 
 
 def _sum_tokens(x: torch.Tensor, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -38,11 +42,13 @@ def _sum_tokens(x: torch.Tensor, shape: Tuple[int, ...], dtype: torch.dtype) -> 
 
 
 def _llama_family(layer: nn.Module) -> bool:
-    return not isinstance(layer, (nn.LayerNorm, nn.RMSNorm))
+    return not isinstance(layer, (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm))
 
 
 def _shape(layer: nn.Module) -> Tuple[int, ...]:
-    """The trailing dimensions the layer normalises."""
+    """The trailing dimensions the layer normalises (GroupNorm: its channels, dimension 1)."""
+    if isinstance(layer, nn.GroupNorm):
+        return (layer.num_channels,)
     return tuple(layer.weight.shape) if _llama_family(layer) else tuple(layer.normalized_shape)
 
 
@@ -64,6 +70,8 @@ def _trainable(layer: nn.Module) -> Tuple[bool, bool]:
 def _normalized(layer: nn.Module, x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     """What the layer's forward multiplies its weight by, in ``acc``."""
     shape = _shape(layer)
+    if isinstance(layer, nn.GroupNorm):
+        return F.group_norm(x.to(acc), layer.num_groups, eps=layer.eps)
     if _llama_family(layer):  # as its forward computes it
         x32 = x.to(torch.float32)
         return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + _eps(layer, x))).to(x.dtype).to(acc)
@@ -79,20 +87,27 @@ def per_sample_grads(layer: nn.Module, x: torch.Tensor, backprops: torch.Tensor)
     acc = accumulation_dtype(x, backprops)
     shape = _shape(layer)
     gw = gb = None
+    # GroupNorm's channels are dimension 1: summed over the spatial dimensions after it.
+    total = _sum_spatial if isinstance(layer, nn.GroupNorm) else _sum_tokens
     if weight:
         # The product promotes half backprops to the accumulation dtype: no copy of its own.
-        gw = _sum_tokens(_normalized(layer, x, acc) * backprops, shape, acc)
+        gw = total(_normalized(layer, x, acc) * backprops, shape, acc)
     if bias:
-        gb = _sum_tokens(backprops, shape, acc)
+        gb = total(backprops, shape, acc)
     return gw, gb
+
+
+def _sum_spatial(x: torch.Tensor, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Sum (N, C, *spatial) over the spatial dimensions, in ``dtype``: (N, C)."""
+    return x.flatten(2).sum(2, dtype=dtype)
 
 
 @register_grad_sampler(LAYERS)
 def norm_layer_grad_sample(
     layer: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor
 ) -> Dict[nn.Parameter, torch.Tensor]:
-    """Per-sample gradients of a LayerNorm's or RMSNorm's weight and bias, (B,
-    *normalized_shape) each, in the parameters' dtypes."""
+    """Per-sample gradients of a LayerNorm's, RMSNorm's or GroupNorm's weight and bias, (B,
+    *weight.shape) each, in the parameters' dtypes."""
     gw, gb = per_sample_grads(layer, activations[0], backprops)
     out = {}
     if gw is not None:
@@ -108,7 +123,7 @@ def _group_grads(ops, layers: List[nn.Module], xs: List[torch.Tensor], gs: List[
     tensors read where they are. Eager: one computation on the concatenated inputs when they
     are small, else one per layer."""
     layer = layers[0]
-    if ops is not reference and ops.norm_layer_fits(xs[0]):
+    if ops is not reference and not isinstance(layer, nn.GroupNorm) and ops.norm_layer_fits(xs[0]):
         weight, bias = _trainable(layer)
         return ops.norm_layer_grad_sample_grouped(xs, gs, _eps(layer, xs[0]), rms=not isinstance(layer, nn.LayerNorm),
                                                   rounded=_llama_family(layer), weight=weight, bias=bias)
@@ -120,14 +135,15 @@ def _group_grads(ops, layers: List[nn.Module], xs: List[torch.Tensor], gs: List[
 
 @register_grad_sample_group(LAYERS)
 class NormLayerGroup(Group):
-    """LayerNorm or RMSNorm layers with the same settings and input shapes: the per-sample
+    """LayerNorm, RMSNorm or GroupNorm layers with the same settings and input shapes: the per-sample
     gradients of all of them at once (one Triton launch, or, eager, from their concatenated
     inputs when small), kept in fp32 for their norms and clipped sums."""
 
     @classmethod
     def key(cls, layer, activations, backprops):
         x = activations[0]
-        return (type(layer), _shape(layer), _eps(layer, x), *_trainable(layer), x.shape, x.dtype,
+        return (type(layer), _shape(layer), getattr(layer, "num_groups", None), _eps(layer, x), *_trainable(layer),
+                x.shape, x.dtype,
                 backprops.shape, backprops.dtype, x.device)
 
     def norms(self):
@@ -136,7 +152,7 @@ class NormLayerGroup(Group):
         gs = [backprops for _, _, backprops in self.records]
         self.records = []
         layer = layers[0]
-        if len(_shape(layer)) == 1 and same_layout(xs) and same_layout(gs):
+        if len(_shape(layer)) == 1 and not isinstance(layer, nn.GroupNorm) and same_layout(xs) and same_layout(gs):
             grads = guarded("per-sample gradients", layer, (xs[0], gs[0]),
                             lambda ops: _group_grads(ops, layers, xs, gs))
         else:

@@ -316,7 +316,7 @@ FOOTER = ("candidates: ms measured in this run, 'stored' ms from the tune store 
 # columns; the full one (``full=True``) adds every candidate's time, the config and memory.
 COMPACT = ["layer", "shape", "kind", "choice", "ms", "Opacus ms", "speedup", "source"]
 SHORT_KIND = {"linear_norm": "norm", "linear_grad_sample": "grad sample", "linear_clipped_sum": "clipped sum",
-              "embedding_norm": "emb norm", "embedding_grad_sample": "emb grad sample"}
+              "embedding_norm": "emb norm", "embedding_grad_sample": "emb grad sample", "conv_norm": "conv norm"}
 SHORT_SOURCE = {"measured": "tuned", "store": "stored", "cost model": "cost model", "only candidate": "only one",
                 "cost model (no candidate passed)": "none passed", "eager after a failure": "fallback"}
 LAYER_WIDTH = 36

@@ -6,6 +6,8 @@ A kind's inputs are the tensors a sampler has in hand:
 - ``linear_clipped_sum``: (A, G, coef (B,)) -> the clipped weight gradient ``(c ⊙ G)^T A`` (p, d)
 - ``embedding_norm``: (ids (B, T), G (B, T, d), V, padding_idx) -> squared norms (B,)
 - ``embedding_grad_sample``: the same inputs -> per-sample gradients (B, V, d)
+- ``conv_norm``: (x (B, C_in, *S), G (B, C_out, *out), geometry (``ConvGeometry``)) -> squared
+  weight norms (B,): a Linear algorithm on the unfolded input, or the per-sample gradients
 Each candidate names its backend ("triton" or "eager", see dpgrad.backend), runs on those
 inputs, and has a cost (tuning/cost_model.py) for its shape. The eager candidates are also
 the oracle a candidate's result is checked against before it may win.
@@ -27,7 +29,8 @@ from dpgrad.kernels import reference
 
 from . import cost_model
 
-KINDS = ("linear_norm", "linear_grad_sample", "linear_clipped_sum", "embedding_norm", "embedding_grad_sample")
+KINDS = ("linear_norm", "linear_grad_sample", "linear_clipped_sum", "embedding_norm", "embedding_grad_sample",
+         "conv_norm")
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,9 @@ class Shape:
     kind: str
     B: int
     T: int
-    dims: Tuple[Tuple[str, int], ...]  # ("d", 768), ("p", 3072) or ("V", ...), ("d", ...)
+    # ("d", 768), ("p", 3072); ("V", ...), ("d", ...); a convolution's per group ("d", C_in/g*K),
+    # ("p", C_out/g), ("g", g)
+    dims: Tuple[Tuple[str, int], ...]
     dtype: torch.dtype
     device: torch.device
 
@@ -101,6 +106,9 @@ class Candidate:
             return cost_model.linear_grad_sample_cost(self.backend, shape.B, shape.T, shape.dim("d"), shape.dim("p"), e)
         if self.kind == "linear_clipped_sum":
             return cost_model.linear_clipped_sum_cost(self.backend, shape.B, shape.T, shape.dim("d"), shape.dim("p"), e)
+        if self.kind == "conv_norm":
+            return cost_model.conv_norm_cost(self.algorithm, self.backend, shape.B, shape.T, shape.dim("d"),
+                                             shape.dim("p"), shape.dim("g"), e)
         what = "norm" if self.kind == "embedding_norm" else "grad_sample"
         return cost_model.embedding_cost(what, self.backend, shape.B, shape.T, shape.dim("V"), shape.dim("d"), e,
                                          self.algorithm)
@@ -151,6 +159,15 @@ CANDIDATES: Dict[str, List[Candidate]] = {
                   _K + "embedding_segment_sum:_segment_sum_kernel"),
         Candidate("embedding_grad_sample", "eager-index-add", "eager", "index-add", "embedding_grad_sample"),
     ],
+    "conv_norm": [
+        Candidate("conv_norm", "triton-unfold-direct", "triton", "direct", "conv_weight_sq_norm_direct",
+                  _K + "linear_grad_sample:_linear_per_sample_kernel"),
+        Candidate("conv_norm", "triton-unfold-gram", "triton", "gram", "conv_weight_sq_norm_gram",
+                  _K + "linear_norm_gram:_linear_gram_norm_kernel"),
+        Candidate("conv_norm", "eager-unfold-direct", "eager", "direct", "conv_weight_sq_norm_direct"),
+        Candidate("conv_norm", "eager-unfold-gram", "eager", "gram", "conv_weight_sq_norm_gram"),
+        Candidate("conv_norm", "eager-grad-sample", "eager", "grad-sample", "conv_weight_sq_norm_grad_sample"),
+    ],
 }
 
 
@@ -164,6 +181,11 @@ def shape_of(kind: str, inputs: tuple) -> Shape:
         ids, G, V = inputs[:3]
         T = math.prod(ids.shape[1:])
         return Shape(kind, ids.shape[0], T, (("V", V), ("d", G.shape[-1])), G.dtype, G.device)
+    if kind == "conv_norm":
+        x, G, geom = inputs[:3]
+        g = geom.groups
+        return Shape(kind, x.shape[0], math.prod(G.shape[2:]),
+                     (("d", x.shape[1] // g * geom.positions), ("p", G.shape[1] // g), ("g", g)), G.dtype, G.device)
     raise ValueError(f"unknown tuning kind {kind!r}: one of {', '.join(KINDS)}")
 
 

@@ -123,6 +123,18 @@ def linear_clipped_sum_cost(backend: str, B: int, T: int, d: int, p: int, e: int
     return Cost(flops, B * T * (d + p) * e + 2 * scaled + out, scaled)
 
 
+def conv_norm_cost(algorithm: str, backend: str, B: int, T: int, d: int, p: int, g: int, e: int) -> Cost:
+    """Squared weight norms of a convolution with g groups of d = C_in/g*K unfolded inputs and
+    p = C_out/g outputs each: a Linear algorithm on the unfolded input (written once, B*g*T*d
+    elements, a batch slice at a time), or the per-sample gradients (B, g*p*d) in fp32."""
+    if algorithm == "grad-sample":
+        grads = g * p * d
+        return Cost(2 * B * T * g * p * d, B * T * g * (d + p) * e + 2 * B * grads * 4, _chunked(grads, B) * 4)
+    linear = linear_norm_cost(algorithm, backend, B * g, T, d, p, e)
+    unfolded = B * g * T * (d + p) * e
+    return Cost(linear.flops, linear.bytes + 2 * unfolded, linear.extra_bytes + _chunked(g * T * (d + p), B) * e)
+
+
 def embedding_cost(kind: str, backend: str, B: int, T: int, V: int, d: int, e: int, algorithm: str = "") -> Cost:
     """Embedding norms ("norm") or per-sample gradients ("grad_sample")."""
     rows = B * T * d

@@ -415,6 +415,8 @@ def _reference_result(kind: str, inputs: tuple):
         return reference.linear_per_sample(*inputs[:2], out_dtype=torch.float32).weight
     if kind == "embedding_norm":
         return reference.embedding_sq_norm(*inputs)
+    if kind == "conv_norm":
+        return reference.conv_weight_sq_norm_grad_sample(*inputs[:3])
     return reference.embedding_grad_sample(*inputs)
 
 
@@ -455,6 +457,13 @@ def _time_opacus(timer, kind: str, layer, inputs: tuple):
     elif kind == "linear_grad_sample":
         A, G = inputs[:2]
         fn = lambda: op_linear.compute_linear_grad_sample(layer, [A], G)  # noqa: E731
+    elif kind == "conv_norm":
+        # Opacus has no convolution norm sampler: its per-sample gradients, then their norms.
+        from opacus.grad_sample import conv as op_conv
+
+        def fn():
+            grads = op_conv.compute_conv_grad_sample(layer, [inputs[0]], inputs[1])
+            return grads[layer.weight].flatten(1).norm(dim=1)
     else:
         ids, G = inputs[0].contiguous(), inputs[1]  # Opacus views the ids
         compute = (op_embedding_norm.compute_embedding_norm_sample if kind == "embedding_norm"
