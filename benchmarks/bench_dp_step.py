@@ -1,4 +1,4 @@
-"""One training step of a language model, every way of doing it, in one run on the same
+"""One training step of a language or vision model, every way of doing it, in one run on the same
 weights and batch: non-private; Opacus's hooks (per-sample gradients, DPOptimizer); torch.func
 (vmap of the per-sample gradients over the whole model, then Opacus's DPOptimizer); Opacus's
 ghost clipping; dpgrad's double and single backward, and single backward with per-block and
@@ -19,7 +19,12 @@ Each sequence is one sample (``shape=`` of the loss wrappers). Models:
   B=8 T=1024, and fully fine-tuned at B=1 T=8192 (long context);
 - ``-tiny`` variants of the Hugging Face models: the same architectures at two layers;
 - ``-ckpt`` variants: GPT-2 with Hugging Face's non-reentrant activation checkpointing of
-  every block, for the non-private step and dpgrad's (the memory checkpointing saves).
+  every block, for the non-private step and dpgrad's (the memory checkpointing saves);
+- ``wrn-16-4``: the WideResNet-16-4 with GroupNorm of DP image classification on CIFAR-10
+  shapes (``dpgrad.tools.vision``; B=256, 32x32 images, ten classes), ``wrn-16-1`` its narrow
+  quick-mode variant; ``vit-b16``: Hugging Face's ViT-B/16 (B=32, 224x224), ``vit-tiny`` (two
+  layers of width 64, 32x32 images, patches of 8) in quick mode. For these ``seq_len`` is the
+  image side and each image is one sample.
 Quick mode (the default without CUDA, ``DPGRAD_BENCH_QUICK=1`` otherwise) runs the small
 models in fp32; the full suite runs the real sizes in bf16 on a GPU. Peak memory: on a GPU the
 most allocated during one step, less what was allocated before the provider copied the model
@@ -63,12 +68,13 @@ DEVICE = torch.device("cuda" if CUDA else "cpu")
 CASES = (
     [("tiny", 8, 64, "fp32"), ("tiny", 8, 256, "fp32"), ("hf-gpt2-tiny", 8, 64, "fp32"),
      ("hf-gpt2-tiny-ckpt", 8, 64, "fp32"), ("hf-llama-tiny", 8, 64, "fp32"), ("hf-llama-tiny-lora16", 8, 64, "fp32"),
-     ("hf-llama-tiny", 1, 1024, "fp32")]
+     ("hf-llama-tiny", 1, 1024, "fp32"), ("wrn-16-1", 32, 32, "fp32"), ("vit-tiny", 16, 32, "fp32")]
     if results.quick_mode()
     else [("hf-gpt2", 64, 128, "bf16"), ("hf-gpt2", 8, 1024, "bf16"), ("hf-gpt2-ckpt", 8, 1024, "bf16"),
           ("hf-llama-1b", 8, 1024, "bf16"), ("hf-llama-1b-lora16", 8, 1024, "bf16"),
           # Long context, one sequence a step.
-          ("hf-llama-1b", 1, 8192, "bf16"), ("hf-gpt2-16k", 1, 16384, "bf16")]
+          ("hf-llama-1b", 1, 8192, "bf16"), ("hf-gpt2-16k", 1, 16384, "bf16"),
+          ("wrn-16-4", 256, 32, "bf16"), ("vit-b16", 32, 224, "bf16")]
 )
 # The providers measured with activation checkpointing (Opacus's hooks and torch.func are not).
 CHECKPOINTED = ("non-private", "dpgrad-double", "dpgrad-single", "dpgrad-single-per-block", "dpgrad-single-per-layer")
@@ -87,16 +93,29 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 @dataclass
 class BenchModel:
     module: nn.Module
-    vocab_size: int
+    vocab_size: int  # the classes of a vision model
     padding_idx: int
     hf: bool
+    vision: bool = False
 
     def logits(self, model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        if self.vision:
+            return model(pixel_values=ids).logits if self.hf else model(ids)
         if not self.hf:
             return model(ids)
         # One row of positions per sequence (HF's default single row has no per-sample gradient).
         positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         return model(input_ids=ids, position_ids=positions).logits
+
+
+def _vision(name: str) -> BenchModel:
+    from dpgrad.tools.vision import WideResNet, vit
+
+    if name.startswith("wrn-"):
+        depth, width = (int(v) for v in name[4:].split("-"))
+        return BenchModel(WideResNet(depth, width, classes=10), 10, -100, hf=False, vision=True)
+    shape = dict(image_size=32, patch_size=8, hidden=64, layers=2, heads=4, mlp=128) if name == "vit-tiny" else {}
+    return BenchModel(vit(**shape, classes=10), 10, -100, hf=True, vision=True)
 
 
 def _hf(name: str) -> BenchModel:
@@ -140,7 +159,10 @@ def _model(name: str, dtype: str) -> BenchModel:
     """One set of random weights per model and dtype: every provider copies it."""
     if (name, dtype) not in _models:
         torch.manual_seed(0)
-        if name.startswith("hf-"):
+        if name.startswith(("wrn-", "vit-")):
+            built = _vision(name)
+            built.module.to(device=DEVICE, dtype=DTYPES[dtype])
+        elif name.startswith("hf-"):
             built = _hf(name)
             built.module.to(device=DEVICE, dtype=DTYPES[dtype])
         else:
@@ -161,11 +183,7 @@ def make_step(provider: str, name: str, batch: int, seq_len: int, dtype: str) ->
     built = _model(name, dtype)
     model = copy.deepcopy(built.module)
     vocab = built.vocab_size
-    cfg = TinyTransformerConfig(vocab_size=vocab, padding_idx=built.padding_idx, max_seq_len=seq_len + 1,
-                                d_model=1, n_heads=1)
-    ids = synthetic_batch(cfg, batch, seq_len + 1, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    # Opacus's embedding norm sampler needs contiguous ids (it calls .view on them).
-    inputs, targets = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    inputs, targets = _batch(built, batch, seq_len, dtype)
     criterion = nn.CrossEntropyLoss(ignore_index=built.padding_idx)
     trainable = [p for p in model.parameters() if p.requires_grad]
 
@@ -202,10 +220,27 @@ def make_step(provider: str, name: str, batch: int, seq_len: int, dtype: str) ->
     def step():
         optimizer.zero_grad(set_to_none=True)
         logits = built.logits(wrapped, inputs)
-        dp_criterion(logits.reshape(-1, vocab), targets.reshape(-1), shape=logits.shape[:2]).backward()
+        # A sequence's tokens are one sample (shape=); an image is one row already.
+        shape = None if built.vision else logits.shape[:2]
+        dp_criterion(logits.reshape(-1, vocab), targets.reshape(-1), shape=shape).backward()
         optimizer.step()
 
     return step
+
+
+def _batch(built: BenchModel, batch: int, seq_len: int, dtype: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of a step: next-token ids of ``batch`` sequences, or ``batch`` random
+    images of side ``seq_len`` and their labels."""
+    generator = torch.Generator().manual_seed(1)
+    if built.vision:
+        images = torch.randn(batch, 3, seq_len, seq_len, generator=generator)
+        labels = torch.randint(0, built.vocab_size, (batch,), generator=generator)
+        return images.to(device=DEVICE, dtype=DTYPES[dtype]), labels.to(DEVICE)
+    cfg = TinyTransformerConfig(vocab_size=built.vocab_size, padding_idx=built.padding_idx, max_seq_len=seq_len + 1,
+                                d_model=1, n_heads=1)
+    ids = synthetic_batch(cfg, batch, seq_len + 1, generator=generator).to(DEVICE)
+    # Opacus's embedding norm sampler needs contiguous ids (it calls .view on them).
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
 def _clipping(provider: str, model: nn.Module) -> dict:

@@ -32,6 +32,8 @@ from dpgrad.tools import results
 RESULTS = Path(os.environ.get("DPGRAD_RESULTS_DIR") or Path(__file__).parent / "results")
 QUICK = results.quick_mode()
 ROWS_KEY = pytest.StashKey[list]()
+# dp_step's image classifiers (benchmarks/bench_dp_step.py): their rows count images, not tokens.
+VISION_MODELS = ("wrn-", "vit-")
 MACHINE_KEY = pytest.StashKey[dict]()
 
 
@@ -125,11 +127,13 @@ def _derive_dp_step(rows: List[dict]) -> None:
             if r["status"] != "ok":
                 continue
             t = m["step_time"]
-            tokens = r["shape"]["batch"] * r["shape"]["seq_len"]
-            m["throughput"] = results.metric("throughput", tokens / t["p50"] * 1e3, tokens / t["p80"] * 1e3,
-                                             tokens / t["p20"] * 1e3)
+            # A vision model's seq_len is its image side: its throughput is in images.
+            vision = str(r["shape"]["model"]).startswith(VISION_MODELS)
+            name = "image_throughput" if vision else "throughput"
+            tokens = r["shape"]["batch"] * (1 if vision else r["shape"]["seq_len"])
+            m[name] = results.metric(name, tokens / t["p50"] * 1e3, tokens / t["p80"] * 1e3, tokens / t["p20"] * 1e3)
             if "repeats" in t:
-                m["throughput"]["repeats"] = [tokens / x * 1e3 for x in t["repeats"]]
+                m[name]["repeats"] = [tokens / x * 1e3 for x in t["repeats"]]
             if base is not None and base["status"] == "ok":
                 m["throughput_over_non_private"] = results.derived(
                     "throughput_over_non_private", lambda b, x: b / x, base["metrics"]["step_time"], t)

@@ -20,6 +20,7 @@ from .linear_token_sum import (
     linear_weight_sq_norm_outer,
     linear_weight_sq_norm_outer_grouped,
 )
+from .group_norm_grad_sample import group_norm_fits, group_norm_grad_sample_grouped
 from .norm_layer_grad_sample import norm_layer_fits, norm_layer_grad_sample_grouped
 # The cross term of a parameter used twice is two batched GEMMs (or a gather): torch's own
 # kernels serve on every device.
@@ -40,6 +41,8 @@ __all__ = [
     "embedding_clipped_sum",
     "embedding_grad_sample",
     "embedding_sq_norm",
+    "group_norm_fits",
+    "group_norm_grad_sample_grouped",
     "linear_bias_grad_sample",
     "linear_bias_grad_sample_grouped",
     "linear_bias_sq_norm",

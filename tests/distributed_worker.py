@@ -76,6 +76,48 @@ def clipped_gradients(rank: int, world: int, single: bool, order: str, per_block
 GROUPS = 2  # CFG's one block, and the rest (embeddings, final norm)
 
 
+class ConvNet(nn.Module):
+    """Convolutions (one grouped, strided, circular) and GroupNorm before a Linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 4, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 4)
+        self.conv2 = nn.Conv2d(4, 4, 3, stride=2, padding=1, groups=2, padding_mode="circular")
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.conv2(torch.relu(self.norm(self.conv1(x))))
+        return self.head(h.mean(dim=(2, 3)))
+
+
+def conv_model() -> ConvNet:
+    torch.manual_seed(2)
+    return ConvNet()
+
+
+def global_images():
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(GLOBAL_BATCH, 2, 6, 6, generator=g), torch.randint(0, 3, (GLOBAL_BATCH,), generator=g)
+
+
+def conv_clipped_gradients(rank: int, world: int, single: bool) -> dict:
+    """p.grad of the ConvNet after its clipped backward under DDP, every layer clipped from its
+    norms (no per-sample gradient), and this rank's per-sample norms."""
+    from mixed_net import clipped_from_norms
+
+    net = conv_model()
+    with clipped_from_norms():
+        wrapped = dpgrad.GradSampleModuleFastGradientClipping(DDP(net), max_grad_norm=CONV_C, single_backward=single)
+        criterion = dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss(), "mean")
+        x, y = (share(t, rank, world) for t in global_images())
+        criterion(wrapped(x), y).backward()
+    return {"grads": _grads(net), "norms": wrapped.per_sample_gradient_norms.detach().numpy()}
+
+
+CONV_C = 0.05
+
+
 def mixing_refused(rank: int, world: int, order: str, where: str) -> str:
     """The first line of the refusal, on this rank, of a model that mixes samples ("model": its
     block's output centred over the batch) or of per-sample losses in another order than the
@@ -226,6 +268,7 @@ SCENARIOS = {
     "fsdp_refused": fsdp_refused,
     "mixing_refused": mixing_refused,
     "clipped_gradients": clipped_gradients,
+    "conv_clipped_gradients": conv_clipped_gradients,
     "all_reduce_calls": all_reduce_calls,
     "privacy_engine_step": privacy_engine_step,
 }

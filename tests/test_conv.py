@@ -314,3 +314,83 @@ def test_opacus_make_private_trains_a_cnn():
     for n, p in wrapped._module.named_parameters():
         step = torch.einsum("b,b...->...", coef, ref[n]) / 8  # the expected batch size
         assert_tensor_close(p.grad, step, n, (coef[:, None] * ref[n].flatten(1).abs()).sum(0).max().item() / 8)
+
+
+class BatchCentred(nn.Module):
+    """Convolutions with a batch statistic between them (a BatchNorm in all but name)."""
+
+    def __init__(self, frozen_batch_norm: bool):
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4).requires_grad_(False) if frozen_batch_norm else None
+        self.b = nn.Conv2d(4, 4, 3, stride=2)
+        self.head = nn.Linear(4, 5)
+
+    def forward(self, x):
+        h = self.a(x)
+        h = self.bn(h) if self.bn is not None else h - h.mean(0, keepdim=True)
+        return self.head(self.b(h).mean(dim=(2, 3)))
+
+
+@pytest.mark.parametrize("mix", ["batch-mean", "frozen-batch-norm-in-training"])
+@pytest.mark.parametrize("mode", ["single", "double", "hooks"])
+def test_convolutions_whose_samples_mix_are_refused(mode, mix):
+    """The guarantee's second half for convolutions: a batch statistic between them (a frozen
+    BatchNorm still normalises by the batch in training mode) is refused before p.grad."""
+    torch.manual_seed(7)
+    model = BatchCentred(mix != "batch-mean")
+    x, y = cnn_batch(4, 9)
+    if mode == "hooks":
+        wrapped = dpgrad.GradSampleModule(model)
+    else:
+        wrapped = dpgrad.GradSampleModuleFastGradientClipping(model, max_grad_norm=1.0,
+                                                              single_backward=mode == "single")
+    with pytest.raises(dpgrad.SampleMixingError, match="samples are mixed inside the model"):
+        out = wrapped(x)
+        if mode == "hooks":
+            loss = F.cross_entropy(out, y, reduction="sum")
+        else:
+            loss = dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss(reduction="sum"), "sum")(out, y)
+        loss.backward()
+    assert all(p.grad is None for p in model.parameters())
+
+
+# The per-sample-gradient algorithm is torch's convolution backward: an eager candidate, which a
+# forced Triton backend (the second pass) leaves out.
+@pytest.mark.parametrize("algorithm", ["direct", "gram"] + ([] if BACKEND_PASS else ["grad-sample"]))
+def test_the_tuned_algorithm_serves_the_group_and_the_report(algorithm, monkeypatch, tmp_path):
+    """Whichever candidate the autotuner times fastest serves the layer's norms (and, for the
+    per-sample-gradient algorithm, its clipped sum from the kept gradients), exactly; the
+    autotune report's recording sees the decision and times Opacus's sampler beside it."""
+    pytest.importorskip("opacus")
+    from dpgrad.tuning import tuner as tuner_module
+
+    monkeypatch.setenv("DPGRAD_TUNE", "on")
+    monkeypatch.setenv("DPGRAD_TUNE_DIR", str(tmp_path))
+
+    def timer(fn, device, name=""):
+        fn()
+        return 1.0 if name.endswith(algorithm) else 5.0
+
+    tuner = tuner_module.Tuner(timer=timer)
+    monkeypatch.setattr(tuner_module, "_TUNER", tuner)
+    monkeypatch.setattr(tuner_module, "PRUNE_FACTOR", float("inf"))  # every candidate timed
+    layer, x, G = conv_case("2d-rect-dilation-groups-reflect", B=3)
+    ref = layer_reference(layer, x, G)
+    with tuner.recording(opacus=True) as rec:
+        with clipped_from_norms():
+            group = conv_samplers.ConvGroup([(layer, [x], G)])
+            params, rows = group.norms()
+    (recorded, decision, opacus_ms), = rec.layers
+    assert recorded is layer and decision.kind == "conv_norm" and decision.choice.endswith(algorithm)
+    assert decision.source == "measured" and isinstance(opacus_ms, float)
+    for p, row in zip(params, rows):
+        name = next(n for n, q in layer.named_parameters() if q is p)
+        assert_norms_close(row, ref[name].flatten(1).norm(dim=1), f"{name} norm by {decision.choice}")
+    coef = torch.tensor([1.0, 0.5, 0.25])
+    from dpgrad.samplers.groups import Coefficients
+
+    for p, s in group.clipped_sums(Coefficients(coef)):
+        name = next(n for n, q in layer.named_parameters() if q is p)
+        assert_tensor_close(s, torch.einsum("b,b...->...", coef.double(), ref[name]), f"clipped {name}",
+                            ref[name].abs().sum(0).max().item())

@@ -1,8 +1,8 @@
 """Hugging Face models built from tiny configs (random weights), against a float64 microbatch reference.
 
 GPT-2 (Conv1D projections, the LM head tied to the token embedding), Llama with PEFT LoRA
-adapters (RMSNorm, rotary positions, no bias; only the adapters train) and a BERT-style
-encoder with a classification head. Causal-LM losses are per sequence, the mean over the
+adapters (RMSNorm, rotary positions, no bias; only the adapters train), a BERT-style
+encoder with a classification head, and a ViT image classifier (a patch-embedding convolution). Causal-LM losses are per sequence, the mean over the
 tokens not labelled -100 (padding, with an attention mask), as DPLossFastGradientClipping's
 ``shape=`` gives them. The reference runs each sample alone through a float64 copy with plain
 autograd. dpgrad, in both modes: per-sample norms within fp32 rel 1e-5 (bf16 rel 1e-2), and
@@ -142,7 +142,26 @@ def bert(position_ids=True) -> Case:
                                                                        reduction="none"))
 
 
-CASES = {"gpt2": gpt2, "llama_lora": llama_lora, "llama": llama, "bert": bert}
+def vit() -> Case:
+    """ViTForImageClassification: the patch embedding's convolution (ghost-clipped), the class
+    token and position embeddings (parameters of the embeddings module itself), LayerNorm, Linear."""
+    from dpgrad.tools.vision import vit as build_vit
+
+    torch.manual_seed(6)
+    model = build_vit(image_size=8, patch_size=4, hidden=16, layers=2, heads=2, mlp=32, classes=3)
+    g = torch.Generator().manual_seed(7)
+    pixels = torch.randn(B, 3, 8, 8, generator=g)
+    y = torch.randint(0, 3, (B,), generator=g)
+
+    def logits_of(m, rows):
+        return m(pixel_values=pixels[rows]).logits
+
+    return Case(model, lambda m, rows: ((logits_of(m, rows), y[rows]), None),
+                lambda m, rows, loss_reduction="mean": F.cross_entropy(logits_of(m, rows).float(), y[rows],
+                                                                       reduction="none"))
+
+
+CASES = {"gpt2": gpt2, "llama_lora": llama_lora, "llama": llama, "bert": bert, "vit": vit}
 
 
 def reference(case: Case, dtype=torch.float64, loss_reduction="mean") -> Dict[str, torch.Tensor]:

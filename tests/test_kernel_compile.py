@@ -102,6 +102,8 @@ LARGEST_LINEAR = [
 ]
 LARGEST_EMBEDDING = [(8, 1024, 128256, 2048), (1, 16384, 50257, 768), (1, 8192, 128256, 2048)]
 LARGEST_NORM = [(8, 1024, 2048, 33), (1, 16384, 768, 25), (1, 8192, 2048, 33)]
+# GroupNorm (B, C, H, W, groups, L): WRN-16-4's at B=256 on 32x32 images.
+LARGEST_GROUP_NORM = [(256, 64, 32, 32, 16, 3), (256, 128, 16, 16, 16, 3), (256, 256, 8, 8, 16, 4)]
 
 
 def test_grids_within_cuda_limits_at_the_largest_bench_shapes(monkeypatch):
@@ -121,7 +123,8 @@ def test_grids_within_cuda_limits_at_the_largest_bench_shapes(monkeypatch):
 
     for module in {sys.modules[f.__module__] for f in (K.linear_per_sample, K.linear_clipped_sum,
                                                        K.linear_weight_sq_norm_gram, K.linear_bias_grad_sample,
-                                                       K.embedding_sq_norm, K.norm_layer_grad_sample_grouped)}:
+                                                       K.embedding_sq_norm, K.norm_layer_grad_sample_grouped,
+                                                       K.group_norm_grad_sample_grouped)}:
         monkeypatch.setattr(module, "launch", record)
     meta = dict(device="meta", dtype=torch.bfloat16)
     for B, T, d, p, L in LARGEST_LINEAR:
@@ -140,10 +143,13 @@ def test_grids_within_cuda_limits_at_the_largest_bench_shapes(monkeypatch):
     for B, T, d, L in LARGEST_NORM:
         Xs = [torch.empty(B, T, d, **meta) for _ in range(L)]
         K.norm_layer_grad_sample_grouped(Xs, Xs, 1e-5, rms=False, weight=True, bias=True)
+    for B, C, H, W, groups, L in LARGEST_GROUP_NORM:
+        Xs = [torch.empty(B, C, H, W, **meta) for _ in range(L)]
+        K.group_norm_grad_sample_grouped(Xs, Xs, groups, 1e-5, weight=True, bias=True)
     kernels = {name for name, _ in grids}
     assert kernels >= {"_linear_per_sample_kernel", "_linear_clipped_sum_kernel", "_linear_gram_norm_kernel",
                        "_token_sum_kernel", "_segment_sum_kernel", "_per_sample_total_kernel",
-                       "_norm_layer_grad_sample_kernel"}, kernels
+                       "_norm_layer_grad_sample_kernel", "_group_norm_grad_sample_kernel"}, kernels
     for name, blocks in grids:
         for n, limit in zip(blocks, triton_common.GRID_LIMITS):
             assert 0 < n <= limit, (name, blocks)

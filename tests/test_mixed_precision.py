@@ -97,6 +97,9 @@ LAYERS = {
     "linear": lambda: nn.Linear(6, 7),
     "layer_norm": lambda: nn.LayerNorm(6),
     "rms_norm": lambda: nn.RMSNorm(6, eps=1e-6),
+    # (B, 3, 6) inputs as 3 channels of length 6
+    "conv1d": lambda: nn.Conv1d(3, 5, 3, padding=1, groups=1),
+    "group_norm": lambda: nn.GroupNorm(3, 3),
 }
 
 
@@ -108,7 +111,7 @@ def test_every_sampler_takes_mixed_inputs_and_backprops(kind, mix):
     torch.manual_seed(1)
     layer = LAYERS[kind]()
     x = torch.randn(4, 3, 6).to(mix[0])
-    g = torch.randn(4, 3, layer.weight.shape[0]).to(mix[1])
+    g = torch.randn_like(layer(x.float())).to(mix[1])
     layer64 = copy.deepcopy(layer).double()
     expected = registry.GRAD_SAMPLERS[type(layer)](layer64, [x.double()], g.double())
     expected = {name: expected[p] for name, p in layer64.named_parameters()}
@@ -207,3 +210,87 @@ def test_autocast_steps_are_exact_against_float64_of_the_autocast_computation(mo
     for p, g in per_sample.items():
         expected = torch.einsum("b,b...->...", coef, g)
         assert_tensor_close(params[p].grad, expected, "clipped sum", rtol=1e-5 if mode == "single" else RTOL)
+
+
+class AutocastCNN(nn.Module):
+    """x (B, 3, 6, 6) -> Conv2d -> GroupNorm -> tanh -> Conv2d (strided, grouped) -> mean ->
+    Linear. Under CPU autocast the convolutions and the Linear run in bf16 (the first on fp32
+    inputs), GroupNorm on the bf16 output of the first (on CUDA autocast runs it in fp32: its
+    backprops are fp32 there, the mix test_every_sampler_takes_mixed_inputs_and_backprops gives)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 4, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 4)
+        self.conv2 = nn.Conv2d(4, 6, 3, stride=2, groups=2)
+        self.head = nn.Linear(6, 5)
+
+    def forward(self, x):
+        return self.head(self.conv2(torch.tanh(self.norm(self.conv1(x)))).mean(dim=(2, 3)))
+
+
+def _float64_per_sample(layer: nn.Module, x: torch.Tensor, g: torch.Tensor) -> dict:
+    """{parameter: (B, ...)} float64 per-sample gradients of ``<layer(x_b), g_b>`` by torch.func,
+    x rounded to g's half dtype where autocast's bf16 layer rounded it (not GroupNorm's fp32)."""
+    from torch.func import functional_call, grad, vmap
+
+    if x.dtype == torch.float32 and g.dtype == torch.bfloat16 and not isinstance(layer, nn.GroupNorm):
+        x = x.to(g.dtype)
+    layer64 = copy.deepcopy(layer).double()
+    params = {n: p.detach() for n, p in layer64.named_parameters()}
+
+    def f(p, xb, gb):
+        return (functional_call(layer64, p, (xb[None],)) * gb[None]).sum()
+
+    grads = vmap(grad(f), in_dims=(None, 0, 0))(params, x.double(), g.double())
+    return {p: grads[n] for n, p in layer.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", ["single", "double"])
+def test_autocast_convolutions_and_group_norm_are_exact_against_float64(mode):
+    """Convolutions under autocast (fp32 input beside bf16 backprops, then bf16 of both) and
+    GroupNorm on a bf16 input, every layer clipped from its norms: the per-sample
+    norms equal float64 of the autocast computation's own inputs and backprops (captured from a
+    plain autocast step) to fp32 accuracy; single backward's clipped sums too."""
+    from mixed_net import clipped_from_norms
+
+    torch.manual_seed(4)
+    model = AutocastCNN()
+    x, y = torch.randn(4, 3, 6, 6), torch.randint(0, 5, (4,))
+    captured = {}
+
+    def capture(m, inputs, out):
+        captured[m] = [inputs[0].detach()]
+        out.register_hook(lambda g: captured[m].append(g))
+
+    layers = (model.conv1, model.norm, model.conv2, model.head)
+    hooks = [layer.register_forward_hook(capture) for layer in layers]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        F.cross_entropy(model(x).float(), y, reduction="sum").backward()
+    for h in hooks:
+        h.remove()
+    assert [t.dtype for t in captured[model.conv1]] == [torch.float32, torch.bfloat16]
+    assert captured[model.norm][0].dtype == torch.bfloat16
+    per_sample = {}
+    for layer in layers:
+        per_sample.update(_float64_per_sample(layer, *captured[layer]))
+    norms = torch.stack([g.flatten(1).square().sum(1) for g in per_sample.values()]).sum(0).sqrt()
+    C = float(norms.median())
+    coef = (C / (norms + 1e-6)).clamp(max=1.0)
+
+    wrapped_model = copy.deepcopy(model)
+    with clipped_from_norms():
+        wrapped = dpgrad.GradSampleModuleFastGradientClipping(wrapped_model, max_grad_norm=C, loss_reduction="sum",
+                                                              single_backward=mode == "single")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses = F.cross_entropy(wrapped(x).float(), y, reduction="none")
+        wrapped.clipped_backward(losses)
+    assert_norms_close(wrapped.per_sample_gradient_norms, norms, "autocast norms", rtol=1e-5)
+    params = dict(zip(model.parameters(), wrapped_model.parameters()))
+    # Single backward: the convolutions' and GroupNorm's clipped sums are fp32; the Linear head's
+    # is one GEMM on its bf16 operands, rounded to bf16 as autograd's own weight gradient is.
+    exact = {p for layer in (model.conv1, model.norm, model.conv2) for p in layer.parameters()} | {model.head.bias}
+    for p, g in per_sample.items():
+        expected = torch.einsum("b,b...->...", coef, g)
+        rtol = 1e-5 if mode == "single" and p in exact else RTOL
+        assert_tensor_close(params[p].grad, expected, "clipped sum", rtol=rtol)

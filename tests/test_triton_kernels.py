@@ -10,6 +10,7 @@ half precision 1e-2 (DESIGN.md), never loosened.
 
 from __future__ import annotations
 
+import math
 import pytest
 import torch
 
@@ -538,6 +539,55 @@ def test_norm_layer_grad_sample_splits_rows(monkeypatch):
         assert_rel_per_sample(gb, torch.cat([b for _, b in refs]), 1e-5, f"{target} programs")
     with pytest.raises(ValueError, match=f"d <= {module.MAX_D}"):
         K.norm_layer_grad_sample_grouped([xs[0][..., None]], [gs[0][..., None]], 1e-6, rms=False)
+
+
+def _group_norm_reference(x: torch.Tensor, g: torch.Tensor, groups: int, eps: float):
+    """(weight, bias) per-sample GroupNorm gradients, (B, C) float64."""
+    normed = torch.nn.functional.group_norm(x.double(), groups, eps=eps) if x.shape[0] else x.double()
+    flat = (x.shape[0], x.shape[1], math.prod(x.shape[2:]))
+    return (normed * g.double()).reshape(flat).sum(2), g.double().reshape(flat).sum(2)
+
+
+# (L, B, C, spatial, groups, layout): "nchw", "channels_last" or "strided" (every other channel)
+GROUP_NORM_CASES = [(2, 3, 8, (5, 4), 4, "nchw"), (1, 2, 48, (3, 3), 16, "channels_last"), (2, 2, 6, (7,), 3, "nchw"),
+                    (1, 2, 32, (2, 3, 2), 1, "strided"), (2, 3, 12, (), 3, "nchw"), (2, 0, 8, (4, 4), 2, "nchw"),
+                    (1, 2, 512, (2,), 2, "nchw"), (1, 2, 256, (3,), 2, "nchw")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", GROUP_NORM_CASES, ids=str)
+def test_group_norm_grad_sample(case, dtype):
+    """GroupNorm per-sample gradients of a group of layers in one launch, against float64 of the
+    same inputs; weight only, bias only."""
+    from dpgrad.kernels.group_norm_grad_sample import MAX_GROUP_CHANNELS
+
+    L, B, C, spatial, groups, layout = case
+    gen = torch.Generator().manual_seed(70)
+
+    def make(scale, shift):
+        width = 2 * C if layout == "strided" else C
+        t = (torch.randn(B, width, *spatial, generator=gen) * scale + shift).to(dtype).to(DEVICE)
+        if layout == "strided":
+            return t[:, ::2]
+        return t.to(memory_format=torch.channels_last) if layout == "channels_last" else t
+
+    xs = [make(3.0, 2.0) for _ in range(L)]  # a mean to subtract
+    gs = [make(1.0, 0.0) for _ in range(L)]
+    fits = C // groups <= MAX_GROUP_CHANNELS
+    assert K.group_norm_fits(xs[0], groups) == fits
+    if not fits:
+        with pytest.raises(ValueError, match=f"C / groups <= {MAX_GROUP_CHANNELS}"):
+            K.group_norm_grad_sample_grouped(xs, gs, groups, 1e-5)
+        return
+    gw, gb = K.group_norm_grad_sample_grouped(xs, gs, groups, 1e-5, weight=True, bias=True)
+    assert gw.dtype == gb.dtype == torch.float32 and gw.shape == gb.shape == (L * B, C)
+    refs = [_group_norm_reference(x, g, groups, 1e-5) for x, g in zip(xs, gs)]
+    assert_rel_per_sample(gw, torch.cat([w for w, _ in refs]), 1e-5, "weight")
+    assert_rel_per_sample(gb, torch.cat([b for _, b in refs]), 1e-5, "bias")
+    weight_only = K.group_norm_grad_sample_grouped(xs, gs, groups, 1e-5, weight=True, bias=False)
+    bias_only = K.group_norm_grad_sample_grouped(xs, gs, groups, 1e-5, weight=False, bias=True)
+    assert weight_only[1] is None and torch.equal(weight_only[0], gw)
+    assert bias_only[0] is None and torch.equal(bias_only[1], gb)
 
 
 # ------------------------------------------------------------------------ Triton versions

@@ -4,7 +4,7 @@ dpgrad does not import transformers).
 
 GroupNorm normalises each sample's (C/g, *spatial) block per group and scales channel c by
 weight[c]: its per-sample gradients are ``sum_s x̂[c, s] g[c, s]`` and ``sum_s g[c, s]``, (B, C),
-computed eagerly (the Triton kernel normalises rows of the last dimension only).
+from a kernel of its own on the Triton backend (``group_norm_grad_sample``).
 
 Their per-sample gradients are as small as their parameters, so ghost clipping takes norms
 of these directly; ``NormLayerGroup`` computes those of many such layers at once.
@@ -16,6 +16,7 @@ weight gradient is ``sum_t round(x̂_t) ⊙ g_t``, computed here by the same ari
 
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -98,8 +99,8 @@ def per_sample_grads(layer: nn.Module, x: torch.Tensor, backprops: torch.Tensor)
 
 
 def _sum_spatial(x: torch.Tensor, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Sum (N, C, *spatial) over the spatial dimensions, in ``dtype``: (N, C)."""
-    return x.flatten(2).sum(2, dtype=dtype)
+    """Sum (N, C, *spatial) over the spatial dimensions (none for (N, C)), in ``dtype``: (N, C)."""
+    return x.reshape(x.shape[0], x.shape[1], math.prod(x.shape[2:])).sum(2, dtype=dtype)
 
 
 @register_grad_sampler(LAYERS)
@@ -123,8 +124,11 @@ def _group_grads(ops, layers: List[nn.Module], xs: List[torch.Tensor], gs: List[
     tensors read where they are. Eager: one computation on the concatenated inputs when they
     are small, else one per layer."""
     layer = layers[0]
-    if ops is not reference and not isinstance(layer, nn.GroupNorm) and ops.norm_layer_fits(xs[0]):
-        weight, bias = _trainable(layer)
+    weight, bias = _trainable(layer)
+    if isinstance(layer, nn.GroupNorm):
+        if ops is not reference and ops.group_norm_fits(xs[0], layer.num_groups):
+            return ops.group_norm_grad_sample_grouped(xs, gs, layer.num_groups, layer.eps, weight=weight, bias=bias)
+    elif ops is not reference and ops.norm_layer_fits(xs[0]):
         return ops.norm_layer_grad_sample_grouped(xs, gs, _eps(layer, xs[0]), rms=not isinstance(layer, nn.LayerNorm),
                                                   rounded=_llama_family(layer), weight=weight, bias=bias)
     if stackable(xs) and stackable(gs):
@@ -152,7 +156,7 @@ class NormLayerGroup(Group):
         gs = [backprops for _, _, backprops in self.records]
         self.records = []
         layer = layers[0]
-        if len(_shape(layer)) == 1 and not isinstance(layer, nn.GroupNorm) and same_layout(xs) and same_layout(gs):
+        if len(_shape(layer)) == 1 and same_layout(xs) and same_layout(gs):
             grads = guarded("per-sample gradients", layer, (xs[0], gs[0]),
                             lambda ops: _group_grads(ops, layers, xs, gs))
         else:

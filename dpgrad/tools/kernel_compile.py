@@ -75,7 +75,7 @@ class Variant:
 
 
 # The innermost (feature) stride of each tensor the kernels read: 1 for a contiguous tensor.
-UNIT_STRIDES = ("s_ad", "s_gp", "s_gd", "s_xd", "s_n")
+UNIT_STRIDES = ("s_ad", "s_gp", "s_gd", "s_xd", "s_n", "s_xs", "s_gs")
 
 
 def _out(a: str, g: str) -> str:
@@ -146,11 +146,26 @@ def _norm_layer_variants() -> Iterator[Variant]:
                           num_warps=warps)
 
 
+def _group_norm_variants() -> Iterator[Variant]:
+    from dpgrad.kernels.group_norm_grad_sample import MAX_GROUP_CHANNELS, blocks
+
+    # (X, G): one dtype, or autocast's (GroupNorm runs in fp32 after a half convolution).
+    pairs = [("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp32"), ("fp16", "fp32")]
+    sizes = sorted({blocks(1 << k) for k in range(MAX_GROUP_CHANNELS.bit_length())})
+    for (x, g), (weight, bias) in itertools.product(pairs, ((True, True), (True, False), (False, True))):
+        for BC, BS, warps in sizes:
+            yield Variant("group_norm_grad_sample:_group_norm_grad_sample_kernel",
+                          f"{x}/{g} weight={weight:d} bias={bias:d} BC={BC}",
+                          (("X", x), ("G", g), ("X_PTRS", "i64"), ("G_PTRS", "i64"), ("GW", "fp32"), ("GB", "fp32")),
+                          (("WITH_WEIGHT", weight), ("WITH_BIAS", bias)), blocks=(("BC", BC), ("BS", BS)),
+                          num_warps=warps)
+
+
 def variants() -> List[Variant]:
     """Every (kernel, variant) the launchers of ``dpgrad.kernels`` make."""
     # dict: a variant two launchers make alike (an fp32 layer's split and unsplit sums) once.
     plain = list(dict.fromkeys([*_linear_variants(), *_token_sum_variants(), *_embedding_variants(),
-                                *_norm_layer_variants()]))
+                                *_norm_layer_variants(), *_group_norm_variants()]))
     # And each as a launch on aligned, contiguous tensors compiles it (the common case on a GPU).
     return plain + [dataclasses.replace(v, label=v.label + " aligned", aligned=True) for v in plain
                     if v.kernel != "embedding_segment_sum:_per_sample_total_kernel"]

@@ -49,6 +49,7 @@ UNITS = {
     "step_time": "ms",
     "time": "ms",
     "throughput": "tokens/s",
+    "image_throughput": "images/s",
     "peak_memory": "bytes",
     "throughput_over_non_private": "ratio",
     "peak_memory_over_non_private": "ratio",

@@ -1,0 +1,81 @@
+"""The WideResNet-16-4 with GroupNorm of DP image classification (full width, small images)
+through dpgrad, one step exactly against float64: ghost clipping in both modes (every
+convolution and GroupNorm clipped from norms) and per-sample gradients. (Hugging Face's ViT:
+tests/test_hf_models.py, with the other Hugging Face models.)"""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import dpgrad
+from dpgrad.tools.vision import WideResNet
+from mixed_net import clipped_from_norms
+from per_sample_reference import BACKEND_PASS, assert_norms_close, assert_tensor_close, per_sample_grads
+
+
+def loss_of(logits, y):
+    return F.cross_entropy(logits, y, reduction="none")
+
+
+def images(B: int, size: int, classes: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, 3, size, size, generator=g), torch.randint(0, classes, (B,), generator=g)
+
+
+MODELS = {
+    "wrn-16-4": (lambda: WideResNet(16, 4, classes=10), 8, 10),
+    "wrn-10-1": (lambda: WideResNet(10, 1, classes=3, groups=4), 6, 3),
+}
+# The Triton pass (the interpreter, slow on a CPU) takes the kernels through the narrow one.
+RUN = ["wrn-10-1"] if BACKEND_PASS else list(MODELS)
+
+
+def clipped_step(model, batch, mode):
+    """The wrapper's ``p.grad`` after one clipped step at the median norm, beside the float64
+    reference's clipped sum."""
+    x, y = batch
+    ref = per_sample_grads(model, x, y, loss_of)
+    norms = torch.stack([g.flatten(1).square().sum(1) for g in ref.values()]).sum(0).sqrt()
+    C = float(norms.median())
+    with clipped_from_norms():
+        wrapped = dpgrad.GradSampleModuleFastGradientClipping(copy.deepcopy(model), loss_reduction="mean",
+                                                              max_grad_norm=C, single_backward=mode == "single")
+        criterion = dpgrad.DPLossFastGradientClipping(wrapped, SimpleNamespace(loss_reduction="mean"),
+                                                      nn.CrossEntropyLoss(), "mean")
+        criterion(wrapped(x), y).backward()
+    assert_norms_close(wrapped.per_sample_gradient_norms, norms, f"norms ({mode})")
+    coef = (C / (norms + 1e-6)).clamp(max=1.0)
+    assert (coef < 1).any()
+    for n, p in wrapped._module.named_parameters():
+        expected = torch.einsum("b,b...->...", coef, ref[n])
+        assert_tensor_close(p.grad, expected, f"clipped {n}.grad ({mode})",
+                            (coef[:, None] * ref[n].flatten(1).abs()).sum(0).max().item())
+    return wrapped
+
+
+@pytest.mark.parametrize("mode", ["single", "double"])
+@pytest.mark.parametrize("name", RUN)
+def test_vision_model_clipped_step_matches_float64(name, mode):
+    make, size, classes = MODELS[name]
+    torch.manual_seed(0)
+    model = make()
+    clipped_step(model, images(3, size, classes, seed=1), mode)
+
+
+@pytest.mark.parametrize("name", RUN)
+def test_vision_model_per_sample_gradients(name):
+    make, size, classes = MODELS[name]
+    torch.manual_seed(1)
+    model = make()
+    x, y = images(2, size, classes, seed=2)
+    ref = per_sample_grads(model, x, y, loss_of)
+    wrapped = dpgrad.GradSampleModule(copy.deepcopy(model), loss_reduction="sum")
+    F.cross_entropy(wrapped(x), y, reduction="sum").backward()
+    for n, p in wrapped._module.named_parameters():
+        assert_tensor_close(p.grad_sample, ref[n], f"{n}.grad_sample")
