@@ -394,3 +394,57 @@ def test_the_tuned_algorithm_serves_the_group_and_the_report(algorithm, monkeypa
         name = next(n for n, q in layer.named_parameters() if q is p)
         assert_tensor_close(s, torch.einsum("b,b...->...", coef.double(), ref[name]), f"clipped {name}",
                             ref[name].abs().sum(0).max().item())
+
+
+@pytest.mark.parametrize("padding_mode", ["circular", "reflect", "replicate"])
+def test_opacus_1_6_conv_sampler_ignores_the_padding_mode(padding_mode):
+    """Opacus 1.6.0's convolution sampler unfolds with zero padding whatever the layer's
+    padding mode: its per-sample gradients (hence the norms it clips by) are wrong for the
+    other modes; dpgrad's are the float64 reference's."""
+    pytest.importorskip("opacus")
+    from opacus.grad_sample.conv import compute_conv_grad_sample
+
+    torch.manual_seed(8)
+    layer = nn.Conv2d(2, 3, 3, padding=1, padding_mode=padding_mode)
+    x = torch.randn(2, 2, 5, 5)
+    G = torch.randn_like(layer(x))
+    ref = layer_reference(layer, x, G)["weight"]
+    theirs = compute_conv_grad_sample(layer, [x], G)[layer.weight].double()
+    assert ((theirs - ref).norm() / ref.norm()).item() > 0.1
+    assert_tensor_close(conv_samplers.conv_grad_sample(layer, [x], G)[layer.weight], ref, padding_mode)
+
+
+def test_opacus_1_6_ghost_clipping_of_a_circular_convolution_exceeds_the_bound():
+    """Opacus 1.6's ghost clipping takes a convolution's norm from its (zero-padded) per-sample
+    gradient, then scales the true gradient by that norm's coefficient: one sample's clipped
+    gradient passes C. dpgrad's stays within C on the same samples."""
+    pytest.importorskip("opacus")
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping as OpacusFGC
+    from opacus.optimizers import DPOptimizerFastGradientClipping
+    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping as OpacusLoss
+
+    C = 0.01
+    worst = {"opacus": 0.0, "dpgrad": 0.0}
+    for seed in range(20):
+        torch.manual_seed(seed)
+        base = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1, padding_mode="circular", bias=False), nn.Flatten(),
+                             nn.Linear(75, 2, bias=False))
+        base[2].requires_grad_(False)
+        x, y = torch.randn(1, 2, 5, 5), torch.tensor([1])
+        for who in worst:
+            model = copy.deepcopy(base)
+            if who == "opacus":
+                wrapped = OpacusFGC(model, max_grad_norm=C, loss_reduction="sum")
+                optimizer = DPOptimizerFastGradientClipping(torch.optim.SGD(model.parameters(), lr=0.0),
+                                                            noise_multiplier=0.0, max_grad_norm=C,
+                                                            expected_batch_size=1, loss_reduction="sum")
+                criterion = OpacusLoss(wrapped, optimizer, nn.CrossEntropyLoss(reduction="sum"), "sum")
+            else:
+                wrapped = dpgrad.GradSampleModuleFastGradientClipping(model, max_grad_norm=C, loss_reduction="sum")
+                criterion = dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss(reduction="sum"),
+                                                              "sum")
+            with clipped_from_norms():
+                criterion(wrapped(x), y).backward()
+            worst[who] = max(worst[who], model[0].weight.grad.norm().item() / C)
+    assert worst["opacus"] > 1.1, worst
+    assert worst["dpgrad"] <= 1 + 1e-5, worst
