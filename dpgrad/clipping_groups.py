@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from dpgrad.clipping_path import clipping_bound, clipping_coefficients
+from dpgrad.coefficients import clipping_bound, clipping_coefficients
 
 CLIPPINGS = ("flat", "per_layer", "groups")
 # A transformer block in a parameter's qualified name: "...h.3.", "...layers.11.", "...blocks.0.".

@@ -1,21 +1,20 @@
-"""``ClippingPath``: the backward path of the ghost-clipping wrapper.
+"""``ClippingPath``: the backward path of the ghost-clipping wrapper, its passes' lifecycle.
 
 Its ``finish`` takes the per-sample gradient norms of a pass's records: grouped by layer type
-and shapes (``dpgrad.samplers.groups``; the grouping, a ``FinishPlan``, is made once for a
-pass of given layers, shapes and trainable parameters, and reused), each group's norms in a
-few batched operations, rows of one (P, B) matrix; ``p._norm_sample`` and the total norm (B,)
-from it. ``clipped_backward`` runs a norm pass that asks autograd for the hooked outputs'
-gradients only, takes the coefficients ``min(1, C / (norm + 1e-6))`` once, and then either
-each group's clipped sums, which reach ``p.grad`` through autograd's own accumulation, each
-group letting go of its inputs as it is summed (single backward), or a second backward pass
-of ``sum_b c_b loss_b`` with the hooks off (double backward, Opacus's protocol).
+and shapes by the pass's finish plan (``dpgrad.finish_plan``, made once for a pass of given
+layers, shapes and trainable parameters, and reused), each group's norms in a few batched
+operations, rows of one (P, B) matrix; ``p._norm_sample`` and the total norm (B,) from it.
+``clipped_backward`` runs a norm pass that asks autograd for the hooked outputs' gradients
+only, takes the coefficients ``min(1, C / (norm + 1e-6))`` once (``dpgrad.coefficients``), and
+then either each group's clipped sums, which reach ``p.grad`` through autograd's own
+accumulation, each group letting go of its inputs as it is summed (single backward,
+``dpgrad.clipped_sums``), or a second backward pass of ``sum_b c_b loss_b`` with the hooks off
+(double backward, Opacus's protocol).
 
-With clipping groups (``dpgrad.clipping_groups``: per-layer or per-block clipping) a group's
-coefficients need only its own norms, so single backward clips each group as soon as the
-records of all its layers are in (``_flush_complete``: in the backward hook of its last
-layer), and lets go of their inputs there: a pass holds the records of the groups not yet
-complete, not the whole model's. The sums wait (on the device) for the pass's finite check
-before they reach ``p.grad``, as flat clipping's do.
+With clipping groups (``dpgrad.clipping_groups``: per-layer or per-block clipping) single
+backward clips each group as soon as the records of all its layers are in
+(``dpgrad.group_flush``), so a pass holds the records of the groups not yet complete, not the
+whole model's.
 
 A parameter used more than once (an input embedding tied to the output layer, a layer
 called twice) gets the exact norm of its summed per-sample gradient, ``sqrt(sum_i |g_i|^2 +
@@ -25,30 +24,24 @@ uses' factors (``registry.register_factor_sampler``), never a per-sample gradien
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from dpgrad import registry
 from dpgrad.backward_pass import BackwardPath, FiniteCheck, region
+from dpgrad.clipped_sums import ClippedSums
+from dpgrad.coefficients import clipping_coefficients, reduce_losses
+from dpgrad.finish_plan import Planner
 from dpgrad.fsdp import ShardedParameters
 from dpgrad.guarantee import sequence_number
 from dpgrad.independence import OUTPUT, Probe, describe_output, hooked_edges_reached, loss_mixing_error, \
     model_mixing_error
 from dpgrad.kernels import reference
-from dpgrad.samplers.groups import Coefficients, GradSampleGroup, Group, Record, SamplerGroup, group_records
-
-# A layer is clipped from its per-sample gradients when they (fp32) take at most this fraction
-# of the memory of the inputs and backprops that book-keeping would keep for it, or when they
-# have at most this many elements over the batch (too small to matter, and fewer operations).
-GRAD_SAMPLE_MEMORY_FRACTION = 0.25
-TINY_GRAD_SAMPLE_ELEMENTS = 1 << 18
-# Finish plans kept per path: one per pass layout (a batch size under Poisson sampling).
-MAX_PLANS = 64
+from dpgrad.group_flush import GroupFlush
+from dpgrad.samplers.groups import Group, Record
 
 REENTRANT_CHECKPOINT = (
     "the model uses reentrant activation checkpointing (torch.utils.checkpoint with "
@@ -70,87 +63,6 @@ class NormPass(Enum):
     ONE_SAMPLE = "one sample"  # a batch of one: the plain gradient is the per-sample one; nothing recorded
 
 
-class PlannedGroup(NamedTuple):
-    """A group of a finish plan: what makes it from its records, their indices in the pass,
-    and its FSDP2 parameter group (None for a model not sharded)."""
-
-    make: Callable[[List[Record]], Group]
-    indices: Tuple[int, ...]
-    shard: Optional[int]
-
-
-@dataclass
-class FinishPlan:
-    """How a pass's records are served: its groups; ``by_norm``, the indices of the records
-    clipped from their norms; ``combined``, whether a parameter has several rows to combine
-    (known after the first pass of the plan)."""
-
-    groups: List[PlannedGroup]
-    by_norm: Tuple[int, ...]
-    combined: Optional[bool] = None
-
-
-def clipping_bound(value, what: str = "max_grad_norm") -> float:
-    """``value`` as a float if it is a finite positive number (a clipping bound), else raise
-    ValueError: a negative bound would make the coefficients negative (gradient ascent), and a
-    NaN or infinite one would put NaN in, or take the clipping out of, every gradient."""
-    try:
-        if isinstance(value, (bool, str)) or (isinstance(value, torch.Tensor) and value.numel() != 1):
-            raise TypeError(value)
-        bound = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{what} must be a finite positive number (the clipping bound C), not {value!r}") from None
-    if not math.isfinite(bound) or bound <= 0:
-        raise ValueError(f"{what} must be a finite positive number (the clipping bound C), not {bound}")
-    return bound
-
-
-def per_sample_bounds(bounds, max_grad_norm: float, loss_per_sample: torch.Tensor) -> torch.Tensor:
-    """``bounds`` as a float32 tensor (B,) on the losses' device, checked on the host: one per
-    loss, each finite and between 0 and ``max_grad_norm`` (no sample may move the gradient by
-    more than the bound the noise is scaled to); else ValueError."""
-    host = torch.as_tensor(bounds.detach().cpu() if isinstance(bounds, torch.Tensor) else bounds,
-                           dtype=torch.float64)
-    if host.shape != loss_per_sample.shape:
-        raise ValueError(f"max_grad_norms of shape {tuple(host.shape)} for {tuple(loss_per_sample.shape)} "
-                         "losses: give one bound per sample")
-    if not bool(torch.isfinite(host).all()) or bool((host < 0).any()) or bool((host > max_grad_norm).any()):
-        raise ValueError(f"per-sample bounds must lie between 0 and max_grad_norm={max_grad_norm}; "
-                         f"got values from {host.min().item()} to {host.max().item()}")
-    return host.to(torch.float32).to(loss_per_sample.device, non_blocking=True)
-
-
-def clipping_coefficients(norms: torch.Tensor, max_grad_norm, gamma: Optional[float] = None) -> torch.Tensor:
-    """Opacus's per-sample clipping factors ``min(1, C / (norm + 1e-6))``, (B,); with ``gamma``,
-    automatic clipping's ``C / (norm + gamma)`` (Bu et al. 2022: every sample's gradient scaled
-    to just below C, ``C * norm / (norm + gamma)``). ``max_grad_norm`` a float or per-sample
-    bounds (B,)."""
-    if gamma is not None:
-        return max_grad_norm / (norms + gamma)
-    return (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
-
-
-def automatic_gamma(value) -> float:
-    """Automatic clipping's stability constant gamma, checked: a finite number > 0 (0 would
-    divide a zero gradient by zero)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"automatic_gamma must be a finite number > 0 (0.01 in Bu et al. 2022), not {value!r}")
-    return float(value)
-
-
-def reduce_losses(loss_per_sample: torch.Tensor, loss_reduction: str) -> torch.Tensor:
-    """The batch's loss from per-sample losses (B,): their mean or their sum."""
-    return loss_per_sample.mean(dim=0) if loss_reduction == "mean" else loss_per_sample.sum(dim=0)
-
-
-def _record_key(layer: nn.Module, params: Tuple[nn.Parameter, ...], record: Record) -> tuple:
-    """What a record's place in a finish plan depends on: its layer, which of the layer's
-    parameters train, and the shapes, dtypes and devices of its inputs and backprops."""
-    backprops = record.backprops
-    return (layer, tuple(p.requires_grad for p in params), backprops.shape, backprops.dtype, backprops.device,
-            *((a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else type(a) for a in record.inputs))
-
-
 class ClippingPath(BackwardPath):
     """The ghost-clipping wrapper's path (see the module docstring).
 
@@ -167,8 +79,7 @@ class ClippingPath(BackwardPath):
                  "uses below are not in the per-sample norms, so one sample could move the summed "
                  "gradient by more than max_grad_norm. Nothing has reached p.grad from this pass.")
     TRANSIENT = BackwardPath.TRANSIENT + ("_records", "_norm_pass", "_kept", "_finite", "pass_norm", "group_norms",
-                                          "_held", "_flushed", "records_peak", "_layer_groups", "_group_layers", "_plans",
-                                          "_row_indices", "_constants")
+                                          "_group_flush", "records_peak", "planner", "_row_indices", "sums")
 
     def __init__(self, model: nn.Module, *, ghost: bool, single_backward: bool, clip_groups=None,
                  gamma: Optional[float] = None, **settings):
@@ -189,15 +100,12 @@ class ClippingPath(BackwardPath):
         self.pass_norm: Optional[torch.Tensor] = None  # (B,) total norm of the last pass
         self.group_norms: Optional[torch.Tensor] = None  # (G, B) with clipping groups
         # Clipping groups in single backward: each group clipped as soon as its records are all
-        # in (``_flush``), its sums held here until the pass's norms are known to be finite.
-        self._held: Dict[nn.Parameter, torch.Tensor] = {}
-        self._flushed: List[Tuple[List[nn.Parameter], torch.Tensor]] = []  # (params, norm rows)
+        # in, its sums held until the pass's norms are known to be finite.
+        self._group_flush = GroupFlush(self)
         self.records_peak = 0  # the most records held at once in the last pass
-        self._layer_groups: Dict[nn.Module, tuple] = {}  # a layer's clipping groups, per hooking
-        self._group_layers: Optional[Dict[int, List[nn.Module]]] = None  # a group's layers, per hooking
-        self._plans: Dict[tuple, FinishPlan] = {}
+        self.planner = Planner(self)  # how a pass's records are grouped (``dpgrad.finish_plan``)
         self._row_indices: Dict[tuple, torch.Tensor] = {}
-        self._constants: Dict[tuple, torch.Tensor] = {}
+        self.sums = ClippedSums(self)  # the clipped sums and their hand-off to p.grad
 
     # ------------------------------------------------------------------ the layers
     def uses_norm_sampler(self, layer: nn.Module) -> bool:
@@ -262,10 +170,8 @@ class ClippingPath(BackwardPath):
 
     def _rescan(self) -> None:
         super()._rescan()
-        self._layer_groups.clear()
-        self._group_layers = None
+        self.planner.forget()
         self.trainable_parameters = [p for p in self.model.parameters() if p.requires_grad]
-        self._plans.clear()
 
     # ------------------------------------------------------------------ forward
     def begin_forward(self) -> None:
@@ -304,51 +210,7 @@ class ClippingPath(BackwardPath):
         self._records.append(record)
         self.records_peak = max(self.records_peak, len(self._records))
         if self._norm_pass is NormPass.KEEP_FOR_CLIPPING and self.clip_groups is not None:
-            self._flush_complete(record)
-
-    def _flush_complete(self, record: Record) -> None:
-        """Clip the kept records whose clipping groups are complete now that ``record`` is in:
-        no layer with a parameter in them has a call of a forward pass still to be recorded
-        (``_unrecorded``), and no kept record of another, incomplete group shares a group with
-        them (a group's norm takes all of its records at once)."""
-        complete: Dict[int, bool] = {}
-
-        def done(g: int) -> bool:
-            if g not in complete:
-                complete[g] = not any(calls.get(layer) for calls in self._unrecorded.values()
-                                      for layer in self._layers_of_group(g))
-            return complete[g]
-
-        if not all(done(g) for g in self._groups_of_layer(record.layer)):
-            return  # the common case of a layer in the middle of its group: no scan of the others
-        touched = [frozenset(self._groups_of_layer(rec.layer)) for rec in self._records]
-        ready = [all(done(g) for g in gs) for gs in touched]
-        while True:  # a group that a record not ready touches is held back, and its records
-            held = {g for gs, r in zip(touched, ready) if not r for g in gs}
-            blocked = [i for i, (gs, r) in enumerate(zip(touched, ready)) if r and gs & held]
-            if not blocked:
-                break
-            for i in blocked:
-                ready[i] = False
-        now = [rec for rec, r in zip(self._records, ready) if r]
-        if not now:
-            return
-        self._records = [rec for rec, r in zip(self._records, ready) if not r]
-        with torch.no_grad(), region("dpgrad.clip_group"):
-            self._flush(now)
-
-    def _flush(self, records: List[Record]) -> None:
-        """The norms of ``records`` (whole clipping groups), their groups' coefficients, and
-        their clipped sums into ``_held``; the records' inputs are let go of."""
-        params, rows, kernel_groups = self._norm_rows([self.batch_front(rec) for rec in records])
-        records.clear()
-        if rows is None:
-            return
-        if self.loss_reduction == "mean":
-            rows = rows * rows.shape[1]
-        self._flushed.append((params, rows))
-        coefs = self._coefficients(self.clip_groups.coefficients(self.clip_groups.norms(params, rows)))
-        self._sum_groups([group for group, _ in kernel_groups], coefs, self._held)
+            self._group_flush.after(record)
 
     def _open_pass(self) -> None:
         # Norms belong to one backward pass: a parameter this pass does not reach has a zero
@@ -359,7 +221,7 @@ class ClippingPath(BackwardPath):
         self.records_peak = 0
 
     def _clear_pass(self) -> None:
-        self._records, self._flushed = [], []
+        self._records, self._group_flush.flushed = [], []
         super()._clear_pass()
 
     def finish(self) -> None:
@@ -368,13 +230,10 @@ class ClippingPath(BackwardPath):
         if self._norm_pass is NormPass.ONE_SAMPLE:
             return
         if self._norm_pass is NormPass.KEEP_FOR_CLIPPING and self.clip_groups is not None:
-            # The records of groups not complete (a layer whose output reached no loss).
-            self._flush(self._records)
-            if not self._flushed:
+            found = self._group_flush.rows()
+            if found is None:
                 return
-            params = [p for ps, _ in self._flushed for p in ps]
-            rows = torch.cat([r for _, r in self._flushed]) if len(self._flushed) > 1 else self._flushed[0][1]
-            self._flushed = []
+            params, rows = found
         else:
             records = [self.batch_front(rec) for rec in self._records]
             self._records = []
@@ -430,12 +289,12 @@ class ClippingPath(BackwardPath):
     # ------------------------------------------------------------------ the norms
     def _norm_rows(self, records: List[Record]) -> Tuple[List[nn.Parameter], Optional[torch.Tensor], list]:
         """The pass's parameters (each once), their per-sample gradient norms (P, B), and the
-        groups made (with their FSDP2 group), by the pass's plan (``_finish_plan``): each
+        groups made (with their FSDP2 group), by the pass's plan (``Planner.plan``): each
         group's norms, then, for a parameter used by several records, the norm of its summed
         gradient."""
         if not records:
             return [], None, []
-        plan = self._finish_plan(records)
+        plan = self.planner.plan(records)
         groups = [(planned.make([records[i] for i in planned.indices]), planned.shard) for planned in plan.groups]
         params, pieces = [], []
         for group, _ in groups:
@@ -452,128 +311,6 @@ class ClippingPath(BackwardPath):
         if plan.combined:
             params, rows = self._combine_uses(params, rows, [records[i] for i in plan.by_norm])
         return params, rows, groups
-
-    def _finish_plan(self, records: List[Record]) -> FinishPlan:
-        """How the pass's records are grouped, planned once for a pass of the same layers,
-        shapes, dtypes and trainable parameters (a training loop's every step): see ``_plan``."""
-        key = (registry.version, len(self.shared), self.ghost, self.single_backward,
-               *(_record_key(rec.layer, self._own_params[rec.layer], rec) for rec in records))
-        plan = self._plans.get(key)
-        if plan is None:
-            if len(self._plans) >= MAX_PLANS:  # Poisson batches: one plan per batch size seen
-                self._plans.clear()
-            plan = self._plans[key] = self._plan(records)
-        return plan
-
-    def _plan(self, records: List[Record]) -> FinishPlan:
-        """A record is clipped from its per-sample gradients when its layer has no norm
-        sampler or when they are small (``_small_grad_sample``), else from its norm ("ghost").
-        A parameter used by several records gets the norm of its summed gradient: from the
-        sum of its per-sample gradients, or, for ghost uses, from the uses' norms and cross
-        terms."""
-        uses: Dict[nn.Parameter, List[int]] = {}
-        ghost: List[bool] = []
-        for i, rec in enumerate(records):
-            for p in self.layer_params(rec.layer):
-                uses.setdefault(p, []).append(i)
-            ghost.append(self.uses_norm_sampler(rec.layer) and not self._small_grad_sample(rec))
-        shared_uses = set()
-        for p, at in uses.items():
-            if len(at) < 2:
-                continue
-            ghost_layer = next((records[i].layer for i in at if self.uses_norm_sampler(records[i].layer)), None)
-            if ghost_layer is not None and p not in self.shared:
-                raise NotImplementedError(
-                    f"parameter '{self.param_name(p)}' of layer '{self.layer_names[ghost_layer]}' "
-                    "received two gradient contributions in one backward pass (several forward "
-                    "passes before one backward); ghost clipping combines the uses of one forward "
-                    "pass only. Run backward after every forward pass."
-                )
-            # A parameter's uses are all summed as per-sample gradients or all ghost.
-            if any(ghost[i] for i in at):
-                for i in at:
-                    ghost[i] = True
-            shared_uses.update(at)
-        by_norm = [i for i in range(len(records)) if ghost[i]]
-        summed = [i for i in range(len(records)) if not ghost[i] and i in shared_uses]
-        alone = [i for i in range(len(records)) if not ghost[i] and i not in shared_uses]
-        groups = (self._norm_groups(records, by_norm) + self._grad_sample_groups(records, alone)
-                  + self._summed_groups(records, summed))
-        return FinishPlan(groups, tuple(by_norm))
-
-    def _norm_groups(self, records: List[Record], at: List[int]) -> List[PlannedGroup]:
-        """Records clipped from their norms: batched by their layer type's norm group where it
-        has one (``registry.register_norm_group``), else one ``SamplerGroup`` each."""
-        return [PlannedGroup(make, indices, shard) for shard, part in self._by_shard(records, at)
-                for make, indices in group_records(records, part, _norm_group_class, SamplerGroup, self._clip_key())]
-
-    def _grad_sample_groups(self, records: List[Record], at: List[int]) -> List[PlannedGroup]:
-        """Records clipped from their own per-sample gradients: batched by their layer type's
-        group where it has one (``registry.register_grad_sample_group``)."""
-        return [PlannedGroup(make, indices, shard) for shard, part in self._by_shard(records, at)
-                for make, indices in group_records(records, part, self._grad_sample_group_class,
-                                                   self._grad_sample_group, self._clip_key())]
-
-    def _clip_key(self) -> Optional[Callable[[nn.Module], tuple]]:
-        """With clipping groups: what records batched into one group must share, their layers'
-        clipping groups."""
-        return None if self.clip_groups is None else self._groups_of_layer
-
-    def _groups_of_layer(self, layer: nn.Module) -> tuple:
-        """The clipping group of each of a layer's trainable parameters, in their order (records
-        batched into one clipped sum have them alike: one coefficient row per parameter place),
-        found once per hooking of the model (``group_of`` refuses a parameter in none)."""
-        found = self._layer_groups.get(layer)
-        if found is None:
-            found = self._layer_groups[layer] = tuple(self.clip_groups.group_of(p, self.param_name(p))
-                                                      for p in self.layer_params(layer))
-        return found
-
-    def _layers_of_group(self, g: int) -> List[nn.Module]:
-        """The hooked layers holding a parameter of clipping group ``g``, trainable or not, found
-        once per hooking of the model."""
-        if self._group_layers is None:
-            self._group_layers = {}
-            for layer, params in self._own_params.items():
-                for h in {self.clip_groups.index[p] for p in params if p in self.clip_groups.index}:
-                    self._group_layers.setdefault(h, []).append(layer)
-        return self._group_layers.get(g, [])
-
-    def _summed_groups(self, records: List[Record], at: List[int]) -> List[PlannedGroup]:
-        """Records whose per-sample gradients are summed per parameter before their norms."""
-        return [PlannedGroup(self._grad_sample_group, tuple(part), shard) for shard, part in self._by_shard(records, at)]
-
-    def _grad_sample_group(self, records: List[Record]) -> Group:
-        return GradSampleGroup(records, sampler_for=self.grad_sampler)
-
-    def _grad_sample_group_class(self, layer: nn.Module) -> Optional[type]:
-        return None if layer in self.functorch_layers else registry.GRAD_SAMPLE_GROUPS.get(type(layer))
-
-    def _by_shard(self, records: List[Record], at: List[int]) -> List[Tuple[Optional[int], List[int]]]:
-        """``at`` split by the FSDP2 parameter group of each record's layer, in order of first
-        appearance: (group, indices); one part (None, at) for a model not sharded, or where
-        the groups serve norms alone (double backward: FSDP's own pass makes the gradients).
-        On a sharded model in single-backward mode no group spans two FSDP2 parameter groups:
-        their clipped sums are reduce-scattered one parameter group at a time."""
-        if self.sharded is None or not self.single_backward:
-            return [(None, at)] if at else []
-        parts: Dict[int, List[int]] = {}
-        for i in at:
-            parts.setdefault(self.sharded.group_of[records[i].layer], []).append(i)
-        return list(parts.items())
-
-    def _small_grad_sample(self, record: Record) -> bool:
-        """Whether a layer's per-sample gradients (fp32) take a small fraction of the memory of
-        the inputs and backprops book-keeping would keep for it, or are tiny: then its norms and
-        clipped sums come from them, with fewer flops and less memory (a LoRA adapter's are far
-        smaller than its inputs)."""
-        layer = record.layer
-        if layer in self.functorch_layers or type(layer) not in self.GRAD_SAMPLERS:
-            return False
-        elements = record.backprops.shape[0] * sum(p.numel() for p in self.layer_params(layer))
-        kept = sum(t.numel() * t.element_size() for t in (record.backprops, *record.inputs)
-                   if isinstance(t, torch.Tensor))
-        return elements <= TINY_GRAD_SAMPLE_ELEMENTS or 4 * elements <= GRAD_SAMPLE_MEMORY_FRACTION * kept
 
     def _combine_uses(self, params, rows, shared_records: List[Record]):
         """One row per parameter: a parameter with several uses gets the norm of its summed
@@ -658,17 +395,17 @@ class ClippingPath(BackwardPath):
                 )
             if callable(max_grad_norm):  # the bound from the norms (adaptive clipping)
                 max_grad_norm = max_grad_norm(norms)
-            # With clipping groups each group was clipped with its own coefficients (``_flush``).
+            # With clipping groups each group was clipped with its own coefficients (``GroupFlush``).
             coef = clipping_coefficients(norms, max_grad_norm, self.gamma) if self.clip_groups is None else None
             if self.single_backward:
-                self._add_clipped_gradients(coef)
+                self.sums.hand_off(coef)
             else:
                 self._wait_finite()
                 with self.hooks_off():
                     (coef.to(loss_per_sample.device) * loss_per_sample).sum().backward()
         finally:
             self._norm_pass = NormPass.PLAIN
-            self._kept, self._finite, self._held = [], None, {}
+            self._kept, self._finite, self._group_flush.held = [], None, {}
         return norms
 
     def _one_sample_is_plain(self) -> bool:
@@ -720,8 +457,7 @@ class ClippingPath(BackwardPath):
                 torch._foreach_mul_(grads, coef.index_select(0, groups.rows(params, coef.device)).unbind(0))
         held = [dict(zip(params, grads))]
         del grads, reached
-        out = _ClippedGradients.apply(held.pop, params, *params)
-        out.backward(self._constant(1.0, out))
+        self.sums.to_grad(held)
         return self.pass_norm
 
     def _verify_loss(self, loss_per_sample: torch.Tensor, targets: list) -> None:
@@ -784,111 +520,5 @@ class ClippingPath(BackwardPath):
             # The outputs are clean: layers read by the loss directly (``inner``), or the model.
             raise model_mixing_error(probe, offenders) if through else loss_mixing_error(probe, offenders)
 
-    def _add_clipped_gradients(self, coef: Optional[torch.Tensor]) -> None:
-        """``p.grad += sum_b c_b g_b`` for every parameter the norm pass reached.
 
-        The sums are queued first; the host then waits for the norms' finite check (the sums
-        go on on the device meanwhile) and only then hands them to ``p.grad``, through
-        autograd's own accumulation, in one backward call (``_ClippedGradients``): ``p.grad``
-        is set or added to as by any backward pass, with no copy, and the hooks others put on
-        parameters run (DistributedDataParallel reduces the gradients there).
-        """
-        if not self._kept and not self._held:
-            raise RuntimeError(
-                "the norm pass reached no hooked layer (hooks disabled after the forward pass?): "
-                "nothing to clip"
-            )
-        if self.sharded is not None:
-            with torch.no_grad():
-                self._reduce_scatter_clipped(coef)
-            return
-        with torch.no_grad():
-            # With clipping groups (no ``coef``) the sums were taken group by group (``_flush``).
-            held = [self._held if coef is None else self._clipped_sums(coef)]
-        self._held = {}
-        self._wait_finite()
-        params = list(held[0])
-        if params:
-            # Only autograd holds the sums when they reach AccumulateGrad: no copy is made.
-            out = _ClippedGradients.apply(held.pop, params, *params)
-            out.backward(self._constant(1.0, out))
-
-    def _constant(self, value: float, like: torch.Tensor) -> torch.Tensor:
-        """``value`` as a 0-d tensor like ``like``, made once (not an operation every step)."""
-        key = (value, like.dtype, like.device)
-        found = self._constants.get(key)
-        if found is None:
-            found = self._constants[key] = torch.tensor(value, dtype=like.dtype, device=like.device)
-        return found
-
-    def _clipped_sums(self, coef: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
-        """``sum_b c_b g_b`` of every parameter of the kept groups, freeing each group as it
-        is summed. ``coef`` (B,): the clipping coefficients of the samples' own losses."""
-        groups, self._kept = [group for group, _ in self._kept], []
-        sums: Dict[nn.Parameter, torch.Tensor] = {}
-        with region("dpgrad.clipped_sums"):
-            self._sum_groups(groups, self._coefficients(coef), sums)
-        return sums
-
-    def _coefficients(self, coef: torch.Tensor) -> Coefficients:
-        """``coef``: (B,), or (G, B) with clipping groups."""
-        if self.loss_reduction == "mean":
-            coef = coef * coef.shape[-1]  # the records' backprops are those of the mean
-        return Coefficients(coef, self.clip_groups)
-
-    def _sum_groups(self, groups: List[Group], coefs: Coefficients, sums: Dict[nn.Parameter, torch.Tensor]) -> None:
-        """Add the clipped sums of ``groups`` to ``sums``, emptying the list (each group lets go
-        of its inputs as it is summed)."""
-        while groups:
-            found = groups.pop().clipped_sums(coefs)
-            if self.sharded is not None:  # keyed by FSDP's unsharded copies
-                found = list(zip(self.sharded.canonical(p for p, _ in found), (s for _, s in found)))
-            for p, s in found:
-                sums[p] = s if p not in sums else sums[p] + s
-
-    def _reduce_scatter_clipped(self, coef: torch.Tensor) -> None:
-        """On a model sharded by FSDP2: the clipped sums of one FSDP2 parameter group at a time,
-        each handed to FSDP's reduce-scatter before the next is computed (``dpgrad.fsdp``), so
-        that no more than one group's full gradients exist at once. The host waits for the
-        norms' finite check once the first group's sums are queued, before any reaches FSDP."""
-        by_shard: Dict[int, List[Group]] = {}
-        for group, shard in self._kept:
-            by_shard.setdefault(shard, []).append(group)
-        self._kept = []
-        coefs = self._coefficients(coef)
-        with region("dpgrad.clipped_sums"):
-            for shard in list(by_shard):
-                sums: Dict[nn.Parameter, torch.Tensor] = {}
-                self._sum_groups(by_shard.pop(shard), coefs, sums)
-                self._wait_finite()  # once: the check is gone after the first wait
-                self.sharded.reduce_scatter(shard, sums)
-        self._wait_finite()
-        self.sharded.finish_backward()
-
-
-def _norm_group_class(layer: nn.Module) -> Optional[type]:
-    return registry.NORM_GROUPS.get(type(layer))
-
-
-class _ClippedGradients(torch.autograd.Function):
-    """A node whose backward hands the parameters their clipped gradients.
-
-    ``compute()`` gives the sums (popped from where they were held), so autograd alone holds
-    them when they reach the parameters, and a missing ``p.grad`` takes the tensor itself
-    rather than a copy.
-    """
-
-    @staticmethod
-    def forward(ctx, compute, params, *tensors):
-        ctx.compute, ctx.params = compute, params
-        return tensors[0].new_zeros(())
-
-    @staticmethod
-    def backward(ctx, _):
-        sums = ctx.compute()
-        ctx.compute = None
-        return (None, None, *(sums.pop(p, None) for p in ctx.params))
-
-
-__all__ = ["ClippingPath", "FinishPlan", "NormPass", "PlannedGroup", "clipping_bound", "clipping_coefficients",
-           "reduce_losses"]
+__all__ = ["ClippingPath", "NormPass"]

@@ -27,8 +27,9 @@ import torch
 import torch.nn as nn
 
 from dpgrad.clipping_groups import CLIPPINGS, ClipGroups
-from dpgrad.clipping_path import ClippingPath, clipping_bound, clipping_coefficients, per_sample_bounds
-from dpgrad.clipping_path import automatic_gamma as checked_gamma
+from dpgrad.clipping_path import ClippingPath
+from dpgrad.coefficients import automatic_gamma as checked_gamma
+from dpgrad.coefficients import clipping_bound, clipping_coefficients, per_sample_bounds
 from dpgrad.fsdp import sharded_modules
 from dpgrad.grad_sample_module import GradSampleModule, _delegated
 

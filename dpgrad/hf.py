@@ -67,7 +67,7 @@ import transformers
 from torch.utils.data import DataLoader, Sampler
 
 from dpgrad.batches import padded_parts, rank_generator
-from dpgrad.clipping_path import clipping_bound
+from dpgrad.coefficients import clipping_bound
 from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping
 from dpgrad.fsdp import sharded_modules
 from dpgrad.loss import DPLossFastGradientClipping

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from dpgrad.clipping_path import clipping_bound, reduce_losses
+from dpgrad.coefficients import clipping_bound, reduce_losses
 from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping
 from dpgrad.hooks import GradSampleHooksFastGradientClipping
 

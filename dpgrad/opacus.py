@@ -38,7 +38,7 @@ from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processe
 
 from dpgrad import registry
 from dpgrad.batches import FixedShapeBatches, rank_generator
-from dpgrad.clipping_path import clipping_bound
+from dpgrad.coefficients import clipping_bound
 from dpgrad.fast_gradient_clipping import (GradSampleModuleFastGradientClipping,
                                            GradSampleModuleFastGradientClippingFSDP, automatic_settings)
 from dpgrad.fsdp import sharded_modules

@@ -244,13 +244,13 @@ def finish_groups(rank: int, world: int, single: bool) -> dict:
     net = shard(model("transformer"))
     wrapped = dpgrad.GradSampleModuleFastGradientClipping(net, max_grad_norm=C["transformer"], single_backward=single)
     planned = []
-    plan = wrapped._path._plan
+    plan = wrapped._path.planner._plan
 
     def kept(records):
         planned.append(([record.layer for record in records], plan(records)))
         return planned[-1][1]
 
-    wrapped._path._plan = kept
+    wrapped._path.planner._plan = kept
     lm_step(wrapped, dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss()),
             share(batches()[0], rank, world))
     ((layers, made),) = planned

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import strategies as st
 
-from dpgrad import clipping_path
+from dpgrad import finish_plan
 from per_sample_reference import norm_error_ratio, tensor_error_ratio
 
 
@@ -26,10 +26,10 @@ from per_sample_reference import norm_error_ratio, tensor_error_ratio
 def clipped_from_norms():
     """Every layer that has a norm sampler clipped from its norms ("ghost"), however small its
     per-sample gradients. dpgrad takes the per-sample gradients of layers as small as these
-    test models' instead (``clipping_path.TINY_GRAD_SAMPLE_ELEMENTS``); without this, the
+    test models' instead (``finish_plan.TINY_GRAD_SAMPLE_ELEMENTS``); without this, the
     model-level tests would not reach the norm and clipped-sum kernels, or the cross terms of
     tied parameters."""
-    with mock.patch.multiple(clipping_path, GRAD_SAMPLE_MEMORY_FRACTION=0.0, TINY_GRAD_SAMPLE_ELEMENTS=-1):
+    with mock.patch.multiple(finish_plan, GRAD_SAMPLE_MEMORY_FRACTION=0.0, TINY_GRAD_SAMPLE_ELEMENTS=-1):
         yield
 
 

@@ -138,17 +138,17 @@ def test_finish_plans_follow_the_pass(mode):
     batches = [make_batch(cfg, B=4, T=3, seed=30), make_batch(cfg, B=4, T=3, seed=31),
                make_batch(cfg, B=5, T=3, seed=32), make_batch(cfg, B=4, T=6, seed=33)]
     check_clipped_sums(model, batches, mode, "sum", True, wrapped=wrapped)
-    assert len(wrapped._path._plans) == 3
-    first = next(iter(wrapped._path._plans.values()))
+    assert len(wrapped._path.planner._plans) == 3
+    first = next(iter(wrapped._path.planner._plans.values()))
     wrapped.zero_grad(set_to_none=True)
     check_clipped_sums(model, batches[:1], mode, "sum", True, wrapped=wrapped)
-    assert len(wrapped._path._plans) == 3 and next(iter(wrapped._path._plans.values())) is first
+    assert len(wrapped._path.planner._plans) == 3 and next(iter(wrapped._path.planner._plans.values())) is first
     for frozen in ("lin1.bias", "emb.weight"):
         for m in (model, wrapped._module):
             dict(m.named_parameters())[frozen].requires_grad_(False)
         wrapped.zero_grad(set_to_none=True)
         check_clipped_sums(model, batches[:1], mode, "sum", True, wrapped=wrapped)
-        assert len(wrapped._path._plans) == 1 and next(iter(wrapped._path._plans.values())) is not first
+        assert len(wrapped._path.planner._plans) == 1 and next(iter(wrapped._path.planner._plans.values())) is not first
 
 
 @pytest.mark.parametrize("mode", MODES)
