@@ -15,6 +15,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("DPGRAD_TUNE", "off")
 os.environ["DPGRAD_TUNE_DIR"] = tempfile.mkdtemp(prefix="dpgrad-tune-")
+if os.environ.get("PYTEST_XDIST_WORKER") and not torch.cuda.is_available():
+    # The workers share the cores: one thread each, not each a thread per core.
+    torch.set_num_threads(1)
 
 
 import pytest  # noqa: E402

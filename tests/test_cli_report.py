@@ -24,6 +24,9 @@ from dpgrad.tools.models import TinyTransformer
 from dpgrad.tools.presets import PRESETS, build_model
 from dpgrad.tuning import CANDIDATES, get_tuner
 
+# Its session-scoped fixture runs once: under pytest-xdist the module's tests share a worker.
+pytestmark = pytest.mark.xdist_group("test_cli_report")
+
 ARGS = ["autotune-report", "--model", "tiny", "--batch-size", "2", "--seq-len", "16"]
 TINY_LAYERS = (["tok", "pos"]
                + [f"blocks.{i}.{n}" for i in range(2) for n in ("ln1", "qkv", "proj", "ln2", "up", "down")]
@@ -50,7 +53,7 @@ def run_cli(args):
     return code, out.getvalue(), err.getvalue()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per worker, however its tests interleave
 def tiny(tmp_path_factory):
     """One CLI run, DPGRAD_TUNE unset (so the report turns timing on), table + JSON + Markdown."""
     tmp = tmp_path_factory.mktemp("report")

@@ -181,14 +181,31 @@ def test_cli_writes_page_records_and_tables(tmp_path, capsys):
         cli.main(["dashboard", *paths])  # nothing asked for
 
 
-def test_readme_tables_match_the_committed_results():
-    """The README's results block is what the committed results files give, to the digit."""
+def test_results_page_tables_match_the_committed_results():
+    """docs/results.md's results block is what the committed results files give, to the digit."""
     assert COMMITTED, "benchmarks/results holds no results file"
-    readme = (REPO / "README.md").read_text()
-    assert results.readme_with_results(readme, results.load(COMMITTED)) == readme, (
-        "README.md's results differ from benchmarks/results: run "
-        "`dpgrad dashboard benchmarks/results/*.json --update-readme README.md`"
+    page = (REPO / "docs" / "results.md").read_text()
+    assert results.readme_with_results(page, results.load(COMMITTED)) == page, (
+        "docs/results.md's results differ from benchmarks/results: run "
+        "`dpgrad dashboard benchmarks/results/*.json --update-readme docs/results.md`"
     )
+
+
+def test_readme_headline_figures_are_the_committed_gpu_results():
+    """Each figure of the README's headline table is in the committed GPU results table of the
+    same device and commit (docs/results.md, generated from benchmarks/results)."""
+    readme = (REPO / "README.md").read_text()
+    headline = readme.split("## Results", 1)[1].split("\n## ", 1)[0]
+    device, commit = re.search(r"on one (NVIDIA [^(]+?) \(.*?commit (\w+)", headline, re.S).groups()
+    page = (REPO / "docs" / "results.md").read_text()
+    section = next(part for part in page.split("\ndp_step on ")[1:]
+                   if part.startswith(device.strip()) and f"commit {commit}" in part.split("\n", 1)[0])
+    table = section.split("\n\n", 2)[1]
+    rows = [line for line in headline.splitlines() if line.startswith("| ") and " ms |" in line]
+    assert len(rows) >= 3
+    for line in rows:
+        for figure in re.findall(r"\d+\.\d+ ms", line):
+            assert figure in table, (figure, line)
 
 
 # ---------------------------------------------------------------------------- the page in a browser
@@ -268,11 +285,56 @@ def test_dashboard_draws_every_chart_in_chromium(tmp_path):
             assert len(colours) > 2, f"{figure['id']}: blank"  # the note's text
 
 
+class _Series(HTMLParser):
+    """Each chart's legend (series -> colour) and its bars' (series, fill) pairs."""
+
+    def __init__(self):
+        super().__init__()
+        self.legends, self.bars, self._figure = {}, [], None
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "figure" and "chart" in (attrs.get("class") or ""):
+            self._figure = attrs["id"]
+            self.legends[self._figure] = {}
+        elif tag == "span" and "data-series" in attrs:
+            self.legends[self._figure][attrs["data-series"]] = attrs["data-color"]
+        elif tag == "rect" and "data-series" in attrs:
+            self.bars.append((self._figure, attrs["data-series"], attrs["fill"]))
+
+
+@pytest.mark.skipif(_chromium() is None and not os.environ.get("DPGRAD_REQUIRE_CHROMIUM"),
+                    reason="needs Chromium (Debian: apt-get install chromium)")
+def test_each_series_has_one_colour_of_its_own_in_every_chart(tmp_path):
+    """On the dashboard of the committed results, drawn by Chromium: a provider (or an audit's
+    series) has the same colour in every chart, no two share one, and every bar is its
+    series' colour."""
+    page = tmp_path / "results.html"
+    page.write_text(dashboard.render(results.load(COMMITTED)))
+    dom = _run_chromium(tmp_path, page, "--dump-dom")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    parsed = _Series()
+    parsed.feed(dom.stdout)
+    colour_of: dict = {}
+    for figure, legend in parsed.legends.items():
+        for series, colour in legend.items():
+            assert colour_of.setdefault(series, colour) == colour, (series, figure, colour, colour_of[series])
+    assert len(colour_of) >= 8, colour_of
+    assert len(set(colour_of.values())) == len(colour_of), colour_of
+    assert parsed.bars and all(colour_of[series] == fill for _, series, fill in parsed.bars)
+
+
 # ---------------------------------------------------------------------------- the suites' writer
+def _own_session_env() -> dict:
+    """This environment without pytest-xdist's worker variables: a pytest run in a subprocess
+    is a session of its own (pytest-benchmark turns itself off in an xdist worker)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+
+
 def test_quick_suite_writes_results_files(tmp_path):
     """A timed run of part of the quick suite writes a results file with every metric and the
     ratios to the same run's baselines (pytest-benchmark in a subprocess)."""
-    env = {**os.environ, "DPGRAD_RESULTS_DIR": str(tmp_path), "DPGRAD_BENCH_QUICK": "1"}
+    env = {**_own_session_env(), "DPGRAD_RESULTS_DIR": str(tmp_path), "DPGRAD_BENCH_QUICK": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--benchmark-enable",
          "--benchmark-min-rounds=1", str(REPO / "benchmarks" / "bench_kernels.py"), "-k", "embedding_norm and T32"],
@@ -297,7 +359,8 @@ def test_repeated_cases_give_the_median_repeat_and_each_repeat(tmp_path):
     provider: every metric lists its three repeats, its p50 is their median (between the p20
     and p80 of all its rounds), and a ratio is taken within each repeat (pytest-benchmark in a
     subprocess)."""
-    env = {**os.environ, "DPGRAD_RESULTS_DIR": str(tmp_path), "DPGRAD_BENCH_QUICK": "1", "DPGRAD_BENCH_REPEATS": "3"}
+    env = {**_own_session_env(), "DPGRAD_RESULTS_DIR": str(tmp_path), "DPGRAD_BENCH_QUICK": "1",
+           "DPGRAD_BENCH_REPEATS": "3"}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--benchmark-enable",
          str(REPO / "benchmarks" / "bench_dp_step.py"), "-k", "tiny-8-64-fp32 and not hf and (non-private or single) and not per"],

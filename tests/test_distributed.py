@@ -25,14 +25,16 @@ import distributed_worker as W
 from dpgrad.tools.ranks import spawn
 from per_sample_reference import assert_norms_close, assert_tensor_close
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed")
+# Its session-scoped fixture runs once: under pytest-xdist the module's tests share a worker.
+pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed"),
+              pytest.mark.xdist_group("test_distributed")]
 WORLD = 2
 MODES = {"single": True, "double": False}
 ORDERS = ["dpgrad(ddp)", "ddp(dpgrad)"]
 OPACUS = importlib.util.find_spec("opacus") is not None
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per worker, however its tests interleave
 def ranks():
     jobs = [("clipped_gradients", dict(single=s, order=o)) for s in MODES.values() for o in ORDERS]
     jobs += [("clipped_gradients", dict(single=True, order=o, per_block=True)) for o in ORDERS]

@@ -31,7 +31,9 @@ import fsdp_worker as F
 from dpgrad.tools.ranks import spawn
 from per_sample_reference import BACKEND_PASS, assert_norms_close, assert_tensor_close
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed")
+# Its session-scoped fixture runs once: under pytest-xdist the module's tests share a worker.
+pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed"),
+              pytest.mark.xdist_group("test_fsdp")]
 # The Makefile's pass with every sampler on the Triton kernels (the interpreter on a CPU) takes
 # the two-rank transformer cases in both modes: what FSDP2 adds is the same on every backend.
 whole_matrix = pytest.mark.skipif(BACKEND_PASS, reason="the Triton pass takes the two-rank transformer cases")
@@ -53,7 +55,7 @@ REFUSALS = ["tied apart", "grad sample module", "sharded after wrapping", "block
             "opacus name, not sharded", "clipping groups", "mixing model", "mixing loss"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per worker, however its tests interleave
 def two():
     jobs = [("clipped_gradients", kw) for kw in CLIPPED]
     if BACKEND_PASS:
@@ -69,7 +71,7 @@ def two():
     return jobs, spawn(2, jobs, "fsdp_worker")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per worker, however its tests interleave
 def three():
     jobs = [("clipped_gradients", kw) for kw in CLIPPED]
     return jobs, spawn(3, jobs, "fsdp_worker")

@@ -22,6 +22,9 @@ import dpgrad.opacus  # noqa: E402
 from dpgrad.hf import DPTrainer, PoissonSampler, PrivacyArguments  # noqa: E402
 from hf_trainer_worker import SEQ, Recording, gpt2, rows, training_args  # noqa: E402
 
+# Its session-scoped fixture runs once: under pytest-xdist the module's tests share a worker.
+pytestmark = pytest.mark.xdist_group("test_hf_trainer")
+
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -535,7 +538,7 @@ def _start():
     return gpt2()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per worker, however its tests interleave
 def ddp(tmp_path_factory):
     if not torch.distributed.is_available():
         pytest.skip("torch without distributed")

@@ -27,6 +27,9 @@ triton = pytest.importorskip("triton")
 
 from dpgrad.kernels import triton_common  # noqa: E402
 
+# Its session-scoped fixture runs once: under pytest-xdist the module's tests share a worker.
+pytestmark = pytest.mark.xdist_group("test_kernel_compile")
+
 TOOL = [sys.executable, "-m", "dpgrad.tools.kernel_compile"]
 
 
@@ -37,7 +40,7 @@ def _compiler_env() -> dict:
     return env
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per worker, however its tests interleave
 def compiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("kernel_compile") / "run.json"
     proc = subprocess.run(TOOL + ["--json", str(out), "--jobs", str(os.cpu_count() or 1)], env=_compiler_env(),

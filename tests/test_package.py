@@ -102,6 +102,18 @@ BACKEND_INDEPENDENT = {
     # The Trainer's sampling, accounting and losses around the wrapper, whose backends the
     # modules of the second pass cover (it passes on the Triton interpreter too, in minutes).
     "test_hf_trainer.py",
+    # The guides' examples and their site build: the wrappers they call run on both backends in
+    # the modules of the second pass.
+    "test_docs.py",
+    # What these check does not depend on the backend that computes the norms and sums, which
+    # the modules of the second pass take through the same wrappers: DDP's reduction and the
+    # noise drawn on rank 0 (test_distributed); the adaptive bound's rule and automatic
+    # clipping's coefficients, (B,) vectors (test_adaptive_clipping, test_automatic_clipping);
+    # the splitting and zero-weight padding of Poisson batches (test_fixed_batches); the
+    # guarantee's graph checks and independence probes, taken before any sampler runs
+    # (test_guarantee, test_independence).
+    "test_distributed.py", "test_adaptive_clipping.py", "test_automatic_clipping.py", "test_fixed_batches.py",
+    "test_guarantee.py", "test_independence.py",
 }
 
 

@@ -249,7 +249,8 @@ def dashboard(argv: List[str]) -> int:
     parser.add_argument("-o", "--output", help="the HTML page to write")
     parser.add_argument("--records", help="write the flat records (JSON) to this file ('-': stdout)")
     parser.add_argument("--markdown", action="store_true", help="print the README's results tables")
-    parser.add_argument("--update-readme", metavar="README", help="put the results tables into this README")
+    parser.add_argument("--update-readme", metavar="PAGE", help="put the results tables into this Markdown page "
+                        "(docs/results.md)")
     parser.add_argument("--summary", nargs="?", const="", metavar="REPORT_JSON",
                         help="end with a short summary (with an autotune report's JSON: its choices too)")
     args = parser.parse_args(argv)

@@ -39,7 +39,17 @@ th { background: #f4f4f4; }
 # Draws every chart from DATA; no library, no network.
 _SCRIPT = r"""
 (function () {
-  const COLORS = ["#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377", "#bbbbbb"];
+  // One colour per series (a provider, an audit's estimate), the same in every chart of the
+  // page, given in the order the series are first drawn; past the palette, hues a golden angle apart.
+  const COLORS = ["#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377", "#bbbbbb", "#332288",
+                  "#117733", "#882255", "#999933", "#dd7788", "#44aa99", "#661100", "#e69f00", "#000000",
+                  "#6699cc", "#aa4499", "#ddcc77", "#8c564b"];
+  const SERIES = [];
+  function colorOf(name) {
+    let i = SERIES.indexOf(name);
+    if (i < 0) { SERIES.push(name); i = SERIES.length - 1; }
+    return i < COLORS.length ? COLORS[i] : "hsl(" + Math.round((i * 137.508) % 360) + ", 65%, 40%)";
+  }
   const SVG = "http://www.w3.org/2000/svg";
   // A flagged row's timings are not figures: only its counts (and bytes) are shown.
   const COUNTS = new Set(JSON.parse(document.getElementById("counts").textContent));
@@ -70,7 +80,7 @@ _SCRIPT = r"""
       for (const b of g.bars) {
         const w = Math.max(1, width * b.value / max);
         el("rect", {x: left, y: y, width: w, height: barH - 2,
-                    fill: COLORS[series.indexOf(b.series) % COLORS.length], "class": "bar"}, svg);
+                    fill: colorOf(b.series), "class": "bar", "data-series": b.series}, svg);
         el("text", {x: left + w + 4, y: y + 11, "font-size": 11}, svg).textContent =
           b.value.toFixed(b.value < 10 ? 2 : 0) + " " + unit;
         y += barH; marks += 1;
@@ -86,7 +96,9 @@ _SCRIPT = r"""
     legend.className = "legend";
     for (const s of series) {
       const item = document.createElement("span");
-      item.innerHTML = '<i style="background:' + COLORS[series.indexOf(s) % COLORS.length] + '"></i>';
+      item.innerHTML = '<i style="background:' + colorOf(s) + '"></i>';
+      item.dataset.series = s;
+      item.dataset.color = colorOf(s);
       item.appendChild(document.createTextNode(s));
       legend.appendChild(item);
     }
