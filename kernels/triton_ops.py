@@ -25,18 +25,15 @@ from .norm_layer_grad_sample import norm_layer_fits, norm_layer_grad_sample_grou
 # The cross term of a parameter used twice is two batched GEMMs (or a gather): torch's own
 # kernels serve on every device.
 from .reference import LinearPerSample, linear_norm_function, outer_sum_inner
-# A convolution's norms are a Linear kernel's on its unfolded input; its per-sample gradients
-# and clipped sums are the convolution's own backward (cuDNN), on every device.
-from .reference import conv_clipped_sum, conv_per_sample, conv_weight_sq_norm_grad_sample, conv_weight_sq_norm_unfolded
+# A convolution's norms are a Linear kernel's on its unfolded input (its per-sample gradients
+# and clipped sums are the convolution's own backward, reference's, on every device).
+from .reference import conv_weight_sq_norm_unfolded
 
 NAME = "triton"
 
 __all__ = [
     "LinearPerSample",
-    "conv_clipped_sum",
-    "conv_per_sample",
     "conv_weight_sq_norm_direct",
-    "conv_weight_sq_norm_grad_sample",
     "conv_weight_sq_norm_gram",
     "embedding_clipped_sum",
     "embedding_grad_sample",

@@ -36,7 +36,7 @@ from dpgrad.registry import (
     register_norm_group,
     register_norm_sampler,
 )
-from dpgrad.samplers.groups import Coefficients, Group, cat, clipped_sums_of, row_norms
+from dpgrad.samplers.groups import Coefficients, Group, cat, clipped_sums_of, row_norms, trainable, weights_then_biases
 from dpgrad.tuning import get_tuner
 
 LAYERS = [nn.Conv1d, nn.Conv2d, nn.Conv3d]
@@ -51,10 +51,6 @@ def geometry(layer: nn.Module) -> ConvGeometry:
                         layer.padding_mode, layer.groups)
 
 
-def _trainable(layer: nn.Module) -> Tuple[bool, bool]:
-    return layer.weight.requires_grad, layer.bias is not None and layer.bias.requires_grad
-
-
 def _bias_sums(G: torch.Tensor) -> torch.Tensor:
     """Per-sample bias gradients ``sum_t G_b[t]``: (B, C_out, *out) -> (B, C_out) fp32 (fp64)."""
     return G.flatten(2).sum(2, dtype=accumulation_dtype(G))
@@ -65,7 +61,7 @@ def conv_grad_sample(layer: nn.Module, activations: List[torch.Tensor], backprop
                      ) -> Dict[nn.Parameter, torch.Tensor]:
     """Per-sample gradients in the parameters' dtypes: weight (B, *weight.shape), bias (B, C_out)."""
     x, G = activations[0], backprops
-    weight, bias = _trainable(layer)
+    weight, bias = trainable(layer)
     out = {}
     if weight:
         out[layer.weight] = reference.conv_per_sample(x, G, geometry(layer), tuple(layer.weight.shape)).to(
@@ -98,7 +94,7 @@ def conv_factors(layer: nn.Module, activations: List[torch.Tensor], backprops: t
     ``sum_{t, j} G_j[t] ⊗ U_j[t]`` over positions and groups (G_j: the backprops of group j's
     outputs, zero elsewhere; U_j: its unfolded inputs), the bias's ``sum_t G[t] ⊗ 1``."""
     x, G = activations[0], backprops
-    weight, bias = _trainable(layer)
+    weight, bias = trainable(layer)
     B, C_out = G.shape[:2]
     out = {}
     if weight:
@@ -129,7 +125,7 @@ class ConvGroup(Group):
     @classmethod
     def key(cls, layer, activations, backprops):
         x = activations[0]
-        return (geometry(layer), *_trainable(layer), x.shape, x.dtype, backprops.shape, backprops.dtype,
+        return (geometry(layer), *trainable(layer), x.shape, x.dtype, backprops.shape, backprops.dtype,
                 layer.weight.dtype, x.device)
 
     def __init__(self, records):
@@ -142,11 +138,10 @@ class ConvGroup(Group):
         self._bias = None  # (L*B, C_out)
 
     def _params(self) -> List[nn.Parameter]:
-        weight, bias = _trainable(self._layers[0])
-        return [layer.weight for layer in self._layers if weight] + [layer.bias for layer in self._layers if bias]
+        return weights_then_biases(self._layers)
 
     def norms(self):
-        weight, bias = _trainable(self._layers[0])
+        weight, bias = trainable(self._layers[0])
         layer, geom, rows = self._layers[0], self._geom, []
         if weight:
             shape = tuple(layer.weight.shape)
@@ -171,7 +166,7 @@ class ConvGroup(Group):
 
     def clipped_sums(self, coef):
         layers, inputs = self._layers, self._inputs
-        weight, bias = _trainable(layers[0])
+        weight, bias = trainable(layers[0])
         grads, bias_sums = self._grads, self._bias
         self._inputs, self._grads, self._bias = [], None, None
         out = []

@@ -53,6 +53,20 @@ def row_norms(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x, dim=tuple(range(1, x.dim())), dtype=accumulation_dtype(x))
 
 
+def trainable(layer: nn.Module) -> Tuple[bool, bool]:
+    """Whether the layer's weight and its bias train (False for one it does not have)."""
+    weight = getattr(layer, "weight", None) is not None and layer.weight.requires_grad
+    bias = getattr(layer, "bias", None) is not None and layer.bias.requires_grad
+    return weight, bias
+
+
+def weights_then_biases(layers: Sequence[nn.Module]) -> List[nn.Parameter]:
+    """The trainable weights of layers of one kind, then their trainable biases: a group's
+    parameters in the order of its norm rows."""
+    weight, bias = trainable(layers[0])
+    return [layer.weight for layer in layers if weight] + [layer.bias for layer in layers if bias]
+
+
 class Coefficients:
     """The clipping coefficients of a pass, (B,), and the forms of them groups use, each made
     once per pass: in a tensor's accumulation dtype and device, or in its own dtype, repeated

@@ -29,7 +29,8 @@ from dpgrad.registry import (
     register_norm_group,
     register_norm_sampler,
 )
-from dpgrad.samplers.groups import Coefficients, Group, cat, clipped_sums_of, row_norms, stackable
+from dpgrad.samplers.groups import (Coefficients, Group, cat, clipped_sums_of, row_norms, stackable, trainable,
+                                    weights_then_biases)
 from dpgrad.tuning import get_tuner
 
 CONV1D = "transformers.pytorch_utils.Conv1D"
@@ -47,10 +48,6 @@ def flatten_tokens(activations: torch.Tensor, backprops: torch.Tensor) -> Tuple[
     return A, G
 
 
-def _trainable(layer: nn.Module) -> Tuple[bool, bool]:
-    return layer.weight.requires_grad, layer.bias is not None and layer.bias.requires_grad
-
-
 def _transposed(layer: nn.Module) -> bool:
     """Whether the weight is stored (d, p), as Conv1D's is, rather than a Linear's (p, d)."""
     return not isinstance(layer, nn.Linear)
@@ -62,7 +59,7 @@ def linear_grad_sample(
 ) -> Dict[nn.Parameter, torch.Tensor]:
     """Per-sample gradients in the parameters' dtypes: weight (B, *weight.shape), bias (B, p)."""
     A, G = flatten_tokens(activations[0], backprops)
-    weight, bias = _trainable(layer)
+    weight, bias = trainable(layer)
     out = {}
     if weight:
         # Conv1D's (d, p) weight: the same product with the roles of A and G swapped; a
@@ -112,7 +109,7 @@ def linear_factors(
     """The per-sample gradients as sums of outer products: weight ``sum_t G[t] ⊗ A[t]``
     (``A[t] ⊗ G[t]`` for Conv1D), bias ``sum_t G[t] ⊗ 1``."""
     A, G = flatten_tokens(activations[0], backprops)
-    weight, bias = _trainable(layer)
+    weight, bias = trainable(layer)
     out = {}
     if weight:
         out[layer.weight] = (A, G) if _transposed(layer) else (G, A)
@@ -138,7 +135,7 @@ class LinearGroup(Group):
     @classmethod
     def key(cls, layer, activations, backprops):
         x = activations[0]
-        return (_transposed(layer), *_trainable(layer), x.shape, x.dtype, backprops.shape, backprops.dtype,
+        return (_transposed(layer), *trainable(layer), x.shape, x.dtype, backprops.shape, backprops.dtype,
                 layer.weight.dtype, x.device)
 
     def __init__(self, records):
@@ -157,11 +154,10 @@ class LinearGroup(Group):
             self._inputs = [(cat([a for a, _ in self._inputs]), cat([g for _, g in self._inputs]))]
 
     def _params(self) -> List[nn.Parameter]:
-        weight, bias = _trainable(self._layers[0])
-        return [layer.weight for layer in self._layers if weight] + [layer.bias for layer in self._layers if bias]
+        return weights_then_biases(self._layers)
 
     def _take_bias_sums(self) -> Optional[torch.Tensor]:
-        if self._bias_sums is None and _trainable(self._layers[0])[1]:
+        if self._bias_sums is None and trainable(self._layers[0])[1]:
             Gs = [G for _, G in self._inputs]
             acc = accumulation_dtype(Gs[0])
 
@@ -187,7 +183,7 @@ class LinearGroup(Group):
         return get_tuner().run(kind, cand, inputs[0], self._layers[0], work)
 
     def norms(self):
-        weight, _ = _trainable(self._layers[0])
+        weight, _ = trainable(self._layers[0])
         rows = []
         if weight:
             tuner = get_tuner()
@@ -209,7 +205,7 @@ class LinearGroup(Group):
 
     def clipped_sums(self, coef):
         layers, inputs = self._layers, self._inputs
-        weight, bias = _trainable(layers[0])
+        weight, bias = trainable(layers[0])
         bias_sums = self._take_bias_sums()
         self._inputs = []
         out = []
@@ -259,7 +255,7 @@ class LinearGradSampleGroup(LinearGroup):
     product. Eager: small groups in one batched product; Triton: one launch for the group."""
 
     def norms(self):
-        weight, _ = _trainable(self._layers[0])
+        weight, _ = trainable(self._layers[0])
         transposed = _transposed(self._layers[0])
         rows, self._grads = [], None
         if weight:

@@ -27,7 +27,7 @@ from dpgrad.backend import guarded
 from dpgrad.kernels import reference
 from dpgrad.kernels.reference import accumulation_dtype, same_layout
 from dpgrad.registry import register_grad_sample_group, register_grad_sampler
-from dpgrad.samplers.groups import Group, cat, clipped_sums_of, row_norms, stackable
+from dpgrad.samplers.groups import Group, cat, clipped_sums_of, row_norms, stackable, trainable
 
 # Classes whose forward is exactly Llama's RMSNorm (checked against torch.func in the tests).
 HF_RMS_NORMS = [f"transformers.models.{m}.modeling_{m}.{c}RMSNorm" for m, c in (
@@ -62,12 +62,6 @@ def _eps(layer: nn.Module, x: torch.Tensor) -> float:
     return layer.eps
 
 
-def _trainable(layer: nn.Module) -> Tuple[bool, bool]:
-    weight = getattr(layer, "weight", None) is not None and layer.weight.requires_grad
-    bias = getattr(layer, "bias", None) is not None and layer.bias.requires_grad
-    return weight, bias
-
-
 def _normalized(layer: nn.Module, x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     """What the layer's forward multiplies its weight by, in ``acc``."""
     shape = _shape(layer)
@@ -84,7 +78,7 @@ def per_sample_grads(layer: nn.Module, x: torch.Tensor, backprops: torch.Tensor)
     """Per-sample gradients of the weight and the bias (None where frozen or absent), (N,
     *normalized_shape) each, in fp32 (fp64 for fp64). Activations and backprops may differ in
     dtype (autocast): they meet in the accumulation dtype."""
-    weight, bias = _trainable(layer)
+    weight, bias = trainable(layer)
     acc = accumulation_dtype(x, backprops)
     shape = _shape(layer)
     gw = gb = None
@@ -124,7 +118,7 @@ def _group_grads(ops, layers: List[nn.Module], xs: List[torch.Tensor], gs: List[
     tensors read where they are. Eager: one computation on the concatenated inputs when they
     are small, else one per layer."""
     layer = layers[0]
-    weight, bias = _trainable(layer)
+    weight, bias = trainable(layer)
     if isinstance(layer, nn.GroupNorm):
         if ops is not reference and ops.group_norm_fits(xs[0], layer.num_groups):
             return ops.group_norm_grad_sample_grouped(xs, gs, layer.num_groups, layer.eps, weight=weight, bias=bias)
@@ -146,7 +140,7 @@ class NormLayerGroup(Group):
     @classmethod
     def key(cls, layer, activations, backprops):
         x = activations[0]
-        return (type(layer), _shape(layer), getattr(layer, "num_groups", None), _eps(layer, x), *_trainable(layer),
+        return (type(layer), _shape(layer), getattr(layer, "num_groups", None), _eps(layer, x), *trainable(layer),
                 x.shape, x.dtype,
                 backprops.shape, backprops.dtype, x.device)
 
