@@ -2,9 +2,10 @@
 
 The rest of the suite runs on CPU tensors (and the kernels under Triton's interpreter, which
 checks their arithmetic, not how they compile and launch). Here Hugging Face GPT-2 (tied
-embeddings) and Llama with LoRA adapters run on the GPU in both modes, fp32 and bf16, against
-a float64 reference on the same GPU; the backward path's host synchronisations are counted by
-CUDA's own sync debug mode. Skipped without CUDA.
+embeddings), Llama with LoRA adapters and ViT (a patch convolution) run on the GPU in both
+modes, fp32 and bf16, and two WideResNets (convolutions, GroupNorm) in fp32, against a float64
+reference on the same GPU; the backward path's host synchronisations are counted by CUDA's own
+sync debug mode. Skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -23,12 +24,20 @@ pytestmark = [pytest.mark.gpu,
 transformers = pytest.importorskip("transformers")
 
 import dpgrad  # noqa: E402
-from test_hf_models import BF16_RTOL, MODES, check, gpt2, llama_lora  # noqa: E402
+from test_hf_models import BF16_RTOL, MODES, check, gpt2, llama_lora, vit  # noqa: E402
+from test_vision_models import MODELS as VISION_MODELS, clipped_step as vision_clipped_step, images  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from dispatch_counts import cuda_syncs  # noqa: E402
 
-CASES = {"gpt2": gpt2, "llama_lora": llama_lora}
+CASES = {"gpt2": gpt2, "llama_lora": llama_lora, "vit": vit}
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32_convolutions(monkeypatch):
+    """cuDNN runs fp32 convolutions in TF32 by default: the fp32 model's own forward would then
+    be 1e-3 from float64, and no fp32 check of the convolutions could be tighter."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -73,3 +82,16 @@ def test_at_most_one_host_sync_more_than_non_private(name, mode):
         step()
         step()  # warm: the autotuner's first look at each shape syncs
     assert cuda_syncs(private) <= cuda_syncs(plain) + 1
+
+
+@pytest.mark.parametrize("mode", ["single", "double"])
+@pytest.mark.parametrize("name", list(VISION_MODELS))
+def test_wide_resnet_clipped_step_matches_float64_on_gpu(name, mode):
+    """Convolutions (their norms as the tuner chooses on the GPU, the clipped sums by cuDNN's
+    convolution backward) and GroupNorm (its Triton kernel) of a WideResNet in fp32 on the GPU,
+    every parameter's clipped gradient against float64 on the same GPU."""
+    make, size, classes = VISION_MODELS[name]
+    torch.manual_seed(0)
+    model = make().cuda()
+    x, y = images(3, size, classes, seed=1)
+    vision_clipped_step(model, (x.cuda(), y.cuda()), mode)

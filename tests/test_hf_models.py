@@ -142,16 +142,17 @@ def bert(position_ids=True) -> Case:
                                                                        reduction="none"))
 
 
-def vit() -> Case:
+def vit(device="cpu") -> Case:
     """ViTForImageClassification: the patch embedding's convolution (ghost-clipped), the class
-    token and position embeddings (parameters of the embeddings module itself), LayerNorm, Linear."""
+    token and position embeddings (parameters of the embeddings module itself), LayerNorm, Linear;
+    model and batch on ``device``."""
     from dpgrad.tools.vision import vit as build_vit
 
     torch.manual_seed(6)
-    model = build_vit(image_size=8, patch_size=4, hidden=16, layers=2, heads=2, mlp=32, classes=3)
+    model = build_vit(image_size=8, patch_size=4, hidden=16, layers=2, heads=2, mlp=32, classes=3).to(device)
     g = torch.Generator().manual_seed(7)
-    pixels = torch.randn(B, 3, 8, 8, generator=g)
-    y = torch.randint(0, 3, (B,), generator=g)
+    pixels = torch.randn(B, 3, 8, 8, generator=g).to(device)
+    y = torch.randint(0, 3, (B,), generator=g).to(device)
 
     def logits_of(m, rows):
         return m(pixel_values=pixels[rows]).logits
