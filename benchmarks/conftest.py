@@ -27,7 +27,7 @@ from typing import Dict, List, Optional
 
 import pytest
 
-from dpgrad.tools import results
+from dpgrad.tools import results, results_tables
 
 RESULTS = Path(os.environ.get("DPGRAD_RESULTS_DIR") or Path(__file__).parent / "results")
 QUICK = results.quick_mode()
@@ -241,5 +241,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(f"written {path}")
         if suite in ("dp_step", "host_overhead"):
             terminalreporter.section({"dp_step": "DP step", "host_overhead": "Host overhead"}[suite])
-            terminalreporter.write_line(results.markdown([{"suite": suite, "machine": config.stash[MACHINE_KEY],
+            terminalreporter.write_line(results_tables.markdown([{"suite": suite, "machine": config.stash[MACHINE_KEY],
                                                              "results": rows}]))

@@ -28,9 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-import sys
-import warnings
 import weakref
 from functools import partial
 from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
@@ -54,6 +51,8 @@ from dpgrad.guarantee import (
     watch_structure,
 )
 from dpgrad.independence import Draws, Probe, model_mixing_error, output_batch_dim
+from dpgrad.layer_inputs import batch_to_front, broadcast_inputs, check_batch, recomputing
+from dpgrad.model_checks import own_trainable, refuse_wrapped, validate
 from dpgrad.samplers import ft_compute_per_sample_gradient, prepare_layer
 from dpgrad.samplers.functorch import _first_tensor
 from dpgrad.samplers.groups import Record
@@ -63,11 +62,6 @@ def region(name: str):
     """A named range in a torch.profiler trace while a profiler runs; nothing otherwise
     (``record_function`` costs microseconds even with no profiler to see it)."""
     return record_function(name) if torch._C._autograd._profiler_enabled() else contextlib.nullcontext()
-
-
-def own_trainable(module: nn.Module) -> bool:
-    """Whether ``module`` has trainable parameters of its own (not its children's)."""
-    return any(p.requires_grad for p in module.parameters(recurse=False))
 
 
 class FiniteCheck:
@@ -103,67 +97,6 @@ class FiniteCheck:
             "weights hold inf or NaN (in reduced precision, an overflow). Fix the cause (loss "
             "scaling, learning rate, inputs), or pass check_finite=False to skip this check."
         )
-
-
-def validate(module: nn.Module, *, strict: bool = False) -> List[NotImplementedError]:
-    """Trainable layers dpgrad cannot treat per sample (layers with buffers, an Embedding that
-    scales its gradient by frequency). Returns the errors, each with ``args`` ``(message,
-    layer_name)``; raises the first with all of them listed if ``strict``, else warns."""
-    errors = []
-    for name, m in module.named_modules():
-        if not own_trainable(m):
-            continue
-        buffers = [b for b, _ in m.named_buffers()]
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            # Even without running statistics, training mode normalises by the batch's own.
-            errors.append(NotImplementedError(
-                f"layer '{name}' ({type(m).__name__}) is trainable, and BatchNorm normalises each "
-                "sample by statistics of the whole batch, so one sample's gradient depends on the "
-                "others and per-sample gradients are undefined. Replace it by GroupNorm (e.g. "
-                "nn.GroupNorm(min(32, C), C); opacus.validators.ModuleValidator.fix does this), freeze "
-                "it with requires_grad_(False) and keep it in eval mode, or pass strict=False to skip it.",
-                name))
-        elif buffers:
-            errors.append(NotImplementedError(
-                f"layer '{name}' ({type(m).__name__}) is trainable and has buffers {buffers}: buffer "
-                "state is shared across the samples of a batch, so per-sample gradients are "
-                "undefined. Replace the layer (e.g. BatchNorm by GroupNorm; "
-                "opacus.validators.ModuleValidator.fix does this), freeze it with "
-                "requires_grad_(False), or pass strict=False to skip it.", name))
-        elif isinstance(m, nn.Embedding) and m.scale_grad_by_freq:
-            errors.append(NotImplementedError(
-                f"layer '{name}' (Embedding) has scale_grad_by_freq=True: each row's gradient is "
-                "scaled by its frequency in the whole batch, so one sample's gradient depends on "
-                "the others and per-sample gradients are undefined. Construct it with "
-                "scale_grad_by_freq=False, freeze it with requires_grad_(False), or pass "
-                "strict=False to skip it.", name))
-    if strict and errors:
-        raise NotImplementedError("\n".join(e.args[0] for e in errors))
-    if errors:
-        warnings.warn("strict=False: these layers get no per-sample gradients: "
-                      + ", ".join(repr(e.args[1]) for e in errors), stacklevel=_caller_level())
-    return errors
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` of the first frame outside dpgrad (the user's line that wrapped)."""
-    package = os.path.dirname(__file__)
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def refuse_wrapped(m: nn.Module) -> None:
-    """Raise before touching ``m`` if it, or a submodule, already carries per-sample hooks."""
-    for name, sub in m.named_modules():
-        if hasattr(sub, "autograd_grad_sample_hooks"):
-            where = f"its submodule '{name}'" if name else "it"
-            raise ValueError(
-                f"this model is already wrapped for per-sample gradients ({where} carries "
-                f"{type(sub).__name__} hooks). Wrap the original module once: call "
-                ".to_standard_module() on the existing wrapper to get it back."
-            )
 
 
 class PendingCalls(dict):
@@ -444,15 +377,15 @@ class BackwardPath:
         params = self.layer_params(layer)
         if not params:
             return None
-        widened = self._broadcast_inputs(layer, inputs)
+        widened = broadcast_inputs(layer, inputs, self._forward_batch, self.batch_first, layer in self.functorch_layers)
         if widened is not None:
             # The layer again, on its input expanded to the batch: that call is the one its
             # hook records, and its output replaces this one.
             return layer(*widened)
-        if _recomputing():
+        if recomputing():
             return None
         name = self.layer_names[layer]
-        self._check_batch(layer, name, inputs)
+        self._forward_batch = check_batch(layer, name, inputs, self._forward_batch, self.batch_first)
         self._note_call(layer, name, params)
         self._edges.add(out, layer, inputs, params)
         # Not detached: they are only read under no_grad, and the list is emptied when read.
@@ -570,59 +503,6 @@ class BackwardPath:
         """Called on every node the guarantee's check walks; a path raises for nodes it cannot
         clip through."""
 
-    def _broadcast_inputs(self, layer: nn.Module, inputs) -> Optional[tuple]:
-        """An Embedding's ids expanded to the forward pass's batch when it got one row of them
-        after another layer saw the batch: the model broadcasts that row's embeddings over the
-        batch (Hugging Face GPT-2 and BERT embed position ids (1, T) unless given them). An
-        embedding looks each id up alone, so its output on the expanded ids is what
-        broadcasting makes of it, and each sample gets its own gradient, exact where the output
-        meets the batch by broadcasting (added to the token embeddings). None otherwise (then
-        ``_check_batch`` decides)."""
-        if not isinstance(layer, nn.Embedding) or not self.batch_first or layer in self.functorch_layers:
-            return None
-        if self._forward_batch is None or self._forward_batch == 1:
-            return None
-        x = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
-        if x is None or x.dim() < 2 or x.shape[0] != 1:
-            return None
-        B = self._forward_batch
-        return tuple(a.expand(B, *a.shape[1:]) if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] == 1 else a
-                     for a in inputs)
-
-    def _check_batch(self, layer: nn.Module, name: str, inputs) -> None:
-        batch_dim = 0 if self.batch_first else 1
-        x = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else next(
-            (a for a in inputs if isinstance(a, torch.Tensor)), None)
-        # A Linear given one sample's (d,) would otherwise take its features for the batch.
-        if x is None or x.dim() <= batch_dim + _feature_dims(layer):
-            shape = None if x is None else tuple(x.shape)
-            raise ValueError(
-                f"layer '{name}' got an input of shape {shape} with no batch dimension "
-                f"{batch_dim} (batch_first={self.batch_first}, so inputs are "
-                f"{'[B, ...]' if self.batch_first else '[K, B, ...]'}): feed a batch of samples, "
-                f"e.g. x.unsqueeze({batch_dim}) for a single one"
-            )
-        n = x.shape[batch_dim]
-        if self._forward_batch is None:
-            self._forward_batch = n
-        elif n == 1 and self._forward_batch > 1:
-            raise ValueError(
-                f"layer '{name}' got an input of shape {tuple(x.shape)}, with 1 along the batch "
-                f"dimension {batch_dim} where earlier layers of this forward pass got "
-                f"{self._forward_batch} samples: the model broadcasts it over the batch, so its "
-                "gradient is the whole batch's, not per sample. Give the input one row per sample; "
-                "for Hugging Face models, whose position ids default to a single row, pass "
-                "position_ids=torch.arange(T).expand(B, T) (with B samples of T tokens)."
-            )
-        elif n != self._forward_batch:
-            raise ValueError(
-                f"layer '{name}' got {n} samples along dimension {batch_dim} (input shape "
-                f"{tuple(x.shape)}) but an earlier layer of this forward pass got "
-                f"{self._forward_batch}. Per-sample gradients need the batch on one dimension "
-                f"throughout: check batch_first (now {self.batch_first}) and that the model does "
-                "not fold the batch into another dimension, e.g. a (B*T, d) input to a Linear."
-            )
-
     # ------------------------------------------------------------------ backward
     def _record(self, layer: nn.Module, params: List[nn.Parameter], activations: list, calls: PendingCalls,
                 grad):
@@ -663,7 +543,7 @@ class BackwardPath:
         """``record`` with the batch first in its inputs and backprops."""
         if self.batch_first:
             return record
-        return Record(record.layer, [_batch_to_front(a) for a in record.inputs], _batch_to_front(record.backprops))
+        return Record(record.layer, [batch_to_front(a) for a in record.inputs], batch_to_front(record.backprops))
 
     def _open_pass(self) -> None:
         """A backward pass begins (at its first recorded layer)."""
@@ -728,52 +608,6 @@ class BackwardPath:
             self.hooks_enabled = was
 
 
-def _top_saved_tensors_hooks():
-    """The innermost ``saved_tensors_hooks`` (pack, unpack) in force, or None (also where
-    this torch cannot say: its recomputations are then hooked like forward passes, harmless
-    but for the memory they hold until the pass ends)."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if top is None:
-        return None
-    try:
-        return top(False)
-    except TypeError:  # an older signature, without the argument
-        try:
-            return top()
-        except RuntimeError:
-            return None
-    except RuntimeError:
-        return None
-
-
-def _recomputing() -> bool:
-    """Whether non-reentrant activation checkpointing is recomputing a forward pass (inside
-    the backward pass) for the tensors it saved: its layer calls are no forward pass of the
-    model, and nothing backpropagates through their outputs. (Never while torch.compile
-    traces: a recomputation runs eagerly.)"""
-    if torch.compiler.is_compiling():
-        return False
-    top = _top_saved_tensors_hooks()
-    return top is not None and "_recomputation_hook" in getattr(top[0], "__qualname__", "")
-
-
 def _same_objects(a: tuple, b: tuple) -> bool:
     """Whether two tuples hold the same objects (tensors compared by identity, not value)."""
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
-
-
-def _feature_dims(layer: nn.Module) -> int:
-    """Trailing input dimensions a layer consumes at each position (the rest are batch and
-    tokens): 1 for Linear, the normalised shape's for LayerNorm and RMSNorm, else 0."""
-    if isinstance(layer, nn.Linear):
-        return 1
-    if isinstance(layer, (nn.LayerNorm, nn.RMSNorm)):
-        return len(layer.normalized_shape)
-    return 0
-
-
-def _batch_to_front(x):
-    """Move dimension 1 (the batch under batch_first=False) to the front."""
-    if not isinstance(x, torch.Tensor) or x.dim() < 2:
-        return x
-    return x.movedim(1, 0)

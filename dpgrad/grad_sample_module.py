@@ -15,8 +15,9 @@ import torch
 import torch.nn as nn
 
 from dpgrad import registry
-from dpgrad.backward_pass import BackwardPath, FiniteCheck, validate
+from dpgrad.backward_pass import BackwardPath, FiniteCheck
 from dpgrad.fsdp import sharded_modules
+from dpgrad.model_checks import validate
 from dpgrad.samplers.groups import Record
 
 # Attributes dpgrad (like Opacus) puts on parameters.

@@ -58,159 +58,23 @@ import json
 import logging
 import math
 import os
-from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
 import transformers
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader
 
-from dpgrad.batches import padded_parts, rank_generator
-from dpgrad.coefficients import clipping_bound
+from dpgrad.batches import padded_parts
 from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping
 from dpgrad.fsdp import sharded_modules
+from dpgrad.hf_privacy import PRIVACY_FORMAT, PRIVACY_STATE, PrivacyArguments, privacy_state_problem
+from dpgrad.hf_sampling import Indexed, LogicalBatch, PoissonSampler, sampling_generator, sampling_units
 from dpgrad.loss import DPLossFastGradientClipping
 
 logger = logging.getLogger(__name__)
 
-ACCOUNTANTS = ("prv", "rdp")
 IGNORE_INDEX = -100
-# The privacy state saved with each checkpoint (one file per process).
-PRIVACY_STATE = "dpgrad_privacy"
-PRIVACY_FORMAT = "dpgrad-privacy/1"
-
-
-def _privacy_state_problem(state) -> Optional[str]:
-    """What in a loaded privacy state is missing or ill-typed; None if nothing."""
-    def number(v) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-    if not isinstance(state, dict) or state.get("format") != PRIVACY_FORMAT:
-        return f"not a DPTrainer privacy state (format {PRIVACY_FORMAT!r})"
-    if state.get("accountant") not in ACCOUNTANTS:
-        return f"accountant {state.get('accountant')!r}, not one of {', '.join(ACCOUNTANTS)}"
-    history = state.get("history")
-    if not isinstance(history, list) or not all(
-            isinstance(h, list) and len(h) == 3 and number(h[0]) and h[0] >= 0 and number(h[1]) and 0 < h[1] <= 1
-            and isinstance(h[2], int) and not isinstance(h[2], bool) and h[2] > 0 for h in history):
-        return "a 'history' that is not a list of [noise_multiplier, sample_rate, steps]"
-    for key in ("noise_multiplier", "sample_rate", "target_delta"):
-        if not number(state.get(key)):
-            return f"{key} {state.get(key)!r}, not a number"
-    if not isinstance(state.get("world_size"), int) or not isinstance(state.get("generator"), str):
-        return "no world_size or generator state"
-    return None
-
-
-@dataclass
-class PrivacyArguments:
-    """The privacy settings of ``DPTrainer`` (``transformers.HfArgumentParser`` reads them).
-
-    Exactly one of ``target_epsilon`` and ``noise_multiplier``; ``target_delta`` defaults to
-    1 / N (N rows, or users with ``user_column``)."""
-
-    target_epsilon: Optional[float] = field(default=None, metadata={
-        "help": "Privacy budget: the noise is chosen so that the planned steps spend exactly it, "
-                "and training stops before a step that would spend more."})
-    noise_multiplier: Optional[float] = field(default=None, metadata={
-        "help": "Noise standard deviation over max_grad_norm (instead of target_epsilon)."})
-    target_delta: Optional[float] = field(default=None, metadata={"help": "delta; default 1 / N."})
-    max_grad_norm: float = field(default=1.0, metadata={
-        "help": "Per-sample clipping bound C (per user with user_column)."})
-    accountant: str = field(default="prv", metadata={"help": "Opacus accountant: 'prv' or 'rdp'."})
-    single_backward: bool = field(default=True, metadata={
-        "help": "One backward pass per physical batch (dpgrad's single backward)."})
-    physical_batch_size: Optional[int] = field(default=None, metadata={
-        "help": "Rows per forward/backward pass (memory); default per_device_train_batch_size."})
-    check_independence: bool = field(default=True, metadata={
-        "help": "Verify on the first step that each row's outputs and loss are its own (no mixing "
-                "across the batch); False gives up that check."})
-    user_column: Optional[str] = field(default=None, metadata={
-        "help": "Column of the dataset holding each row's user id: user-level privacy (users are "
-                "sampled, and a user moves the gradient by at most max_grad_norm)."})
-
-    def __post_init__(self):
-        if (self.target_epsilon is None) == (self.noise_multiplier is None):
-            raise ValueError("PrivacyArguments takes exactly one of target_epsilon and noise_multiplier, "
-                             f"not target_epsilon={self.target_epsilon}, noise_multiplier={self.noise_multiplier}")
-        if self.target_epsilon is not None and not (math.isfinite(self.target_epsilon) and self.target_epsilon > 0):
-            raise ValueError(f"target_epsilon must be a finite positive number, not {self.target_epsilon}")
-        if self.noise_multiplier is not None and not (math.isfinite(self.noise_multiplier)
-                                                      and self.noise_multiplier >= 0):
-            raise ValueError(f"noise_multiplier must be a finite number >= 0, not {self.noise_multiplier}")
-        if self.target_delta is not None and not 0 < self.target_delta < 1:
-            raise ValueError(f"target_delta must lie strictly between 0 and 1, not {self.target_delta}")
-        self.max_grad_norm = clipping_bound(self.max_grad_norm)
-        if self.accountant not in ACCOUNTANTS:
-            raise ValueError(f"accountant={self.accountant!r}: use one of {', '.join(ACCOUNTANTS)}")
-        size = self.physical_batch_size
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-            raise ValueError(f"physical_batch_size must be a positive integer, not {size!r}")
-
-
-class LogicalBatch:
-    """One Poisson-sampled logical batch: the dataset's rows (uncollated), their indices and
-    each row's clipping share (1 / the rows its user has in the batch; 1 without users)."""
-
-    def __init__(self, rows: list, indices: List[int], shares: List[float]):
-        self.rows, self.indices, self.shares = rows, indices, shares
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __contains__(self, key) -> bool:  # the Trainer looks for "labels" in a batch
-        return False
-
-
-class PoissonSampler(Sampler[List[int]]):
-    """Logical batches of dataset indices, ``steps`` per epoch: each unit (a row, or a user's
-    rows) is taken with probability ``sample_rate``, independently of the others and of other
-    steps (a fresh draw each step, from ``generator``)."""
-
-    def __init__(self, units: List[List[int]], sample_rate: float, generator: torch.Generator):
-        self.units, self.sample_rate, self.generator = units, sample_rate, generator
-        self.steps = max(1, int(1 / sample_rate))
-        self.epoch_start: Optional[torch.Tensor] = None  # the generator's state when this epoch began
-
-    def __iter__(self) -> Iterator[List[int]]:
-        self.epoch_start = self.generator.get_state()
-        for _ in range(self.steps):
-            taken = torch.rand(len(self.units), generator=self.generator) < self.sample_rate
-            yield [i for u in taken.nonzero().flatten().tolist() for i in self.units[u]]
-
-    def __len__(self) -> int:
-        return self.steps
-
-
-def _units(dataset, user_column: Optional[str]) -> Tuple[List[List[int]], List[float]]:
-    """The sampling units (lists of row indices: a row each, or a user's rows, read from
-    ``user_column`` before any column is removed) and each row's clipping share, 1 / the rows
-    of its unit (a sampled user brings all of them)."""
-    n = len(dataset)
-    if user_column is None:
-        return [[i] for i in range(n)], [1.0] * n
-    names = getattr(dataset, "column_names", None)
-    if names is not None:
-        if user_column not in names:
-            raise ValueError(f"user_column={user_column!r} is not a column of the training dataset ({names})")
-        users = list(dataset[user_column])
-    else:
-        users = []
-        for i in range(n):
-            row = dataset[i]
-            if not isinstance(row, dict) or user_column not in row:
-                raise ValueError(f"row {i} of the training dataset has no {user_column!r} (user_column)")
-            users.append(row[user_column])
-    by_user: Dict[object, List[int]] = {}
-    for i, user in enumerate(users):
-        by_user.setdefault(user.item() if isinstance(user, torch.Tensor) else user, []).append(i)
-    units = list(by_user.values())
-    shares = [0.0] * n
-    for unit in units:
-        for i in unit:
-            shares[i] = 1.0 / len(unit)
-    return units, shares
 
 
 _OWN_LOSS = ("DPTrainer trains on each row's mean token cross-entropy (label_smoothing_factor applies), which "
@@ -278,7 +142,7 @@ class DPTrainer(transformers.Trainer):
         # One Trainer step is one logical batch; its physical batches are accumulated here.
         args.gradient_accumulation_steps = 1
         dataset = self.train_dataset
-        self._units, self._shares = _units(dataset, privacy_args.user_column)
+        self._units, self._shares = sampling_units(dataset, privacy_args.user_column)
         if not self._units:
             raise ValueError("DPTrainer: the training dataset is empty")
         self.sample_rate = min(1.0, self.expected_batch_size / len(self._units))
@@ -295,7 +159,7 @@ class DPTrainer(transformers.Trainer):
         self._wrapper: Optional[GradSampleModuleFastGradientClipping] = None
         self._loss: Optional[DPLossFastGradientClipping] = None
         self._dp_optimizer = None
-        self._generator = _sampling_generator(args.seed, self.rank, self.world_size)
+        self._generator = sampling_generator(args.seed, self.rank, self.world_size)
         self._sampler: Optional[PoissonSampler] = None
         self._sharding: Tuple[Optional[nn.Module], bool] = (None, False)  # (model, sharded by the caller)
         self.add_callback(_Budget(self))
@@ -392,7 +256,7 @@ class DPTrainer(transformers.Trainer):
             indices = [i for _, i in rows_and_indices]
             return LogicalBatch([r for r, _ in rows_and_indices], indices, [shares[i] for i in indices])
 
-        return DataLoader(_Indexed(dataset), batch_sampler=sampler, collate_fn=logical,
+        return DataLoader(Indexed(dataset), batch_sampler=sampler, collate_fn=logical,
                           num_workers=self.args.dataloader_num_workers)
 
     # ------------------------------------------------------------------ optimizer, noise, accountant
@@ -529,7 +393,7 @@ class DPTrainer(transformers.Trainer):
                              "privacy spent before it is unknown, so DPTrainer cannot resume from it") from None
         except (OSError, ValueError) as exc:
             raise ValueError(f"{path}: not a readable privacy state ({exc})") from exc
-        problem = _privacy_state_problem(state)
+        problem = privacy_state_problem(state)
         if problem is not None:
             raise ValueError(f"{path}: {problem}")
         mine = {"accountant": self.privacy_args.accountant, "sample_rate": self.sample_rate,
@@ -687,25 +551,6 @@ class DPTrainer(transformers.Trainer):
         shifted, targets = logits[:, :-1], labels[:, 1:].to(logits.device)
         return self._loss(shifted.reshape(-1, shifted.shape[-1]).float(), targets.reshape(-1),
                           shape=shifted.shape[:2]).loss_per_sample
-
-
-def _sampling_generator(seed: int, rank: int, world: int) -> torch.Generator:
-    """The generator of a rank's Poisson sampler: ``seed`` itself in one process, one of each
-    rank's own with several (``dpgrad.batches.rank_generator``)."""
-    return torch.Generator().manual_seed(seed) if world == 1 else rank_generator(seed, rank)
-
-
-class _Indexed(torch.utils.data.Dataset):
-    """A dataset's rows with their indices, for the logical batch to know them."""
-
-    def __init__(self, dataset):
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, i: int):
-        return self.dataset[i], i
 
 
 __all__ = ["PrivacyArguments", "DPTrainer", "PoissonSampler", "LogicalBatch"]

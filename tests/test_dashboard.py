@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from dpgrad.tools import cli, dashboard, results
+from dpgrad.tools import cli, dashboard, results, results_tables
 
 REPO = Path(__file__).parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -185,7 +185,7 @@ def test_results_page_tables_match_the_committed_results():
     """docs/results.md's results block is what the committed results files give, to the digit."""
     assert COMMITTED, "benchmarks/results holds no results file"
     page = (REPO / "docs" / "results.md").read_text()
-    assert results.readme_with_results(page, results.load(COMMITTED)) == page, (
+    assert results_tables.readme_with_results(page, results.load(COMMITTED)) == page, (
         "docs/results.md's results differ from benchmarks/results: run "
         "`dpgrad dashboard benchmarks/results/*.json --update-readme docs/results.md`"
     )
@@ -379,7 +379,7 @@ def test_repeated_cases_give_the_median_repeat_and_each_repeat(tmp_path):
     ratios = [b / s for b, s in zip(base["step_time"]["repeats"], single["step_time"]["repeats"])]
     assert single["throughput_over_non_private"]["repeats"] == pytest.approx(ratios)
     assert single["throughput_over_non_private"]["p50"] == pytest.approx(statistics.median(ratios))
-    table = results.markdown([doc])
+    table = results_tables.markdown([doc])
     if not rows["dpgrad-single"]["flags"]:
         spread = f"({min(ratios):.2f}-{max(ratios):.2f})"
         assert f"{statistics.median(ratios):.2f} {spread}" in table
@@ -405,7 +405,7 @@ def test_parts_of_one_run_merge_into_one_file_and_other_runs_are_refused(tmp_pat
     assert doc["machine"]["date"] == gpu_steps["machine"]["date"]
     assert doc["machine"]["dates"] == [gpu_steps["machine"]["date"], second["machine"]["date"]]
     assert doc["settings"]["dtype"] == ["bf16", "fp32"]
-    table = results.markdown([doc])
+    table = results_tables.markdown([doc])
     rows = [line.split(" | ")[:4] for line in table.splitlines() if line.startswith("| hf-gpt2")]
     assert rows == [["| hf-gpt2", "8", "1024", "bf16"], ["| hf-gpt2", "64", "128", "bf16"]]
     refused = {
@@ -452,7 +452,7 @@ def test_implausible_and_noisy_rows_are_flagged_not_shown_as_figures():
              "settings": {}, "results": rows},
             {"schema": results.SCHEMA, "suite": "host_overhead", "machine": _machine("cpu: test cpu x 2 threads"),
              "settings": {}, "results": host}]
-    table = results.markdown(docs)
+    table = results_tables.markdown(docs)
     assert "| - | flagged | - |" in table and "1.11" not in table and "| flagged |" in table.split("host_overhead")[1]
     assert "flagged: dpgrad-single (model=hf-gpt2, batch=8, seq_len=1024, dtype=bf16): impossible" in table
     page = dashboard.render(docs)
@@ -465,7 +465,7 @@ def test_summary_names_the_machine_choices_ratios_and_page():
     report = {"model": {"name": "tiny", "trainable_layers": 3}, "device": "cpu-test", "backend": "eager",
               "rows": [{"choice": "eager-bmm", "speedup": 2.0}, {"choice": "eager-bmm", "speedup": 3.0},
                        {"choice": "eager-sort", "speedup": None}]}
-    text = results.summary(docs, report, "build/dashboard/index.html")
+    text = results_tables.summary(docs, report, "build/dashboard/index.html")
     assert text.startswith("summary\n") and max(len(line) for line in text.splitlines()) <= 120
     words = " ".join(text.split())
     assert "tiny on cpu-test (eager backend), 3 trainable layers: eager-bmm x2, eager-sort x1" in words
@@ -486,7 +486,7 @@ def test_fsdp_memory_table_shows_bytes_and_ratios_to_ddp_even_when_timing_is_fla
     assert rows[1]["flags"] and not rows[0]["flags"]
     doc = {"schema": results.SCHEMA, "suite": "fsdp_memory", "machine": _machine("cpu: test cpu x 2 threads"),
            "settings": {}, "results": rows}
-    table = results.markdown([doc])
+    table = results_tables.markdown([doc])
     assert "| tiny | 2 | fsdp2-dpgrad-single | 88.0 MB | 42.0 MB | 0.63 | 0.50 |" in table, table
     assert "| tiny | 2 | ddp-dpgrad-single | 140.0 MB | 84.0 MB | - | - |" in table, table
     counts = re.search(r'<script type="application/json" id="counts">(.*?)</script>', dashboard.render([doc]))

@@ -242,7 +242,7 @@ def autotune_report(argv: List[str]) -> int:
 
 def dashboard(argv: List[str]) -> int:
     from dpgrad.tools import dashboard as page
-    from dpgrad.tools import results
+    from dpgrad.tools import results, results_tables
 
     parser = argparse.ArgumentParser(prog="dpgrad dashboard", description=_doc(3))
     parser.add_argument("results", nargs="+", help="results files written by the benchmarks")
@@ -275,7 +275,7 @@ def dashboard(argv: List[str]) -> int:
             autotune = json.loads(Path(args.summary).read_text())
         except (OSError, ValueError) as exc:
             parser.error(f"--summary {args.summary}: not an autotune report's JSON ({exc})")
-        problem = results.report_problem(autotune)
+        problem = results_tables.report_problem(autotune)
         if problem is not None:
             parser.error(f"--summary {args.summary}: not an autotune report's JSON ({problem})")
     status = 0
@@ -291,10 +291,10 @@ def dashboard(argv: List[str]) -> int:
         elif not write_text(args.records, text, "records"):
             status = 1
     if args.markdown:
-        sys.stdout.write(results.markdown(docs))
+        sys.stdout.write(results_tables.markdown(docs))
     if args.update_readme:
         try:
-            text = results.readme_with_results(Path(args.update_readme).read_text(encoding="utf-8"), docs)
+            text = results_tables.readme_with_results(Path(args.update_readme).read_text(encoding="utf-8"), docs)
         except (OSError, ValueError) as exc:
             parser.error(f"--update-readme {args.update_readme}: {exc}")
         if write_text(args.update_readme, text, "results tables"):
@@ -303,7 +303,7 @@ def dashboard(argv: List[str]) -> int:
             status = 1
     if args.summary is not None:
         sys.stderr.flush()
-        sys.stdout.write(results.summary(docs, autotune, args.output))
+        sys.stdout.write(results_tables.summary(docs, autotune, args.output))
     return status
 
 

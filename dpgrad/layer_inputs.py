@@ -1,0 +1,122 @@
+"""A hooked layer's inputs in a forward pass: the batch each call sees, one row broadcast over
+the batch, and the calls that are no forward pass (activation checkpointing recomputing one).
+
+``BackwardPath._on_layer_call`` (``dpgrad.backward_pass``) asks these at each call of a layer
+with trainable parameters: ``broadcast_inputs`` first (an Embedding given one row of ids after
+other layers saw the batch is called again on them expanded), then ``recomputing``, then
+``check_batch``, which keeps the forward pass's batch size and raises for a call that does not
+hold it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+
+def broadcast_inputs(layer: nn.Module, inputs, batch: Optional[int], batch_first: bool, whole: bool
+                     ) -> Optional[tuple]:
+    """An Embedding's ids expanded to the forward pass's ``batch`` when it got one row of them
+    after another layer saw the batch: the model broadcasts that row's embeddings over the
+    batch (Hugging Face GPT-2 and BERT embed position ids (1, T) unless given them). An
+    embedding looks each id up alone, so its output on the expanded ids is what
+    broadcasting makes of it, and each sample gets its own gradient, exact where the output
+    meets the batch by broadcasting (added to the token embeddings). None otherwise (then
+    ``check_batch`` decides); ``whole``: the layer's gradients come from torch.func."""
+    if not isinstance(layer, nn.Embedding) or not batch_first or whole:
+        return None
+    if batch is None or batch == 1:
+        return None
+    x = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
+    if x is None or x.dim() < 2 or x.shape[0] != 1:
+        return None
+    return tuple(a.expand(batch, *a.shape[1:]) if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] == 1 else a
+                 for a in inputs)
+
+
+def check_batch(layer: nn.Module, name: str, inputs, batch: Optional[int], batch_first: bool) -> int:
+    """The forward pass's batch size after this call of ``layer`` (``name``): its own where
+    ``batch`` is None (the pass's first hooked call). Raises ValueError, naming the layer, for
+    an input with no batch dimension, one row where the pass has several samples (a row the
+    model broadcasts over the batch), or another number of samples."""
+    batch_dim = 0 if batch_first else 1
+    x = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else next(
+        (a for a in inputs if isinstance(a, torch.Tensor)), None)
+    # A Linear given one sample's (d,) would otherwise take its features for the batch.
+    if x is None or x.dim() <= batch_dim + feature_dims(layer):
+        shape = None if x is None else tuple(x.shape)
+        raise ValueError(
+            f"layer '{name}' got an input of shape {shape} with no batch dimension "
+            f"{batch_dim} (batch_first={batch_first}, so inputs are "
+            f"{'[B, ...]' if batch_first else '[K, B, ...]'}): feed a batch of samples, "
+            f"e.g. x.unsqueeze({batch_dim}) for a single one"
+        )
+    n = x.shape[batch_dim]
+    if batch is None:
+        return n
+    if n == 1 and batch > 1:
+        raise ValueError(
+            f"layer '{name}' got an input of shape {tuple(x.shape)}, with 1 along the batch "
+            f"dimension {batch_dim} where earlier layers of this forward pass got "
+            f"{batch} samples: the model broadcasts it over the batch, so its "
+            "gradient is the whole batch's, not per sample. Give the input one row per sample; "
+            "for Hugging Face models, whose position ids default to a single row, pass "
+            "position_ids=torch.arange(T).expand(B, T) (with B samples of T tokens)."
+        )
+    if n != batch:
+        raise ValueError(
+            f"layer '{name}' got {n} samples along dimension {batch_dim} (input shape "
+            f"{tuple(x.shape)}) but an earlier layer of this forward pass got "
+            f"{batch}. Per-sample gradients need the batch on one dimension "
+            f"throughout: check batch_first (now {batch_first}) and that the model does "
+            "not fold the batch into another dimension, e.g. a (B*T, d) input to a Linear."
+        )
+    return batch
+
+
+def _top_saved_tensors_hooks():
+    """The innermost ``saved_tensors_hooks`` (pack, unpack) in force, or None (also where
+    this torch cannot say: its recomputations are then hooked like forward passes, harmless
+    but for the memory they hold until the pass ends)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return None
+    try:
+        return top(False)
+    except TypeError:  # an older signature, without the argument
+        try:
+            return top()
+        except RuntimeError:
+            return None
+    except RuntimeError:
+        return None
+
+
+def recomputing() -> bool:
+    """Whether non-reentrant activation checkpointing is recomputing a forward pass (inside
+    the backward pass) for the tensors it saved: its layer calls are no forward pass of the
+    model, and nothing backpropagates through their outputs. (Never while torch.compile
+    traces: a recomputation runs eagerly.)"""
+    if torch.compiler.is_compiling():
+        return False
+    top = _top_saved_tensors_hooks()
+    return top is not None and "_recomputation_hook" in getattr(top[0], "__qualname__", "")
+
+
+def feature_dims(layer: nn.Module) -> int:
+    """Trailing input dimensions a layer consumes at each position (the rest are batch and
+    tokens): 1 for Linear, the normalised shape's for LayerNorm and RMSNorm, else 0."""
+    if isinstance(layer, nn.Linear):
+        return 1
+    if isinstance(layer, (nn.LayerNorm, nn.RMSNorm)):
+        return len(layer.normalized_shape)
+    return 0
+
+
+def batch_to_front(x):
+    """Move dimension 1 (the batch under batch_first=False) to the front."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        return x
+    return x.movedim(1, 0)
