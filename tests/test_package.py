@@ -216,3 +216,17 @@ def test_no_class_in_the_library_is_a_diamond():
                     diamonds.append(f"{cls.__qualname__}({first.__name__}, {second.__name__}) share "
                                     f"{sorted(c.__name__ for c in shared)}")
     assert not diamonds, diamonds
+
+
+@pytest.mark.xdist_group("package_group_check")
+def test_pytest_xdist_groups_hold(request):
+    """make test runs pytest-xdist with --dist loadgroup: the tests of a module marked
+    xdist_group share a worker, so its session fixtures (ranks spawned, a report) run once.
+    xdist groups by the suffix it gives the node ids of grouped tests; a pytest that ignores
+    the suffix (9.2 with xdist 3.8) spreads a group over the workers, each running the
+    fixtures again."""
+    if not getattr(request.config.option, "loadgroup", False):
+        pytest.skip("not a worker of pytest-xdist's --dist loadgroup")
+    assert request.node.nodeid.endswith("@package_group_check"), (
+        f"node id {request.node.nodeid!r} has no group suffix: this pytest and pytest-xdist lose "
+        "the groups (see pyproject.toml's pin of pytest)")
