@@ -16,8 +16,11 @@ if not torch.cuda.is_available():
 os.environ.setdefault("DPGRAD_TUNE", "off")
 os.environ["DPGRAD_TUNE_DIR"] = tempfile.mkdtemp(prefix="dpgrad-tune-")
 if os.environ.get("PYTEST_XDIST_WORKER") and not torch.cuda.is_available():
-    # The workers share the cores: one thread each, not each a thread per core.
+    # The workers share the cores: one thread each, not each a thread per core; and so do the
+    # processes they start (ranks spawned, pytest or the CLI in a subprocess), which read it
+    # from the environment.
     torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 import pytest  # noqa: E402
