@@ -13,6 +13,10 @@
 #   bash benchmarks/gpu_session.sh kernels          bench_kernels.py, full sizes
 #   bash benchmarks/gpu_session.sh profile [ARGS]   profile_dp_step.py (default: GPT-2 small B=64
 #                                                   T=128 bf16, non-private and dpgrad single)
+#   bash benchmarks/gpu_session.sh llama            where the Llama-1B shape's step (B=8 T=1024)
+#                                                   spends its time: `dpgrad autotune-report --full`
+#                                                   (every candidate's time per layer shape) and
+#                                                   its profile, non-private and dpgrad single
 #
 # What each part writes goes to $OUT (./gpu-out where OUT is unset): its log and its results
 # files. The parts of bench_dp_step run in several calls are one file again with
@@ -22,8 +26,8 @@
 set -u -o pipefail
 part=${1:-}
 case $part in
-    check | step | kernels | profile) shift ;;
-    *) echo "usage: bash benchmarks/gpu_session.sh check | step CASE... | kernels | profile [ARGS]" >&2; exit 2 ;;
+    check | step | kernels | profile | llama) shift ;;
+    *) echo "usage: bash benchmarks/gpu_session.sh check | step CASE... | kernels | profile [ARGS] | llama" >&2; exit 2 ;;
 esac
 [ "$part" != step ] || [ $# -gt 0 ] || { echo "step: name the cases, e.g. hf-gpt2-64-128" >&2; exit 2; }
 OUT=${OUT:-$PWD/gpu-out}
@@ -49,7 +53,7 @@ $PY -c "from dpgrad.tools import results; print(results.machine_info())" 2>&1 | 
 tests() {
     local name=$1 limit=$2
     shift 2
-    timeout -s INT "$limit" $PY -m pytest -q -v -p no:cacheprovider -n "$(($(nproc) - 2))" --max-worker-restart 100 \
+    timeout -s INT "$limit" $PY -m pytest -v -p no:cacheprovider -n "$(($(nproc) - 2))" --max-worker-restart 100 \
         -rfE --tb=short "$@" >"$OUT/$name.log" 2>&1
     echo "$name: exit $?" | tee -a "$OUT/check.log"
     # -v: each result as it comes, so a test that ends its worker is named even when the limit
@@ -87,5 +91,11 @@ case $part in
         [ $# -gt 0 ] || set -- --model hf-gpt2 --batch 64 --seq-len 128 --dtype bf16 \
             --provider non-private dpgrad-single
         timeout 300 $PY benchmarks/profile_dp_step.py "$@" --json "$OUT/profile.json" 2>&1 | tee -a "$OUT/profile.log"
+        ;;
+    llama)
+        timeout 200 $PY -m dpgrad autotune-report --model llama-1b --batch-size 8 --seq-len 1024 --device cuda \
+            --full --json "$OUT/autotune-llama-1b.json" 2>&1 | tee -a "$OUT/llama.log"
+        timeout 250 $PY benchmarks/profile_dp_step.py --model hf-llama-1b --batch 8 --seq-len 1024 --dtype bf16 \
+            --provider non-private dpgrad-single --json "$OUT/profile-llama-1b.json" 2>&1 | tee -a "$OUT/llama.log"
         ;;
 esac
