@@ -12,8 +12,13 @@ from typing import Dict, Iterable, List, Optional
 from dpgrad.tools.results import by_case, spread
 
 
+def _cell(value: Optional[float], spec: str, suffix: str = "", scale: float = 1.0) -> str:
+    """A table cell: ``value / scale`` formatted by ``spec`` with its unit, or "-" for none."""
+    return "-" if value is None else format(value / scale, spec) + suffix
+
+
 def _fmt_ms(m: Optional[dict]) -> str:
-    return "-" if m is None else f"{m['p50']:.1f} ms"
+    return _cell(None if m is None else m["p50"], ".1f", " ms")
 
 
 def markdown(docs: Iterable[dict]) -> str:
@@ -41,7 +46,7 @@ def _p50(row: Optional[dict], name: str) -> Optional[float]:
 def _ratio(value: Optional[float], row: Optional[dict] = None) -> str:
     if value is not None and row and row.get("flags"):
         return "flagged"
-    return "-" if value is None else f"{value:.2f}"
+    return _cell(value, ".2f")
 
 
 def _flag_notes(results: List[dict]) -> List[str]:
@@ -88,11 +93,8 @@ def _kernels_table(results: List[dict]) -> List[str]:
         # Per-sample gradients against Opacus's with the norms its optimizer then takes.
         opacus_ms = _p50(rows.get("opacus-with-norm") or rows.get("opacus"), "time")
         gemm_ms = _p50(rows.get("gemm"), "time")
-
-        def ms(v):
-            return "-" if v is None else f"{v:.3f} ms"
-
-        lines.append(f"| {kernel} | {layer} | {T} | {B} | {ms(best)} | {ms(opacus_ms)} | {ms(gemm_ms)} | "
+        ms = [_cell(v, ".3f", " ms") for v in (best, opacus_ms, gemm_ms)]
+        lines.append(f"| {kernel} | {layer} | {T} | {B} | {' | '.join(ms)} | "
                      f"{_ratio(opacus_ms / best if best and opacus_ms else None)} | "
                      f"{_ratio(best / gemm_ms if best and gemm_ms else None)} |")
     return lines
@@ -104,8 +106,7 @@ def _host_overhead_table(results: List[dict]) -> List[str]:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def num(row, name, fmt):
-        value = _p50(row, name)
-        return "-" if value is None else format(value, fmt)
+        return _cell(_p50(row, name), fmt)
 
     cases = by_case(results, ("model", "batch", "seq_len", "dtype"))
     for row in (row for case in cases.values() for row in case.values()):
@@ -114,12 +115,11 @@ def _host_overhead_table(results: List[dict]) -> List[str]:
             # As in the DP-step table: the reason's first word; the whole of it in the file.
             lines.append(f"| {model} | {row['provider']} | {row['status'].split(':')[0]} |" + " - |" * 8)
             continue
-        per_layer = _p50(row, "host_time_per_layer")
         lines.append(
             f"| {model} | {row['provider']} | {num(row, 'hooked_layers', '.0f')} | {num(row, 'ops', '.0f')} "
             f"| {num(row, 'extra_ops_per_layer', '.1f')} | {num(row, 'syncs', '.0f')} "
             f"| {num(row, 'extra_syncs', '+.0f')} | {_fmt_ms(row['metrics'].get('host_time'))} "
-            f"| {'-' if per_layer is None else f'{per_layer:.3f} ms'} | {_fmt_ms(row['metrics'].get('step_time'))} "
+            f"| {_cell(_p50(row, 'host_time_per_layer'), '.3f', ' ms')} | {_fmt_ms(row['metrics'].get('step_time'))} "
             f"| {_ratio(_p50(row, 'step_time_over_non_private'), row)} |")
     return lines + _flag_notes(results)
 
@@ -129,8 +129,7 @@ def _fsdp_memory_table(results: List[dict]) -> List[str]:
              "|---|---|---|---|---|---|---|"]
 
     def mb(row, name):
-        value = _p50(row, name)
-        return "-" if value is None else f"{value / 1e6:.1f} MB"
+        return _cell(_p50(row, name), ".1f", " MB", scale=1e6)
 
     for row in results:
         if row.get("status") != "ok":
