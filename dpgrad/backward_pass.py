@@ -377,7 +377,7 @@ class BackwardPath:
         params = self.layer_params(layer)
         if not params:
             return None
-        widened = broadcast_inputs(layer, inputs, self._forward_batch, self.batch_first, layer in self.functorch_layers)
+        widened = broadcast_inputs(layer, inputs, self._forward_batch, self.batch_first, self.functorch_layers)
         if widened is not None:
             # The layer again, on its input expanded to the batch: that call is the one its
             # hook records, and its output replaces this one.

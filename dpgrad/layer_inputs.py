@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 
-def broadcast_inputs(layer: nn.Module, inputs, batch: Optional[int], batch_first: bool, whole: bool
+def broadcast_inputs(layer: nn.Module, inputs, batch: Optional[int], batch_first: bool, whole_layers
                      ) -> Optional[tuple]:
     """An Embedding's ids expanded to the forward pass's ``batch`` when it got one row of them
     after another layer saw the batch: the model broadcasts that row's embeddings over the
@@ -24,8 +24,9 @@ def broadcast_inputs(layer: nn.Module, inputs, batch: Optional[int], batch_first
     embedding looks each id up alone, so its output on the expanded ids is what
     broadcasting makes of it, and each sample gets its own gradient, exact where the output
     meets the batch by broadcasting (added to the token embeddings). None otherwise (then
-    ``check_batch`` decides); ``whole``: the layer's gradients come from torch.func."""
-    if not isinstance(layer, nn.Embedding) or not batch_first or whole:
+    ``check_batch`` decides); ``whole_layers``: the layers whose gradients torch.func takes
+    whole (an Embedding among them is left alone)."""
+    if not isinstance(layer, nn.Embedding) or not batch_first or layer in whole_layers:
         return None
     if batch is None or batch == 1:
         return None
