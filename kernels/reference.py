@@ -74,6 +74,13 @@ def batch_slices(batch: int, elements_per_sample: int) -> Iterator[slice]:
         yield slice(start, min(batch, start + step))
 
 
+def sq_norms(x: torch.Tensor, dim) -> torch.Tensor:
+    """Squared norms of ``x`` over ``dim`` in one pass over it: one reduction, no squared copy
+    of ``x`` written and read back (on a GPU that copy of a batch's per-sample gradients cost
+    about as much as the product that made them)."""
+    return torch.linalg.vector_norm(x, dim=dim).square()
+
+
 _OUT_DTYPE_MATMUL: dict = {}
 
 
@@ -143,7 +150,7 @@ def linear_per_sample(
     return LinearPerSample(
         weight=weight.to(out_dtype),
         bias=bias_sum.to(out_dtype) if bias else None,
-        weight_sq_norm=weight.square().sum(dim=(1, 2)) if norm else None,
+        weight_sq_norm=sq_norms(weight, (1, 2)) if norm else None,
         bias_sq_norm=bias_sum.square().sum(dim=1) if norm and bias else None,
     )
 
@@ -249,7 +256,7 @@ def linear_weight_sq_norm_direct(A: torch.Tensor, G: torch.Tensor) -> torch.Tens
     p = G.shape[-1]
     out = torch.empty(B, dtype=acc, device=A.device)
     for s in batch_slices(B, p * d):
-        out[s] = bmm_acc(G[s].transpose(1, 2), A[s]).square().sum(dim=(1, 2))
+        out[s] = sq_norms(bmm_acc(G[s].transpose(1, 2), A[s]), (1, 2))
     return out
 
 
@@ -488,7 +495,7 @@ def conv_weight_sq_norm_grad_sample(x: torch.Tensor, G: torch.Tensor, geom: Conv
     shape = (C_out, x.shape[1] // geom.groups, *geom.kernel_size)
     out = torch.empty(B, dtype=accumulation_dtype(x, G), device=x.device)
     for s in batch_slices(B, math.prod(shape)):
-        out[s] = conv_per_sample(x[s], G[s], geom, shape).flatten(1).square().sum(1)
+        out[s] = sq_norms(conv_per_sample(x[s], G[s], geom, shape).flatten(1), 1)
     return out
 
 
