@@ -136,6 +136,29 @@ def test_linear_weight_sq_norm_all_algorithms(B, T, d, p, dtype):
         assert_norms_close(R.linear_weight_sq_norm_outer(A, G), expected, NORM_RTOL[dtype])
 
 
+@pytest.mark.parametrize("pair", ["fp32", "bf16", "fp16", "fp64", "fp32/bf16", "bf16/fp32"])
+@pytest.mark.parametrize("d,p", [(13, 7), (10, 3), (0, 4), (4, 0)], ids=["tails", "whole-chunks", "no-inputs", "no-outputs"])
+def test_gram_norm_in_feature_chunks(monkeypatch, pair, d, p):
+    """The eager Gram norm multiplies GRAM_CHUNK features at a time (on a GPU's tensor cores)
+    and adds the chunks' Gram matrices: chunks of 5 features here, with a ragged last chunk,
+    whole chunks only, a side shorter than a chunk and an empty side; autocast's pairs (fp32
+    inputs beside bf16 backprops, and the reverse) use the values their matmul took."""
+    monkeypatch.setattr(R, "GRAM_CHUNK", 5)
+    names = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+    a_dtype, g_dtype = (names[n] for n in (pair.split("/") * 2)[:2])
+    A, G = make_AG(3, 6, d, p, torch.float64, seed=4)
+    A, G = A.to(a_dtype), G.to(g_dtype)
+    rounded_a, rounded_g = R.autocast_operands(A, G)
+    expected = sq_norms(naive_linear_grad_sample(rounded_a, rounded_g))
+    half = torch.bfloat16 if torch.bfloat16 in (a_dtype, g_dtype) else torch.float16
+    rtol = NORM_RTOL[torch.float64 if a_dtype == torch.float64 else torch.float32 if a_dtype == g_dtype == torch.float32 else half]
+    got = R.linear_weight_sq_norm_gram(A, G)
+    assert got.dtype == (torch.float64 if a_dtype == torch.float64 else torch.float32)
+    assert_norms_close(got, expected, rtol)
+    if d and p:
+        assert (got > 0).all()
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("B,T,d,p", LINEAR_SHAPES)
 def test_linear_bias_sq_norm(B, T, d, p, dtype):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dpgrad.kernels.reference import CHUNK_ELEMENTS
+from dpgrad.kernels.reference import CHUNK_ELEMENTS, GRAM_CHUNK
 
 # Tile sizes the byte counts assume (the autotuner may pick others).
 TILE = 128
@@ -94,8 +94,11 @@ def linear_norm_cost(algorithm: str, backend: str, B: int, T: int, d: int, p: in
             blocks = math.ceil(T / GRAM_BLOCK)
             pairs = blocks * (blocks + 1) / 2
             return Cost(B * T * T * (p + d), B * pairs * 2 * GRAM_BLOCK * (d + p) * e, 4 * B * blocks * blocks)
+        # Each chunk of features' (B, T, T) fp32 Gram matrix written, then added to the sum.
         held = _chunked(2 * T * T, B)
-        return Cost(2 * B * T * T * (p + d), inputs + 3 * 2 * B * T * T * 4, held * 4 + B * T * (d + p) * 4)
+        chunks = math.ceil(d / GRAM_CHUNK) + math.ceil(p / GRAM_CHUNK)
+        return Cost(2 * B * T * T * (p + d), inputs + (3 * chunks + 2) * B * T * T * 4,
+                    held * 4 + B * T * (d + p) * 4)
     raise ValueError(f"no cost model for the linear norm algorithm {algorithm!r}")
 
 
