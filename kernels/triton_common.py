@@ -314,3 +314,32 @@ def dot_fp32(a, b, acc, UPCAST: tl.constexpr):
     else:
         acc = tl.dot(a, b, acc)
     return acc
+
+
+# At the end of the module: a line added above the kernels' helpers changes their line numbers,
+# and with them Triton's cache keys of every kernel (and the compile test's cache).
+def _patch_language_once_per_launch() -> None:
+    """Triton's interpreter (3.6 to 3.9) patches ``triton.language`` at the start of a launch
+    and again at every call of a ``@triton.jit`` helper inside it, each time walking the
+    language modules' members (``inspect.getmembers``): over half of a Linear kernel's launch
+    on CPU tensors, for patches the launch already holds (and that helper calls then never
+    undo). A helper called while the launch's patches hold takes them as they are; the launch
+    itself patches, and undoes, as before."""
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang", None)
+    if original is None or not hasattr(interpreter, "_LangPatchScope") or getattr(original, "dpgrad_once", False):
+        return  # another interpreter than 3.6-3.9's: left as it is
+
+    def patch_lang(fn):
+        langs = [value for value in fn.__globals__.values() if value is tl or value is tl.core]
+        if langs and not any(tl.core.is_builtin(getattr(lang, "load", None)) for lang in langs):
+            return interpreter._LangPatchScope()
+        return original(fn)
+
+    patch_lang.dpgrad_once = True
+    interpreter._patch_lang = patch_lang
+
+
+if INTERPRET:
+    _patch_language_once_per_launch()

@@ -18,7 +18,9 @@ collects them from this module, and substitute dpgrad's classes while each test 
   ``embedding_norm_sample.compute_embedding_norm_sample``; that name, in the test module, is
   pointed at dpgrad's Embedding norm sampler.
 
-Hypothesis runs Opacus's own settings (100 examples per test); no profile is changed.
+Hypothesis runs Opacus's own settings (100 examples per test) in the first pass; in the
+Triton pass, where the interpreter makes each draw slow, a quarter of them (a profile loaded
+before Opacus's test modules build their settings), as for dpgrad's own random-model tests.
 
 The substitution is checked, not assumed: while a test runs, constructing any Opacus wrapper
 raises (a tripwire on Opacus's ``AbstractGradSampleHooks.__init__``), and every test that
@@ -41,8 +43,10 @@ import pytest
 pytest.importorskip("opacus")
 pytest.importorskip("hypothesis")
 
+import hypothesis  # noqa: E402
 import torch  # noqa: E402
 from _opacus_shims import import_opacus_test_module  # noqa: E402
+from per_sample_reference import examples  # noqa: E402
 from opacus.grad_sample import gsm_base  # noqa: E402
 from opacus.grad_sample.grad_sample_module import GradSampleHooks  # noqa: E402
 from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (  # noqa: E402
@@ -56,6 +60,10 @@ from dpgrad.samplers.embedding import embedding_norm_sample  # noqa: E402
 
 pytestmark = pytest.mark.opacus
 
+# Before the imports below: a settings decorator takes its unset fields from the profile
+# loaded when it is built.
+hypothesis.settings.register_profile("dpgrad-opacus-suite", max_examples=examples(100))
+hypothesis.settings.load_profile("dpgrad-opacus-suite")
 _linear_test = import_opacus_test_module("grad_samples.linear_test")
 _embedding_test = import_opacus_test_module("grad_samples.embedding_test")
 _layer_norm_test = import_opacus_test_module("grad_samples.layer_norm_test")

@@ -659,3 +659,33 @@ def test_gram_norm_fp32_over_thousands_of_features():
     got = K.linear_weight_sq_norm_gram(A, A).double()
     exact = torch.tensor(T * T * (n * v * v) ** 2, dtype=torch.float64)
     assert abs(got.item() - exact.item()) <= 1e-5 * exact.item(), (got.item(), exact.item())
+
+
+@pytest.mark.skipif(not triton_common.INTERPRET, reason="Triton's interpreter only")
+def test_interpreter_patches_the_language_once_per_launch(monkeypatch):
+    """Under Triton's interpreter a launch patches triton.language once, however many programs
+    its grid has and helpers they call (the patch walks the language's members: it was over
+    half of a launch), and undoes it after; the results are the float64 reference's."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    walks = []
+    original = interpreter._patch_builtin
+
+    def counted(pkg, *args):
+        walks.append(pkg)
+        return original(pkg, *args)
+
+    monkeypatch.setattr(interpreter, "_patch_builtin", counted)
+    per_launch = {}
+    # The first launch in a process also patches what Triton's own helpers import (and keeps it).
+    K.linear_per_sample(tensor((1, 2, 3), torch.float32, False, 0), tensor((1, 2, 3), torch.float32, False, 0))
+    for p in (8, 200):  # one program per sample, then several (p tiles) calling the same helpers
+        A, G = tensor((3, 4, 5), torch.float32, False, 1), tensor((3, 4, p), torch.float32, False, 2)
+        walks.clear()
+        out = K.linear_per_sample(A, G, grad=True, norm=True)
+        per_launch[p] = len(walks)
+        want = R.linear_per_sample(A.double(), G.double(), grad=True, norm=True)
+        torch.testing.assert_close(out.weight_sq_norm.double(), want.weight_sq_norm, rtol=1e-5, atol=0)
+        assert tl.core.is_builtin(tl.load), "the launch left triton.language patched"
+    assert per_launch[8] == per_launch[200] > 0, per_launch
