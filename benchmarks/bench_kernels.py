@@ -11,9 +11,10 @@ For every layer shape and T in {128, 512, 1024, 4096} (B = 4096 // T, so every c
 - ``linear_clipped_sum``: the single backward's clipped sum ``(c ⊙ G)^T A`` against the GEMM
   (Opacus has no such step: it runs a second backward pass).
 On a GPU times are ``triton.testing.do_bench`` quantiles (L2 flushed between runs); dpgrad
-runs its Triton kernels. Quick mode (the default without CUDA) takes small layers at T in
+runs its Triton kernels, and its eager candidates run too (``dpgrad-eager-*``: the ones the
+autotuner chooses instead where they are faster; the tables take dpgrad's fastest). Quick mode (the default without CUDA) takes small layers at T in
 {32, 128} with 512 tokens per call, in fp32, and times with pytest-benchmark rounds; dpgrad
-runs its eager kernels there. A call that needs more memory than the limit, runs out of it,
+runs its eager kernels there (so the ``dpgrad-eager-*`` rows are skipped). A call that needs more memory than the limit, runs out of it,
 or raises is recorded with the reason.
 """
 
@@ -23,6 +24,7 @@ import pytest
 import torch
 
 from dpgrad import backend
+from dpgrad.kernels import reference as eager
 from dpgrad.tools import results
 
 opacus = pytest.importorskip("opacus")
@@ -51,10 +53,10 @@ EMBEDDINGS = (
     else [("gpt2.wte", 50257, 768), ("llama7b.embed_tokens", 32000, 4096), ("llama3-8b.embed_tokens", 128256, 4096)]
 )
 PROVIDERS = {
-    "linear_norm": ["dpgrad-direct", "dpgrad-gram", "opacus", "gemm"],
-    "embedding_norm": ["dpgrad", "opacus"],
-    "linear_grad_sample": ["dpgrad", "opacus", "opacus-with-norm"],
-    "linear_clipped_sum": ["dpgrad", "gemm"],
+    "linear_norm": ["dpgrad-direct", "dpgrad-gram", "dpgrad-eager-direct", "dpgrad-eager-gram", "opacus", "gemm"],
+    "embedding_norm": ["dpgrad", "dpgrad-eager-sort", "opacus"],
+    "linear_grad_sample": ["dpgrad", "dpgrad-eager-bmm", "opacus", "opacus-with-norm"],
+    "linear_clipped_sum": ["dpgrad", "dpgrad-eager-gemm", "gemm"],
 }
 
 
@@ -92,13 +94,22 @@ def linear_call(kernel: str, provider: str, d: int, p: int, T: int):
     calls = {
         ("linear_norm", "dpgrad-direct"): (inputs, lambda: ops.linear_weight_sq_norm_direct(A, G)),
         ("linear_norm", "dpgrad-gram"): (inputs, lambda: ops.linear_weight_sq_norm_gram(A, G)),
+        # The eager direct form holds a batch slice's fp32 per-sample gradients; the Gram form
+        # each chunk's (B, T, T) fp32 products and their sum.
+        ("linear_norm", "dpgrad-eager-direct"): (inputs + 4 * min(B * p * d, eager.CHUNK_ELEMENTS + p * d),
+                                                 lambda: eager.linear_weight_sq_norm_direct(A, G)),
+        ("linear_norm", "dpgrad-eager-gram"): (inputs + 20 * B * T * T, lambda: eager.linear_weight_sq_norm_gram(A, G)),
         ("linear_norm", "opacus"): (inputs + 8 * B * T * T, lambda: compute_linear_norm_sample(layer, [A], G)),
         ("linear_norm", "gemm"): (inputs + 4 * p * d, lambda: _gemm(A, G)),
         ("linear_grad_sample", "dpgrad"): (inputs + 2 * B * p * d,
                                            lambda: ops.linear_per_sample(A, G, bias=True, norm=True)),
+        ("linear_grad_sample", "dpgrad-eager-bmm"): (inputs + 6 * B * p * d,
+                                                     lambda: eager.linear_per_sample(A, G, bias=True, norm=True)),
         ("linear_grad_sample", "opacus"): (inputs + 6 * B * p * d, lambda: compute_linear_grad_sample(layer, [A], G)),
         ("linear_grad_sample", "opacus-with-norm"): (inputs + 6 * B * p * d, opacus_with_norm),
         ("linear_clipped_sum", "dpgrad"): (inputs + 4 * p * d, lambda: ops.linear_clipped_sum(A, G, coef, bias=True)),
+        ("linear_clipped_sum", "dpgrad-eager-gemm"): (inputs + 2 * B * T * min(p, d) + 4 * p * d,
+                                                      lambda: eager.linear_clipped_sum_gemm(A, G, coef, bias=True)),
         ("linear_clipped_sum", "gemm"): (inputs + 4 * p * d, lambda: _gemm(A, G)),
     }
     return calls[(kernel, provider)]
@@ -118,11 +129,15 @@ def embedding_call(provider: str, V: int, d: int, T: int):
     need = 4 * B * T * d * 2 + 64 * B * T
     if provider == "dpgrad":
         return need, lambda: ops.embedding_sq_norm(ids, G, V, None)
+    if provider == "dpgrad-eager-sort":
+        return need, lambda: eager.embedding_sq_norm(ids, G, V, None)
     return need, lambda: compute_embedding_norm_sample(layer, [ids], G)
 
 
 def _run(bench, need: int, call) -> None:
     """Time ``call`` (or record why not) for the ``bench`` row."""
+    if "-eager" in bench.provider and not CUDA:
+        bench.skip("on a CPU dpgrad's own rows run the eager kernels already")
     if need > MEMORY_LIMIT:
         bench.skip(f"needs about {need / 2**30:.0f} GiB (> {MEMORY_LIMIT / 2**30:.0f} GiB)")
     try:
