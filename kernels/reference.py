@@ -47,24 +47,26 @@ def accumulation_dtype(*tensors: torch.Tensor) -> torch.dtype:
 HALF = (torch.float16, torch.bfloat16)
 
 
+def autocast_operand(x: torch.Tensor, partner: torch.Tensor) -> torch.Tensor:
+    """``x`` as the matmul took it beside ``partner`` (``autocast_operands`` for one operand):
+    rounded to the half dtype of ``partner`` if ``x`` is fp32 beside a half ``partner``."""
+    if x.dtype == torch.float32 and partner.is_floating_point() and partner.dtype in HALF:
+        return x.to(partner.dtype)
+    return x
+
+
 def autocast_operands(A: torch.Tensor, G: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """A Linear's inputs and backprops as its matmul under ``torch.autocast`` took them: an
     fp32 one beside a half one is rounded to that half dtype (the forward pass multiplied the
     input cast to the autocast dtype, so autograd's weight gradient is ``G^T cast(A)``; for
     Conv1D's swapped roles, likewise). Other pairs are returned as they are."""
-    if A.dtype == torch.float32 and G.dtype in HALF:
-        return A.to(G.dtype), G
-    if G.dtype == torch.float32 and A.dtype in HALF:
-        return A, G.to(A.dtype)
-    return A, G
+    return autocast_operand(A, G), autocast_operand(G, A)
 
 
 def autocast_rounded(x: torch.Tensor, partner: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     """``x`` in ``acc``, through the half dtype of ``partner`` if ``x`` is fp32 beside a half
-    ``partner`` (``autocast_operands`` for one operand, without a half copy of all of it)."""
-    if x.dtype == torch.float32 and partner.is_floating_point() and partner.dtype in HALF:
-        return x.to(partner.dtype).to(acc)
-    return x.to(acc)
+    ``partner`` (``autocast_operand``, then widened)."""
+    return autocast_operand(x, partner).to(acc)
 
 
 def batch_slices(batch: int, elements_per_sample: int) -> Iterator[slice]:
@@ -272,13 +274,10 @@ def gram_acc(x: torch.Tensor, partner: torch.Tensor) -> torch.Tensor:
     """``x_b x_b^T`` for each sample, (B, T, T) in the accumulation dtype, with ``x``'s values
     as the layer's matmul took them beside ``partner`` (``autocast_operands``). Half operands
     stay half on a GPU (the tensor cores, fp32 results): a chunk of features at a time."""
-    acc = accumulation_dtype(x, partner)
-    rounded = x.dtype == torch.float32 and partner.dtype in HALF
     B, T, n = x.shape
-    out = torch.zeros(B, T, T, dtype=acc, device=x.device) if n == 0 else None
+    out = torch.zeros(B, T, T, dtype=accumulation_dtype(x, partner), device=x.device) if n == 0 else None
     for k0 in range(0, n, GRAM_CHUNK):
-        chunk = x[..., k0:k0 + GRAM_CHUNK]
-        chunk = chunk.to(partner.dtype) if rounded else chunk
+        chunk = autocast_operand(x[..., k0:k0 + GRAM_CHUNK], partner)
         part = bmm_acc(chunk, chunk.transpose(1, 2))
         out = part if out is None else out.add_(part)
     return out
