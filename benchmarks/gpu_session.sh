@@ -9,7 +9,10 @@
 #                                                   autotune-report` on gpt2-small with an empty
 #                                                   tune store (first-use tuning, timed)
 #   bash benchmarks/gpu_session.sh step CASE...     bench_dp_step.py, full sizes, the cases named
-#                                                   as in its test ids: hf-gpt2-64-128 hf-llama-1b-8-1024
+#                                                   as in its test ids: hf-gpt2-64-128 hf-llama-1b-8-1024;
+#                                                   PROVIDERS="non-private dpgrad-single" runs only
+#                                                   those (the ratios need non-private), and
+#                                                   DPGRAD_BENCH_REPEATS=2 two repeats instead of three
 #   bash benchmarks/gpu_session.sh kernels          bench_kernels.py, full sizes
 #   bash benchmarks/gpu_session.sh profile [ARGS]   profile_dp_step.py (default: GPT-2 small B=64
 #                                                   T=128 bf16, non-private and dpgrad single)
@@ -82,6 +85,11 @@ case $part in
     step)
         expr=""
         for c in "$@"; do expr="${expr:+$expr or }[$c-"; done
+        if [ -n "${PROVIDERS:-}" ]; then
+            only=""
+            for p in $PROVIDERS; do only="${only:+$only or }$p]"; done
+            expr="($expr) and ($only)"
+        fi
         bench benchmarks/bench_dp_step.py -k "$expr"
         ;;
     kernels)
