@@ -106,6 +106,46 @@ def bmm_acc(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a.to(acc), b.to(acc))
 
 
+# Whether a GEMM of this torch adds a half product to an fp32 matrix itself (``baddbmm``'s
+# ``out_dtype``), per (device, dtype): checked once on exact small integers.
+_GEMM_ADDS: dict = {}
+
+
+def _gemm_adds_exactly(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.baddbmm(c, a, b, out_dtype=torch.float32)`` with ``a``, ``b`` in ``dtype``
+    on ``device`` returns ``c + a @ b`` in fp32: small integers, whose products and sums every
+    path computes exactly, so the answer is equality (a torch without the overload, or one
+    that dropped ``c``, gives False)."""
+    try:
+        a = (torch.arange(2 * 8 * 32, device=device) % 7 - 3).to(dtype).view(2, 8, 32)
+        c = (torch.arange(2 * 8 * 8, device=device) % 5 - 2).to(torch.float32).view(2, 8, 8)
+        got = torch.baddbmm(c, a, a.transpose(1, 2), out_dtype=torch.float32)
+        want = c + torch.bmm(a.float(), a.float().transpose(1, 2))
+        return got.dtype == torch.float32 and bool(torch.equal(got, want))
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def _adds_in_gemm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``baddbmm_acc`` lets the GEMM add its product to ``c``: half CUDA operands, an
+    fp32 ``c``, and a torch that does so exactly (``_gemm_adds_exactly``, once per device)."""
+    if not (a.is_cuda and a.dtype == b.dtype and a.dtype in HALF and c.dtype == torch.float32):
+        return False
+    key = (a.device, a.dtype)
+    if key not in _GEMM_ADDS:
+        _GEMM_ADDS[key] = _gemm_adds_exactly(a.device, a.dtype)
+    return _GEMM_ADDS[key]
+
+
+def baddbmm_acc(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``c + bmm_acc(a, b)``, ``c`` in the accumulation dtype (and added to in place where the
+    product is taken on its own). Half CUDA operands: the GEMM adds its fp32 result to ``c``
+    (one pass over ``c``, no product written and read back), where this torch can."""
+    if _adds_in_gemm(c, a, b):
+        return torch.baddbmm(c, a, b, out_dtype=torch.float32)
+    return c.add_(bmm_acc(a, b))
+
+
 def linear_grad_sample(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
     """Per-sample weight gradients ``W_b = G_b^T A_b``.
 
@@ -273,13 +313,13 @@ GRAM_CHUNK = 2048
 def gram_acc(x: torch.Tensor, partner: torch.Tensor) -> torch.Tensor:
     """``x_b x_b^T`` for each sample, (B, T, T) in the accumulation dtype, with ``x``'s values
     as the layer's matmul took them beside ``partner`` (``autocast_operands``). Half operands
-    stay half on a GPU (the tensor cores, fp32 results): a chunk of features at a time."""
+    stay half on a GPU (the tensor cores, fp32 results): a chunk of features at a time, each
+    chunk's product added to the sum by its GEMM (``baddbmm_acc``)."""
     B, T, n = x.shape
     out = torch.zeros(B, T, T, dtype=accumulation_dtype(x, partner), device=x.device) if n == 0 else None
     for k0 in range(0, n, GRAM_CHUNK):
         chunk = autocast_operand(x[..., k0:k0 + GRAM_CHUNK], partner)
-        part = bmm_acc(chunk, chunk.transpose(1, 2))
-        out = part if out is None else out.add_(part)
+        out = bmm_acc(chunk, chunk.transpose(1, 2)) if out is None else baddbmm_acc(out, chunk, chunk.transpose(1, 2))
     return out
 
 

@@ -150,6 +150,20 @@ def test_linear_weight_sq_norms_bf16(ops, d, p, T):
         assert_sq_norms_close(fn(A, G), expected, RTOL[BF16], name)
 
 
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=str)
+def test_eager_gram_chunks_are_added_by_the_gemm(dtype):
+    """On this torch the eager Gram norm's chunks go into the running sum through the GEMM
+    (baddbmm's out_dtype, checked exact once per device), not as a product written and read
+    back; the norms of that path are the bf16 test's above (eager-gram, several chunks)."""
+    assert R._gemm_adds_exactly(torch.device(DEV), dtype)
+    a = _randn(2, 16, 64, dtype=dtype)
+    c = torch.randn(2, 16, 16, device=DEV)
+    assert R._adds_in_gemm(c, a, a)
+    got = R.baddbmm_acc(c.clone(), a, a.transpose(1, 2))
+    want = c.double() + torch.bmm(a.double(), a.double().transpose(1, 2))
+    assert rel_frobenius(got, want) <= 1e-6
+
+
 @pytest.mark.parametrize("values", ["randn", "tf32-probe"])
 @pytest.mark.parametrize("d,p,T", [pytest.param(768, 768, 1024, id="gpt2.attn.c_proj-T1024"),
                                    pytest.param(4096, 11008, 128, id="llama7b.mlp.up_proj-T128")])

@@ -159,6 +159,50 @@ def test_gram_norm_in_feature_chunks(monkeypatch, pair, d, p):
         assert (got > 0).all()
 
 
+def _baddbmm_on_cpu(c, a, b, *, out_dtype=None, **kwargs):
+    """torch.baddbmm's out_dtype overload as CUDA has it (CPU has none): c + a @ b in out_dtype."""
+    assert out_dtype == torch.float32 and c.dtype == torch.float32 and not kwargs
+    return c + torch.bmm(a.to(out_dtype), b.to(out_dtype))
+
+
+@pytest.mark.parametrize("impl", ["adds", "drops-c", "no-overload"])
+def test_gemm_that_adds_is_checked_once_on_exact_values(monkeypatch, impl):
+    """baddbmm_acc lets the GEMM add the product only where a check on exact small integers
+    finds ``c + a @ b``: a GEMM that dropped ``c``, or a torch without the overload, is never
+    used (the product is added on its own instead)."""
+    fakes = {
+        "adds": _baddbmm_on_cpu,
+        "drops-c": lambda c, a, b, *, out_dtype=None: torch.bmm(a.to(out_dtype), b.to(out_dtype)),
+        "no-overload": torch.baddbmm,  # CPU: raises for out_dtype
+    }
+    monkeypatch.setattr(torch, "baddbmm", fakes[impl])
+    assert R._gemm_adds_exactly(torch.device("cpu"), torch.bfloat16) is (impl == "adds")
+    assert R._gemm_adds_exactly(torch.device("cpu"), torch.float16) is (impl == "adds")
+
+
+def test_gram_chunks_added_by_the_gemm(monkeypatch):
+    """Where the GEMM adds (half CUDA operands, simulated here), each chunk after the first
+    goes into the running Gram matrix through baddbmm, and the norms are the chunked ones."""
+    calls = []
+
+    def baddbmm(c, a, b, *, out_dtype=None):
+        calls.append((c.dtype, a.dtype, tuple(a.shape)))
+        return _baddbmm_on_cpu(c, a, b, out_dtype=out_dtype)
+
+    monkeypatch.setattr(R, "GRAM_CHUNK", 5)
+    monkeypatch.setattr(R, "_adds_in_gemm", lambda c, a, b: a.dtype in R.HALF)
+    monkeypatch.setattr(torch, "baddbmm", baddbmm)
+    A, G = make_AG(3, 6, 13, 7, torch.float64, seed=4)
+    A, G = A.to(torch.bfloat16), G.to(torch.bfloat16)
+    expected = sq_norms(naive_linear_grad_sample(A, G))
+    got = R.linear_weight_sq_norm_gram(A, G)
+    # d = 13: chunks of 5, 5, 3; p = 7: 5, 2. The first of each side is a plain product.
+    assert calls == [(torch.float32, torch.bfloat16, (3, 6, 5)), (torch.float32, torch.bfloat16, (3, 6, 3)),
+                     (torch.float32, torch.bfloat16, (3, 6, 2))]
+    assert got.dtype == torch.float32
+    assert_norms_close(got, expected, NORM_RTOL[torch.bfloat16])
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("B,T,d,p", LINEAR_SHAPES)
 def test_linear_bias_sq_norm(B, T, d, p, dtype):

@@ -94,10 +94,13 @@ def linear_norm_cost(algorithm: str, backend: str, B: int, T: int, d: int, p: in
             blocks = math.ceil(T / GRAM_BLOCK)
             pairs = blocks * (blocks + 1) / 2
             return Cost(B * T * T * (p + d), B * pairs * 2 * GRAM_BLOCK * (d + p) * e, 4 * B * blocks * blocks)
-        # Each chunk of features' (B, T, T) fp32 Gram matrix written, then added to the sum.
+        # Each chunk of features' (B, T, T) fp32 Gram matrix written, then added to the sum:
+        # three passes over it, two where the GEMM adds it itself (half operands on a GPU,
+        # ``reference.baddbmm_acc``).
         held = _chunked(2 * T * T, B)
         chunks = math.ceil(d / GRAM_CHUNK) + math.ceil(p / GRAM_CHUNK)
-        return Cost(2 * B * T * T * (p + d), inputs + (3 * chunks + 2) * B * T * T * 4,
+        passes = 2 if e < 4 else 3
+        return Cost(2 * B * T * T * (p + d), inputs + (passes * chunks + 2) * B * T * T * 4,
                     held * 4 + B * T * (d + p) * 4)
     raise ValueError(f"no cost model for the linear norm algorithm {algorithm!r}")
 
