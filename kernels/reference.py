@@ -310,30 +310,55 @@ def linear_weight_sq_norm_direct(A: torch.Tensor, G: torch.Tensor) -> torch.Tens
 GRAM_CHUNK = 2048
 
 
-def gram_acc(x: torch.Tensor, partner: torch.Tensor) -> torch.Tensor:
-    """``x_b x_b^T`` for each sample, (B, T, T) in the accumulation dtype, with ``x``'s values
-    as the layer's matmul took them beside ``partner`` (``autocast_operands``). Half operands
-    stay half on a GPU (the tensor cores, fp32 results): a chunk of features at a time, each
-    chunk's product added to the sum by its GEMM (``baddbmm_acc``)."""
+def gram_acc(x: torch.Tensor, partner: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x_b y_b^T`` for each sample (``y`` defaults to ``x``: its Gram matrix), (B, T, T') in
+    the accumulation dtype, with the values as the layer's matmul took them beside ``partner``
+    (``autocast_operands``). Half operands stay half on a GPU (the tensor cores, fp32
+    results): a chunk of features at a time, each chunk's product added to the sum by its GEMM
+    (``baddbmm_acc``)."""
+    y = x if y is None else y
     B, T, n = x.shape
-    out = torch.zeros(B, T, T, dtype=accumulation_dtype(x, partner), device=x.device) if n == 0 else None
+    out = torch.zeros(B, T, y.shape[1], dtype=accumulation_dtype(x, partner), device=x.device) if n == 0 else None
     for k0 in range(0, n, GRAM_CHUNK):
-        chunk = autocast_operand(x[..., k0:k0 + GRAM_CHUNK], partner)
-        out = bmm_acc(chunk, chunk.transpose(1, 2)) if out is None else baddbmm_acc(out, chunk, chunk.transpose(1, 2))
+        left = autocast_operand(x[..., k0:k0 + GRAM_CHUNK], partner)
+        right = (left if y is x else autocast_operand(y[..., k0:k0 + GRAM_CHUNK], partner)).transpose(1, 2)
+        out = bmm_acc(left, right) if out is None else baddbmm_acc(out, left, right)
     return out
+
+
+# Sequences from this many tokens up (an even number) take the eager Gram norm by halves: with
+# x = [x1; x2], <A A^T, G G^T> is <A1 A1^T, G1 G1^T> + <A2 A2^T, G2 G2^T> + 2 <A2 A1^T, G2 G1^T>,
+# three of the four blocks of each Gram matrix (the upper right one is the lower left's
+# mirror): three quarters of the products and of the matrices, in two products a chunk (the
+# diagonal blocks of all samples in one) instead of one. Shorter ones are dominated by the
+# launch, not the product.
+GRAM_HALVES_TOKENS = 512
+
+
+def _gram_sq_norms(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """``<A_b A_b^T, G_b G_b^T>_F`` for each sample of a batch slice, (B,): by halves where
+    ``GRAM_HALVES_TOKENS`` says."""
+    B, T, d = A.shape
+    if T % 2 or T < GRAM_HALVES_TOKENS:
+        return (gram_acc(A, G) * gram_acc(G, A)).sum(dim=(1, 2))
+    h, p = T // 2, G.shape[-1]
+    diagonal = gram_acc(A.reshape(2 * B, h, d), G) * gram_acc(G.reshape(2 * B, h, p), A)
+    lower = gram_acc(A[:, h:], G, A[:, :h]) * gram_acc(G[:, h:], A, G[:, :h])
+    return diagonal.view(B, -1).sum(1) + 2 * lower.sum(dim=(1, 2))
 
 
 def linear_weight_sq_norm_gram(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
     """Squared per-sample weight-gradient norms ``<A_b A_b^T, G_b G_b^T>_F`` ("ghost norm").
 
-    A: (B, T, d), G: (B, T, p) -> (B,). About 2*B*T^2*(p+d) flops in this eager form.
+    A: (B, T, d), G: (B, T, p) -> (B,). About 2*B*T^2*(p+d) flops in this eager form, three
+    quarters of that by halves (``GRAM_HALVES_TOKENS``).
     """
     acc = accumulation_dtype(A, G)
     B, T, _ = A.shape
     out = torch.empty(B, dtype=acc, device=A.device)
     for s in batch_slices(B, 2 * T * T):
         # Rounding can take an exact zero slightly below it.
-        out[s] = (gram_acc(A[s], G) * gram_acc(G[s], A)).sum(dim=(1, 2)).clamp_min(0)
+        out[s] = _gram_sq_norms(A[s], G[s]).clamp_min(0)
     return out
 
 

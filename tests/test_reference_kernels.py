@@ -136,17 +136,21 @@ def test_linear_weight_sq_norm_all_algorithms(B, T, d, p, dtype):
         assert_norms_close(R.linear_weight_sq_norm_outer(A, G), expected, NORM_RTOL[dtype])
 
 
+@pytest.mark.parametrize("T,halves", [(6, False), (6, True), (7, True)], ids=["whole", "halves", "odd-T-whole"])
 @pytest.mark.parametrize("pair", ["fp32", "bf16", "fp16", "fp64", "fp32/bf16", "bf16/fp32"])
 @pytest.mark.parametrize("d,p", [(13, 7), (10, 3), (0, 4), (4, 0)], ids=["tails", "whole-chunks", "no-inputs", "no-outputs"])
-def test_gram_norm_in_feature_chunks(monkeypatch, pair, d, p):
+def test_gram_norm_in_feature_chunks(monkeypatch, pair, d, p, T, halves):
     """The eager Gram norm multiplies GRAM_CHUNK features at a time (on a GPU's tensor cores)
     and adds the chunks' Gram matrices: chunks of 5 features here, with a ragged last chunk,
     whole chunks only, a side shorter than a chunk and an empty side; autocast's pairs (fp32
-    inputs beside bf16 backprops, and the reverse) use the values their matmul took."""
+    inputs beside bf16 backprops, and the reverse) use the values their matmul took. By
+    halves of the sequence (from GRAM_HALVES_TOKENS tokens, 2 here) the same norms; an odd
+    length is taken whole."""
     monkeypatch.setattr(R, "GRAM_CHUNK", 5)
+    monkeypatch.setattr(R, "GRAM_HALVES_TOKENS", 2 if halves else 10**9)
     names = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
     a_dtype, g_dtype = (names[n] for n in (pair.split("/") * 2)[:2])
-    A, G = make_AG(3, 6, d, p, torch.float64, seed=4)
+    A, G = make_AG(3, T, d, p, torch.float64, seed=4)
     A, G = A.to(a_dtype), G.to(g_dtype)
     rounded_a, rounded_g = R.autocast_operands(A, G)
     expected = sq_norms(naive_linear_grad_sample(rounded_a, rounded_g))
@@ -157,6 +161,37 @@ def test_gram_norm_in_feature_chunks(monkeypatch, pair, d, p):
     assert_norms_close(got, expected, rtol)
     if d and p:
         assert (got > 0).all()
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_gram_norm_by_halves_takes_three_quarters_of_the_products(monkeypatch, layout):
+    """From GRAM_HALVES_TOKENS tokens (an even count) the eager Gram norm multiplies the two
+    diagonal blocks and the lower-left block of each Gram matrix, not the upper-right one:
+    three quarters of the multiply-adds of the whole matrices, and the same norms (float64,
+    inputs whose rows are not contiguous too)."""
+    macs = []
+    bmm = R.bmm_acc
+
+    def counting(a, b):
+        macs.append(a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2])
+        return bmm(a, b)
+
+    monkeypatch.setattr(R, "bmm_acc", counting)
+    B, T, d, p = 3, 16, 9, 5
+    A, G = make_AG(B, T, d, p, torch.float64, seed=7)
+    if layout == "transposed":
+        A = A.transpose(0, 1).contiguous().transpose(0, 1)
+        G = G.transpose(0, 1).contiguous().transpose(0, 1)
+    expected = sq_norms(naive_linear_grad_sample(A, G))
+    monkeypatch.setattr(R, "GRAM_HALVES_TOKENS", 10**9)
+    whole = R.linear_weight_sq_norm_gram(A, G)
+    whole_macs, macs[:] = sum(macs), []
+    monkeypatch.setattr(R, "GRAM_HALVES_TOKENS", T)
+    halves = R.linear_weight_sq_norm_gram(A, G)
+    assert whole_macs == B * T * T * (d + p)
+    assert 4 * sum(macs) == 3 * whole_macs
+    assert_norms_close(whole, expected, NORM_RTOL[torch.float64])
+    assert_norms_close(halves, expected, NORM_RTOL[torch.float64])
 
 
 def _baddbmm_on_cpu(c, a, b, *, out_dtype=None, **kwargs):
