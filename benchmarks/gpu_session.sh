@@ -13,9 +13,17 @@
 #                                                   PROVIDERS="non-private dpgrad-single" runs only
 #                                                   those (the ratios need non-private), and
 #                                                   DPGRAD_BENCH_REPEATS=2 two repeats instead of three
+#   bash benchmarks/gpu_session.sh compare BASE CASE...
+#                                                   the same cases (and PROVIDERS) at commit BASE
+#                                                   (installed from `git archive`), then at the
+#                                                   checkout, each with an empty tune store, on
+#                                                   the same machine: results in $OUT/base and
+#                                                   $OUT/head, and their step times side by side
+#                                                   (each part at most LIMIT seconds, default 270)
 #   bash benchmarks/gpu_session.sh kernels          bench_kernels.py, full sizes
 #   bash benchmarks/gpu_session.sh profile [ARGS]   profile_dp_step.py (default: GPT-2 small B=64
-#                                                   T=128 bf16, non-private and dpgrad single)
+#                                                   T=128 bf16, non-private, dpgrad single and
+#                                                   per-block, the 30 costliest of each kind)
 #   bash benchmarks/gpu_session.sh llama            where the Llama-1B shape's step (B=8 T=1024)
 #                                                   spends its time: `dpgrad autotune-report --full`
 #                                                   (every candidate's time per layer shape) and
@@ -29,10 +37,12 @@
 set -u -o pipefail
 part=${1:-}
 case $part in
-    check | step | kernels | profile | llama) shift ;;
-    *) echo "usage: bash benchmarks/gpu_session.sh check | step CASE... | kernels | profile [ARGS] | llama" >&2; exit 2 ;;
+    check | step | compare | kernels | profile | llama) shift ;;
+    *) echo "usage: bash benchmarks/gpu_session.sh check | step CASE... | compare BASE CASE... | kernels | profile [ARGS] | llama" >&2
+       exit 2 ;;
 esac
 [ "$part" != step ] || [ $# -gt 0 ] || { echo "step: name the cases, e.g. hf-gpt2-64-128" >&2; exit 2; }
+[ "$part" != compare ] || [ $# -gt 1 ] || { echo "compare: name a commit and the cases, e.g. f66cec7 hf-llama-1b-8-1024" >&2; exit 2; }
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -67,8 +77,19 @@ tests() {
 
 # pytest over a benchmark suite at full size, its results into $OUT; at most 570 s.
 bench() {
-    DPGRAD_RESULTS_DIR=$OUT timeout 570 $PY -m pytest -q -p no:cacheprovider --benchmark-enable \
+    DPGRAD_RESULTS_DIR=${RESULTS:-$OUT} timeout "${LIMIT:-570}" $PY -m pytest -q -p no:cacheprovider --benchmark-enable \
         --benchmark-columns=median,rounds "$@" 2>&1 | tee -a "$OUT/$part.log"
+}
+
+# bench_dp_step's -k expression for the cases named, and the providers in PROVIDERS if set.
+step_expr() {
+    local expr="" only="" c p
+    for c in "$@"; do expr="${expr:+$expr or }[$c-"; done
+    if [ -n "${PROVIDERS:-}" ]; then
+        for p in $PROVIDERS; do only="${only:+$only or }$p]"; done
+        expr="($expr) and ($only)"
+    fi
+    echo "$expr"
 }
 
 case $part in
@@ -83,27 +104,53 @@ case $part in
             | tee -a "$OUT/check.log"
         ;;
     step)
-        expr=""
-        for c in "$@"; do expr="${expr:+$expr or }[$c-"; done
-        if [ -n "${PROVIDERS:-}" ]; then
-            only=""
-            for p in $PROVIDERS; do only="${only:+$only or }$p]"; done
-            expr="($expr) and ($only)"
-        fi
-        bench benchmarks/bench_dp_step.py -k "$expr"
+        bench benchmarks/bench_dp_step.py -k "$(step_expr "$@")"
+        ;;
+    compare)
+        base=$1
+        shift
+        expr=$(step_expr "$@")
+        tree=$(mktemp -d)
+        git archive "$base" | tar -x -C "$tree" || { echo "compare: no commit $base here" >&2; exit 1; }
+        echo "compare: $base, then $(git describe --always --dirty)" | tee -a "$OUT/compare.log"
+        $PY -m pip install -q --no-deps --no-build-isolation "$tree" >/dev/null 2>&1 \
+            || { echo "compare: pip could not install $base" >&2; exit 1; }
+        # From its benchmarks folder, so that `dpgrad` is the one just installed.
+        commit=$(git rev-parse --short "$base")
+        (cd "$tree/benchmarks" && export DPGRAD_COMMIT=$commit && RESULTS=$OUT/base LIMIT=${LIMIT:-270} \
+            DPGRAD_TUNE_DIR=$(mktemp -d) bench bench_dp_step.py -k "$expr")
+        $PY -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
+            || { echo "compare: pip could not install the checkout" >&2; exit 1; }
+        RESULTS=$OUT/head LIMIT=${LIMIT:-270} DPGRAD_TUNE_DIR=$(mktemp -d) bench benchmarks/bench_dp_step.py -k "$expr"
+        $PY - "$OUT/base" "$OUT/head" <<'PYEOF' 2>&1 | tee -a "$OUT/compare.log"
+import json, sys
+from pathlib import Path
+rows = {}
+for side, folder in zip(("base", "head"), sys.argv[1:]):
+    for path in Path(folder).glob("dp_step_*.json"):
+        for r in json.loads(path.read_text())["results"]:
+            s, m = r["shape"], r.get("metrics", {})
+            if "step_time" in m:
+                rows.setdefault((s["model"], s["batch"], s["seq_len"], r["provider"]), {})[side] = m["step_time"]["p50"]
+print(f"{'case':42} {'base ms':>9} {'head ms':>9} {'head/base':>9}")
+for key, t in sorted(rows.items()):
+    b, h = t.get("base"), t.get("head")
+    ratio = f"{h / b:9.3f}" if b and h else f"{'-':>9}"
+    print(f"{'-'.join(map(str, key)):42} {b or float('nan'):9.2f} {h or float('nan'):9.2f} {ratio}")
+PYEOF
         ;;
     kernels)
         bench benchmarks/bench_kernels.py
         ;;
     profile)
         [ $# -gt 0 ] || set -- --model hf-gpt2 --batch 64 --seq-len 128 --dtype bf16 \
-            --provider non-private dpgrad-single
+            --provider non-private dpgrad-single dpgrad-single-per-block --top 30
         timeout 300 $PY benchmarks/profile_dp_step.py "$@" --json "$OUT/profile.json" 2>&1 | tee -a "$OUT/profile.log"
         ;;
     llama)
         timeout 200 $PY -m dpgrad autotune-report --model llama-1b --batch-size 8 --seq-len 1024 --device cuda \
             --full --json "$OUT/autotune-llama-1b.json" 2>&1 | tee -a "$OUT/llama.log"
         timeout 250 $PY benchmarks/profile_dp_step.py --model hf-llama-1b --batch 8 --seq-len 1024 --dtype bf16 \
-            --provider non-private dpgrad-single --json "$OUT/profile-llama-1b.json" 2>&1 | tee -a "$OUT/llama.log"
+            --provider non-private dpgrad-single --top 30 --json "$OUT/profile-llama-1b.json" 2>&1 | tee -a "$OUT/llama.log"
         ;;
 esac

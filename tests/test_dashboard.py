@@ -107,6 +107,17 @@ def test_quantiles_and_machine():
     assert results.device_slug({"gpu": "NVIDIA H100 80GB HBM3"}) == "nvidia-h100-80gb-hbm3"
 
 
+def test_commit_of_an_installed_copy_named_by_the_environment(monkeypatch):
+    """An installed copy knows no commit of its own ("unknown" in its results); one measured
+    against the checkout (gpu_session.sh compare) is named by DPGRAD_COMMIT."""
+    monkeypatch.delenv("DPGRAD_COMMIT", raising=False)
+    own = results.git_commit()
+    monkeypatch.setenv("DPGRAD_COMMIT", "f66cec7")
+    assert results.git_commit() == "f66cec7" and results.machine_info()["commit"] == "f66cec7"
+    monkeypatch.setenv("DPGRAD_COMMIT", " ")
+    assert results.git_commit() == own
+
+
 def test_load_refuses_other_files(tmp_path):
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"benchmarks": []}))

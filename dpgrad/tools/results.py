@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime
 import importlib.util
 import json
+import os
 import platform
 import re
 import statistics
@@ -148,7 +149,12 @@ def quick_mode() -> bool:
 
 
 def git_commit() -> Optional[str]:
-    """``git describe --always --dirty`` of this checkout; None for an installed copy or no git."""
+    """``git describe --always --dirty`` of this checkout; None for an installed copy or no git,
+    unless ``DPGRAD_COMMIT`` names the commit it was installed from (``benchmarks/gpu_session.sh
+    compare`` sets it for the commit it measures the checkout against)."""
+    named = os.environ.get("DPGRAD_COMMIT", "").strip()
+    if named:
+        return named
     root = Path(__file__).resolve().parents[2]
     if not (root / ".git").exists():  # an installed copy: the commit would be someone else's
         return None
