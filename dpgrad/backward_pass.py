@@ -48,6 +48,7 @@ from dpgrad.guarantee import (
     tensors_in,
     unclipped_error,
     uncovered_uses,
+    watch_modules,
     watch_structure,
 )
 from dpgrad.independence import Draws, Probe, model_mixing_error, output_batch_dim
@@ -287,13 +288,14 @@ class BackwardPath:
         """Hook the model anew (``_rescan``) if its modules or parameters, or which parameters
         train, changed since the last look: gradual unfreezing, a head added after wrapping.
         Costs a look at each parameter's ``requires_grad``; the modules are looked at again
-        only after a module or a parameter was registered somewhere (``structure_version``)."""
+        only after a module or a parameter was registered into one of them (``structure_version``)."""
         changed = False
         version = structure_version()
         if version != self._seen_version:
             layout = (tuple(self.root.modules()), tuple(self.root.parameters()))
             if not all(_same_objects(a, b) for a, b in zip(layout, self._seen_layout)):
                 self._seen_layout, changed = layout, True
+                watch_modules(layout[0])
             self._seen_version = version
         params = self._seen_layout[1]
         flags = [p.requires_grad for p in params]

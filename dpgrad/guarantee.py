@@ -14,9 +14,11 @@ a gradient that is not in the norm. This module finds such uses in the autograd 
   output and the model's output, read from the nodes' sequence numbers); a training loop
   walks once per layout, not once per step. dpgrad's loss wrapper also walks the part of the
   graph between the loss and the model's outputs, once per layout of that part.
-- ``structure_version`` counts every module and parameter registered in the process (global
-  registration hooks), so a wrapper notices a module added to its model after wrapping
-  without looking at the model at every step; a change of ``requires_grad`` is found by
+- ``structure_version`` counts the modules and parameters registered into a module of a
+  wrapped model (global registration hooks, ``watch_modules``), so a wrapper notices a module
+  added to its model after wrapping without looking at the model at every step; registrations
+  into other modules do not count (a forward pass that slices a ModuleList, as Hugging Face's
+  Llama does, builds a new one at every step); a change of ``requires_grad`` is found by
   comparing the flags at each forward pass.
 
 Nothing here runs on the device or waits for it.
@@ -25,6 +27,7 @@ Nothing here runs on the device or waits for it.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from types import SimpleNamespace
 from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
 
@@ -33,6 +36,8 @@ from torch.nn.modules import module as _module
 
 _structure_version = 0
 _watching = False
+# The modules of the wrapped models, as their wrappers last looked at them.
+_watched: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
 class UnclippedGradientError(RuntimeError):
@@ -40,13 +45,21 @@ class UnclippedGradientError(RuntimeError):
     ``p.grad`` (or ``p.grad_sample``) from the pass that found it."""
 
 
-def _bump(*_args) -> None:
+def _bump(module, *_args) -> None:
     global _structure_version
-    _structure_version += 1
+    if module in _watched:
+        _structure_version += 1
+
+
+def watch_modules(modules: Iterable[torch.nn.Module]) -> None:
+    """Count the registrations into ``modules`` (a wrapped model's, as its wrapper looked at
+    them) from now on, besides those already watched."""
+    _watched.update(modules)
 
 
 def watch_structure() -> None:
-    """Count module and parameter registrations from now on (once per process)."""
+    """Count module and parameter registrations into watched modules from now on (once per
+    process)."""
     global _watching
     if not _watching:
         _module.register_module_module_registration_hook(_bump)
@@ -55,7 +68,8 @@ def watch_structure() -> None:
 
 
 def structure_version() -> int:
-    """Changes whenever a module or a parameter is registered anywhere in the process."""
+    """Changes whenever a module or a parameter is registered into a watched module
+    (``watch_modules``)."""
     return _structure_version
 
 

@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dpgrad
+from dpgrad import guarantee
 from dpgrad.guarantee import UnclippedGradientError
 from dpgrad.loss import clipping_wrapper
 from per_sample_reference import BACKEND_PASS, assert_tensor_close, per_sample_grads
@@ -174,6 +175,14 @@ def _add_head(model):
     model.extra = nn.Linear(3, 3)
 
 
+def _add_head_in_a_new_container(model):
+    """The container is registered into the model, its layer into the container (a module the
+    wrapper has not looked at yet)."""
+    torch.manual_seed(5)
+    model.extra = nn.Sequential()
+    model.extra.add_module("0", nn.Linear(3, 3))
+
+
 def _append_to_l2(model):
     torch.manual_seed(6)
     model.l2 = nn.Sequential(model.l2, nn.Linear(3, 3))
@@ -202,6 +211,7 @@ SITUATIONS = {
     "attribute of a torch.func layer set after wrapping": (None, _square_twice_gain, None),
     "model in eval mode": (None, lambda m: m.eval(), None),
     "head added after wrapping": (None, _add_head, None),
+    "head added in a new container after wrapping": (None, _add_head_in_a_new_container, None),
     "layer appended after wrapping": (None, _append_to_l2, None),
     "weight replaced after wrapping": (None, _new_weight, None),
     "weight used outside its layer": (None, _set(reuse=True),
@@ -241,6 +251,39 @@ def test_situation(name, mode, B):
         check_exact(model, wrapped, reference_model, x, y)
     else:
         check_refused(model, wrapped, x, y, refused)
+
+
+class SlicedBlocks(nn.Module):
+    """A forward pass that slices its ModuleList, as Hugging Face's Llama does: a new
+    ModuleList, its layers registered into it, at every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(5, 5), nn.Linear(5, 5), nn.Linear(5, 3)])
+
+    def forward(self, x):
+        for block in self.blocks[:2]:
+            x = torch.tanh(block(x))
+        return self.blocks[2](x)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_registrations_outside_the_model_do_not_make_it_look_again(mode):
+    """Modules registered into modules that are not the wrapped model's (a slice of its
+    ModuleList, a model built elsewhere) leave ``structure_version`` as it is: the wrapper
+    does not walk the model's modules and parameters again at the next step. A layer
+    registered into the model still does."""
+    torch.manual_seed(0)
+    model = SlicedBlocks()
+    wrapped = wrap(model, mode)
+    x, y = batch(B=3)
+    step(wrapped, x, y)
+    version = guarantee.structure_version()
+    step(wrapped, x, y)
+    nn.Sequential(nn.Linear(2, 2))
+    assert guarantee.structure_version() == version
+    model.blocks.append(nn.Linear(3, 3))
+    assert guarantee.structure_version() > version
 
 
 @pytest.mark.parametrize("mode", MODES)
