@@ -335,11 +335,16 @@ def gram_acc(x: torch.Tensor, partner: torch.Tensor, y: Optional[torch.Tensor] =
 GRAM_HALVES_TOKENS = 512
 
 
+def gram_by_halves(T: int) -> bool:
+    """Whether the eager Gram norm of ``T`` tokens takes its Gram matrices by halves."""
+    return T % 2 == 0 and T >= GRAM_HALVES_TOKENS
+
+
 def _gram_sq_norms(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
     """``<A_b A_b^T, G_b G_b^T>_F`` for each sample of a batch slice, (B,): by halves where
-    ``GRAM_HALVES_TOKENS`` says."""
+    ``gram_by_halves`` says."""
     B, T, d = A.shape
-    if T % 2 or T < GRAM_HALVES_TOKENS:
+    if not gram_by_halves(T):
         return (gram_acc(A, G) * gram_acc(G, A)).sum(dim=(1, 2))
     h, p = T // 2, G.shape[-1]
     diagonal = gram_acc(A.reshape(2 * B, h, d), G) * gram_acc(G.reshape(2 * B, h, p), A)
@@ -351,7 +356,7 @@ def linear_weight_sq_norm_gram(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor
     """Squared per-sample weight-gradient norms ``<A_b A_b^T, G_b G_b^T>_F`` ("ghost norm").
 
     A: (B, T, d), G: (B, T, p) -> (B,). About 2*B*T^2*(p+d) flops in this eager form, three
-    quarters of that by halves (``GRAM_HALVES_TOKENS``).
+    quarters of that by halves (``gram_by_halves``).
     """
     acc = accumulation_dtype(A, G)
     B, T, _ = A.shape

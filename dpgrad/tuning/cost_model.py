@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dpgrad.kernels.reference import CHUNK_ELEMENTS, GRAM_CHUNK, GRAM_HALVES_TOKENS
+from dpgrad.kernels.reference import CHUNK_ELEMENTS, GRAM_CHUNK, gram_by_halves
 
 # Tile sizes the byte counts assume (the autotuner may pick others).
 TILE = 128
@@ -96,11 +96,11 @@ def linear_norm_cost(algorithm: str, backend: str, B: int, T: int, d: int, p: in
             return Cost(B * T * T * (p + d), B * pairs * 2 * GRAM_BLOCK * (d + p) * e, 4 * B * blocks * blocks)
         # Each chunk of features' (B, T, T) fp32 Gram matrix written, then added to the sum:
         # three passes over it, two where the GEMM adds it itself (half operands on a GPU,
-        # ``reference.baddbmm_acc``); three of its four blocks from GRAM_HALVES_TOKENS tokens.
+        # ``reference.baddbmm_acc``); three of its four blocks by halves (``reference.gram_by_halves``).
         held = _chunked(2 * T * T, B)
         chunks = math.ceil(d / GRAM_CHUNK) + math.ceil(p / GRAM_CHUNK)
         passes = 2 if e < 4 else 3
-        share = 0.75 if T % 2 == 0 and T >= GRAM_HALVES_TOKENS else 1.0
+        share = 0.75 if gram_by_halves(T) else 1.0
         return Cost(share * 2 * B * T * T * (p + d), inputs + share * (passes * chunks + 2) * B * T * T * 4,
                     held * 4 + B * T * (d + p) * 4)
     raise ValueError(f"no cost model for the linear norm algorithm {algorithm!r}")
