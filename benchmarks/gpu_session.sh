@@ -123,20 +123,19 @@ case $part in
             || { echo "compare: pip could not install the checkout" >&2; exit 1; }
         RESULTS=$OUT/head LIMIT=${LIMIT:-270} DPGRAD_TUNE_DIR=$(mktemp -d) bench benchmarks/bench_dp_step.py -k "$expr"
         $PY - "$OUT/base" "$OUT/head" <<'PYEOF' 2>&1 | tee -a "$OUT/compare.log"
-import json, sys
+import sys
 from pathlib import Path
-rows = {}
+from dpgrad.tools import results
+times = {}
 for side, folder in zip(("base", "head"), sys.argv[1:]):
-    for path in Path(folder).glob("dp_step_*.json"):
-        for r in json.loads(path.read_text())["results"]:
-            s, m = r["shape"], r.get("metrics", {})
-            if "step_time" in m:
-                rows.setdefault((s["model"], s["batch"], s["seq_len"], r["provider"]), {})[side] = m["step_time"]["p50"]
+    for r in results.flat_records(results.load(sorted(Path(folder).glob("dp_step_*.json")))):
+        if r["metric"]["name"] == "step_time":
+            s = r["shape"]
+            times.setdefault((s["model"], s["batch"], s["seq_len"], r["provider"]), {})[side] = r["metric"]["p50"]
 print(f"{'case':42} {'base ms':>9} {'head ms':>9} {'head/base':>9}")
-for key, t in sorted(rows.items()):
-    b, h = t.get("base"), t.get("head")
-    ratio = f"{h / b:9.3f}" if b and h else f"{'-':>9}"
-    print(f"{'-'.join(map(str, key)):42} {b or float('nan'):9.2f} {h or float('nan'):9.2f} {ratio}")
+for key, t in sorted(times.items()):
+    b, h = t.get("base", float("nan")), t.get("head", float("nan"))
+    print(f"{'-'.join(map(str, key)):42} {b:9.2f} {h:9.2f} {h / b:9.3f}")
 PYEOF
         ;;
     kernels)
