@@ -86,6 +86,11 @@ def sq_norms(x: torch.Tensor, dim) -> torch.Tensor:
 _OUT_DTYPE_MATMUL: dict = {}
 
 
+def _half_cuda_pair(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are CUDA tensors of one half dtype (the matrix units' inputs)."""
+    return a.is_cuda and a.dtype == b.dtype and a.dtype in HALF
+
+
 def bmm_acc(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``torch.bmm(a, b)`` accumulated and returned in fp32 (fp64 for fp64 inputs).
 
@@ -94,7 +99,7 @@ def bmm_acc(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     operands are widened first (a no-op for fp32 inputs).
     """
     acc = accumulation_dtype(a, b)
-    if a.is_cuda and a.dtype == b.dtype and a.dtype in (torch.float16, torch.bfloat16):
+    if _half_cuda_pair(a, b):
         supported = _OUT_DTYPE_MATMUL.get(a.device)
         if supported is not False:
             try:
@@ -129,7 +134,7 @@ def _gemm_adds_exactly(device: torch.device, dtype: torch.dtype) -> bool:
 def _adds_in_gemm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``baddbmm_acc`` lets the GEMM add its product to ``c``: half CUDA operands, an
     fp32 ``c``, and a torch that does so exactly (``_gemm_adds_exactly``, once per device)."""
-    if not (a.is_cuda and a.dtype == b.dtype and a.dtype in HALF and c.dtype == torch.float32):
+    if not (_half_cuda_pair(a, b) and c.dtype == torch.float32):
         return False
     key = (a.device, a.dtype)
     if key not in _GEMM_ADDS:
