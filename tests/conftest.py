@@ -6,7 +6,9 @@ directory of this session, never the user's cache, and the suite chooses kernels
 model (DPGRAD_TUNE=off: the same choices on every machine); tuning tests turn timing on.
 """
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import torch
@@ -15,6 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("DPGRAD_TUNE", "off")
 os.environ["DPGRAD_TUNE_DIR"] = tempfile.mkdtemp(prefix="dpgrad-tune-")
+atexit.register(shutil.rmtree, os.environ["DPGRAD_TUNE_DIR"], ignore_errors=True)  # each process its own
 if os.environ.get("PYTEST_XDIST_WORKER") and not torch.cuda.is_available():
     # The workers share the cores: one thread each, not each a thread per core; and so do the
     # processes they start (ranks spawned, pytest or the CLI in a subprocess), which read it
