@@ -390,8 +390,10 @@ class BackwardPath:
         self._forward_batch = check_batch(layer, name, inputs, self._forward_batch, self.batch_first)
         self._note_call(layer, name, params)
         self._edges.add(out, layer, inputs, params)
+        keep = registry.KEPT_INPUTS.get(type(layer))
+        kept = list(inputs) if keep is None or layer in self.functorch_layers else keep(layer, inputs, out)
         # Not detached: they are only read under no_grad, and the list is emptied when read.
-        out.register_hook(partial(self._record, layer, params, list(inputs), self._pending))
+        out.register_hook(partial(self._record, layer, params, kept, self._pending))
         return None
 
     def _refuse_mapping_output(self, layer: nn.Module, output: dict) -> None:

@@ -95,6 +95,12 @@ def _top_saved_tensors_hooks():
         return None
 
 
+def saved_tensors_hooked() -> bool:
+    """Whether ``saved_tensors_hooks`` are in force (activation checkpointing, offloading to the
+    CPU): reading a tensor autograd saved then unpacks it, which may recompute or copy it."""
+    return _top_saved_tensors_hooks() is not None
+
+
 def recomputing() -> bool:
     """Whether non-reentrant activation checkpointing is recomputing a forward pass (inside
     the backward pass) for the tensors it saved: its layer calls are no forward pass of the

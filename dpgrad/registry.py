@@ -20,6 +20,11 @@ class that batches its layers (``register_norm_group`` for layers clipped from t
 ``register_grad_sample_group`` for layers clipped from their per-sample gradients); without
 one, its layers are taken one at a time through the samplers above.
 
+What the hooks keep of a layer's call for its samplers is its inputs, unless the layer type
+registers a function that keeps something else (``register_kept_inputs``): a tensor its forward
+computed from them that autograd saved anyway, where autograd would free the inputs themselves
+(Hugging Face's Llama RMSNorm: its normalised input, not the residual stream).
+
 A layer class from another package (``transformers.pytorch_utils.Conv1D``) is registered by
 its dotted path, so that dpgrad never imports that package: ``resolve(model)`` enters such
 classes in the tables once a model holding them is wrapped.
@@ -40,7 +45,9 @@ CLIPPED_SUM_SAMPLERS: Dict[Type[nn.Module], Sampler] = {}
 FACTOR_SAMPLERS: Dict[Type[nn.Module], Sampler] = {}
 NORM_GROUPS: Dict[Type[nn.Module], type] = {}
 GRAD_SAMPLE_GROUPS: Dict[Type[nn.Module], type] = {}
-TABLES = (GRAD_SAMPLERS, NORM_SAMPLERS, CLIPPED_SUM_SAMPLERS, FACTOR_SAMPLERS, NORM_GROUPS, GRAD_SAMPLE_GROUPS)
+KEPT_INPUTS: Dict[Type[nn.Module], Callable] = {}
+TABLES = (GRAD_SAMPLERS, NORM_SAMPLERS, CLIPPED_SUM_SAMPLERS, FACTOR_SAMPLERS, NORM_GROUPS, GRAD_SAMPLE_GROUPS,
+          KEPT_INPUTS)
 
 # Changes whenever a table does: what is planned from the tables (a backward pass's finish
 # plan, dpgrad.clipping_path) is planned again.
@@ -155,3 +162,12 @@ def register_grad_sample_group(target_class_or_classes: Target):
     per-sample gradients of several layers of a type at once, for layers clipped from their
     per-sample gradients."""
     return _register(GRAD_SAMPLE_GROUPS, target_class_or_classes)
+
+
+def register_kept_inputs(target_class_or_classes: Target):
+    """Decorator: register ``fn(layer, inputs, output) -> list`` as what the hooks keep of a
+    call of a layer type for its samplers, in place of the list of its inputs, called at the
+    end of the call (a forward hook). The layer type's samplers and group must take what it
+    returns; it returns ``list(inputs)`` where it has nothing better, and where the samplers
+    in force for the layer type are not the ones it was written for (a user's own)."""
+    return _register(KEPT_INPUTS, target_class_or_classes)

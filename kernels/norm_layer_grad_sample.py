@@ -4,7 +4,8 @@ in Triton, for a group of layers of one shape in one launch.
 For a sample b with inputs x_t (T rows of d) and backprops g_t:
 - weight: ``sum_t x̂_t ⊙ g_t``, with ``x̂_t = (x_t - mean(x_t)) / sqrt(var(x_t) + eps)``
   (LayerNorm; biased variance, as the forward pass) or ``x_t / sqrt(mean(x_t^2) + eps)``
-  (RMSNorm), rounded to x's dtype first where the layer's forward does so;
+  (RMSNorm), rounded to x's dtype first where the layer's forward does so; or, given the
+  normalised inputs themselves (what the forward multiplied the weight by), ``x̂_t = x_t``;
 - bias: ``sum_t g_t``.
 One program owns a run of one sample's rows and holds a whole row (d elements) in registers:
 it normalises each row in fp32 and accumulates both sums in fp32. Runs of rows are split
@@ -35,12 +36,12 @@ _PER_THREAD = 8
 _TARGET_PROGRAMS = 1024
 
 
-@triton.jit(do_not_specialize=["B", "T", "per_split", "eps", "rms", "round_to", "grouped"])
+@triton.jit(do_not_specialize=["B", "T", "per_split", "eps", "form", "round_to", "grouped"])
 def _norm_layer_grad_sample_kernel(
     X, G, X_PTRS, G_PTRS, GW, GB,
     B, T, d, eps,
     s_xb, s_xt, s_xd, s_gb, s_gt, s_gd,
-    splits, per_split, rms, round_to, grouped,
+    splits, per_split, form, round_to, grouped,
     WITH_WEIGHT: tl.constexpr, WITH_BIAS: tl.constexpr,
     BD: tl.constexpr, BT: tl.constexpr,
 ):
@@ -65,16 +66,19 @@ def _norm_layer_grad_sample_kernel(
         if WITH_WEIGHT:
             b_x = tl.load(p_x + i_b * s_xb + o_t[:, None] * s_xt + o_d[None, :] * s_xd, mask=m, other=0.0)
             b_x = b_x.to(tl.float32)
-            if rms:
-                b_xc = b_x
+            if form == 2:  # normalised already
+                b_n = b_x
             else:
-                b_xc = tl.where(m, b_x - (tl.sum(b_x, axis=1) / d)[:, None], 0.0)
-            rstd = 1.0 / tl.sqrt(tl.sum(b_xc * b_xc, axis=1) / d + eps)
-            b_n = b_xc * rstd[:, None]
-            if round_to == 1:  # to fp16
-                b_n = b_n.to(tl.float16).to(tl.float32)
-            elif round_to == 2:
-                b_n = round_to_bf16(b_n)
+                if form == 1:  # RMSNorm
+                    b_xc = b_x
+                else:
+                    b_xc = tl.where(m, b_x - (tl.sum(b_x, axis=1) / d)[:, None], 0.0)
+                rstd = 1.0 / tl.sqrt(tl.sum(b_xc * b_xc, axis=1) / d + eps)
+                b_n = b_xc * rstd[:, None]
+                if round_to == 1:  # to fp16
+                    b_n = b_n.to(tl.float16).to(tl.float32)
+                elif round_to == 2:
+                    b_n = round_to_bf16(b_n)
             b_w += tl.sum(b_n * b_g, axis=0)
         if WITH_BIAS:
             b_bias += tl.sum(b_g, axis=0)
@@ -107,6 +111,7 @@ def norm_layer_grad_sample_grouped(
     *,
     rms: bool,
     rounded: bool = False,
+    normalized: bool = False,
     weight: bool = True,
     bias: bool = False,
 ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -122,6 +127,9 @@ def norm_layer_grad_sample_grouped(
         rms: RMSNorm (no mean subtracted) rather than LayerNorm.
         rounded: the normalised inputs are rounded to the inputs' dtype before the weight
             multiplies them (Hugging Face's Llama-family RMSNorm).
+        normalized: Xs are the normalised inputs already, what the forward multiplied the
+            weight by: no statistics are taken, nothing is rounded (``eps``, ``rms`` and
+            ``rounded`` are not read).
         weight: return the weight gradients.
         bias: return the bias gradients.
 
@@ -157,7 +165,7 @@ def norm_layer_grad_sample_grouped(
             unused if gw is None else gw, unused if gb is None else gb,
             B, T, d, float(eps),
             *x_strides, *g_strides,
-            splits, per_split, int(rms), ROUND_TO.get(X.dtype, 0) if rounded else 0, gx.on,
+            splits, per_split, 2 if normalized else int(rms), ROUND_TO.get(X.dtype, 0) if rounded else 0, gx.on,
             WITH_WEIGHT=weight, WITH_BIAS=bias,
             BD=BD, BT=BT,
             num_warps=num_warps,

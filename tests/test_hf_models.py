@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import importlib
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Dict
 
@@ -181,26 +183,35 @@ def reference(case: Case, dtype=torch.float64, loss_reduction="mean") -> Dict[st
     return {n: torch.stack(g) for n, g in grads.items()}
 
 
-def clipped_step(case: Case, single: bool, loss_reduction: str, C: float, autocast: bool = False):
+def saved_tensors_passed_through():
+    """Saved-tensor hooks that give back what they are given (as checkpointing and offloading
+    hooks stand between autograd and what it saved)."""
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+
+
+def clipped_step(case: Case, single: bool, loss_reduction: str, C: float, autocast: bool = False,
+                 saved_hooks: bool = False):
     """dpgrad's clipped backward on the whole batch: (model, per-sample norms)."""
     model = copy.deepcopy(case.model)
     wrapped = dpgrad.GradSampleModuleFastGradientClipping(model, max_grad_norm=C, loss_reduction=loss_reduction,
                                                           single_backward=single)
     criterion = dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss(reduction=loss_reduction),
                                                   loss_reduction)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), \
+            saved_tensors_passed_through() if saved_hooks else contextlib.nullcontext():
         args, shape = case.forward(wrapped, slice(None))
         loss = criterion(*args, shape=shape)
     loss.backward()
     return model, wrapped.per_sample_gradient_norms
 
 
-def check(case: Case, single: bool, loss_reduction: str = "mean", rtol: float = RTOL, autocast=False):
+def check(case: Case, single: bool, loss_reduction: str = "mean", rtol: float = RTOL, autocast=False,
+          saved_hooks=False):
     ref = reference(case, loss_reduction=loss_reduction)
     own = reference(case, dtype=None, loss_reduction=loss_reduction)  # plain autograd in the model's precision
     ref_norms = total_norm(ref)
     C = float(ref_norms.median())  # about half the samples clipped
-    model, norms = clipped_step(case, single, loss_reduction, C, autocast)
+    model, norms = clipped_step(case, single, loss_reduction, C, autocast, saved_hooks)
     assert norms.dtype == torch.float32
     assert_norms_close(norms, ref_norms, "per-sample norms", rtol)
     coef = (C / (norms + 1e-6)).clamp(max=1.0).double()
@@ -286,6 +297,93 @@ def test_llama_family_rms_norms(path):
     got = norms.per_sample_grads(half, xh, bph)[0]
     assert got.dtype == torch.float32
     assert_tensor_close(got, expected, "bf16", expected.abs().max().item(), RTOL)
+
+
+def _rms_norm_inputs_alive(model: nn.Module, forward) -> int:
+    """How many inputs of the model's RMSNorms are still alive after ``forward()`` returns,
+    what it returned (the outputs and their graph) kept."""
+    refs = []
+    hooks = [m.register_forward_pre_hook(lambda m, args: refs.append(weakref.ref(args[0])))
+             for m in model.modules() if type(m).__name__ == "LlamaRMSNorm"]
+    try:
+        kept = forward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    gc.collect()
+    assert len(refs) == 5 and kept is not None  # two layers of two, and the final norm
+    return sum(ref() is not None for ref in refs)
+
+
+WRAPPERS = {
+    "gsm": lambda m: dpgrad.GradSampleModule(m, loss_reduction="sum"),
+    "double": lambda m: dpgrad.GradSampleModuleFastGradientClipping(m, max_grad_norm=1.0),
+    "single": lambda m: dpgrad.GradSampleModuleFastGradientClipping(m, max_grad_norm=1.0, single_backward=True),
+}
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_llama_rms_norm_inputs_are_not_kept(wrapper):
+    """In bf16 a Llama RMSNorm's input (the residual stream) is not among what autograd saves: it
+    saves the rounded normalised input for the weight's gradient, and plain autograd lets the
+    input go when the forward pass ends. The hooks keep autograd's tensor, not the input, so a
+    wrapped model holds no more memory through its backward pass than the plain one (the
+    per-sample gradients stay exact: test_half_precision_weights, and below)."""
+    case = llama()
+    case.model.to(torch.bfloat16)
+    model = copy.deepcopy(case.model)
+    assert _rms_norm_inputs_alive(model, lambda: case.forward(model, slice(None))) == 0  # plain autograd
+    wrapped = WRAPPERS[wrapper](model)
+    assert _rms_norm_inputs_alive(model, lambda: case.forward(wrapped, slice(None))) == 0
+    if wrapper != "gsm":
+        return
+    case.per_sample_loss(wrapped, slice(None), "sum").sum().backward()
+    ref = reference(case, loss_reduction="sum")
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            expected = ref[name]
+            assert_tensor_close(p.grad_sample, expected, f"{name}.grad_sample", expected.abs().max().item(), BF16_RTOL)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_llama_rms_norms_under_saved_tensor_hooks(mode):
+    """Under saved-tensor hooks (checkpointing, offloading) what autograd saved cannot be read
+    without unpacking it: the hooks keep the RMSNorms' inputs, and the step is as exact."""
+    case = llama()
+    case.model.to(torch.bfloat16)
+    model = copy.deepcopy(case.model)
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(model, max_grad_norm=1.0, single_backward=MODES[mode])
+
+    def forward():
+        with saved_tensors_passed_through():
+            return case.forward(wrapped, slice(None))
+
+    assert _rms_norm_inputs_alive(model, forward) == 5
+    check(case, MODES[mode], rtol=BF16_RTOL, saved_hooks=True)
+
+
+def test_a_users_rms_norm_sampler_gets_the_inputs(monkeypatch):
+    """A grad sampler of the user's own for LlamaRMSNorm is called with the layer's inputs, as
+    Opacus calls it, not with what dpgrad's own sampler keeps."""
+    case = llama()
+    case.model.to(torch.bfloat16)
+    model = copy.deepcopy(case.model)
+    cls = type(model.model.norm)
+    ours = registry.GRAD_SAMPLERS[cls]
+    given, inputs = [], []
+
+    def users(layer, activations, backprops):
+        given.append(list(activations))
+        return ours(layer, activations, backprops)
+
+    monkeypatch.setitem(registry.GRAD_SAMPLERS, cls, users)
+    monkeypatch.delitem(registry.GRAD_SAMPLE_GROUPS, cls)  # so that the sampler itself is called
+    wrapped = dpgrad.GradSampleModule(model, loss_reduction="sum")
+    hook = model.model.norm.register_forward_pre_hook(lambda m, args: inputs.append(args[0]))
+    case.per_sample_loss(wrapped, slice(None), "sum").sum().backward()
+    hook.remove()
+    assert len(given) == 5 and all(len(a) == 1 for a in given)
+    assert any(a[0] is inputs[0] for a in given)  # the final norm's own input
 
 
 def test_gpt2_per_sample_gradients_of_conv1d():

@@ -483,12 +483,14 @@ def test_grouped_launches_refuse_mixed_layouts():
 
 def _norm_layer_reference(x: torch.Tensor, g: torch.Tensor, eps: float, form: str):
     """(weight, bias) per-sample gradients over the last dimension, float64: "layernorm",
-    "rmsnorm", or "rounded" (Hugging Face's Llama RMSNorm: normalised in fp32, rounded to x's
-    dtype before the weight)."""
+    "rmsnorm", "rounded" (Hugging Face's Llama RMSNorm: normalised in fp32, rounded to x's
+    dtype before the weight), or "normalized" (x is what the weight multiplied)."""
     if x.dim() == 2:
         x, g = x[:, None], g[:, None]
     d = x.shape[-1]
-    if form == "rounded":
+    if form == "normalized":
+        normed = x.double()
+    elif form == "rounded":
         x32 = x.float()
         normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype).double()
     elif form == "rmsnorm":
@@ -502,19 +504,21 @@ def _norm_layer_reference(x: torch.Tensor, g: torch.Tensor, eps: float, form: st
 NORM_LAYER_SHAPES = [(3, 2, 37, 45), (2, 1, 200, 16), (1, 3, None, 70), (2, 4, 1, 1), (2, 0, 5, 7), (2, 3, 0, 5)]
 
 
-@pytest.mark.parametrize("form", ["layernorm", "rmsnorm", "rounded"])
+@pytest.mark.parametrize("form", ["layernorm", "rmsnorm", "rounded", "normalized"])
 @pytest.mark.parametrize("dtype, strided", LAYOUTS, ids=str)
 @pytest.mark.parametrize("shape", NORM_LAYER_SHAPES, ids=str)
 def test_norm_layer_grad_sample(shape, dtype, strided, form):
-    """LayerNorm and RMSNorm per-sample gradients of a group in one launch, against float64."""
+    """LayerNorm and RMSNorm per-sample gradients of a group in one launch, against float64;
+    "normalized": given the normalised inputs, the sums of their products with the backprops."""
     L, B, T, d = shape
     xs, gs = _layers(L, B, 1 if T is None else T, d, d, dtype, strided, seed=50)
     if T is None:
         xs, gs = [x[:, 0] for x in xs], [g[:, 0] for g in gs]
     xs = [x * 3 + 1 for x in xs] if not strided else xs  # a mean to subtract
     eps = 1e-5
-    rms, rounded = form != "layernorm", form == "rounded"
-    gw, gb = K.norm_layer_grad_sample_grouped(xs, gs, eps, rms=rms, rounded=rounded, weight=True, bias=True)
+    rms, rounded, normalized = form != "layernorm", form == "rounded", form == "normalized"
+    gw, gb = K.norm_layer_grad_sample_grouped(xs, gs, eps, rms=rms, rounded=rounded, normalized=normalized,
+                                              weight=True, bias=True)
     assert gw.dtype == gb.dtype == torch.float32 and gw.shape == (L * B, d)
     refs = [_norm_layer_reference(x, g, eps, form) for x, g in zip(xs, gs)]
     # fp32 arithmetic on the same inputs; rounded to a half dtype, a normalised value at a
@@ -522,7 +526,8 @@ def test_norm_layer_grad_sample(shape, dtype, strided, form):
     rtol = 1e-5 if dtype == torch.float32 else GRAD_RTOL[dtype] if rounded else 1e-4
     assert_rel_per_sample(gw, torch.cat([w for w, _ in refs]), rtol, "weight")
     assert_rel_per_sample(gb, torch.cat([b for _, b in refs]), rtol, "bias")
-    only_bias = K.norm_layer_grad_sample_grouped(xs, gs, eps, rms=rms, rounded=rounded, weight=False, bias=True)
+    only_bias = K.norm_layer_grad_sample_grouped(xs, gs, eps, rms=rms, rounded=rounded, normalized=normalized,
+                                                 weight=False, bias=True)
     assert only_bias[0] is None and torch.equal(only_bias[1], gb)
 
 

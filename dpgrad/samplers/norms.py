@@ -11,7 +11,12 @@ of these directly; ``NormLayerGroup`` computes those of many such layers at once
 
 The Llama family's RMSNorm computes ``weight * (x / sqrt(mean(x^2) + eps)).to(x.dtype)``, the
 normalisation in fp32 whatever x's dtype and rounded to it before the weight: its per-sample
-weight gradient is ``sum_t round(x̂_t) ⊙ g_t``, computed here by the same arithmetic.
+weight gradient is ``sum_t round(x̂_t) ⊙ g_t``. Autograd saves ``round(x̂)`` for the weight's
+gradient and not x (the residual stream, which the non-private step frees at once), so the
+hooks keep that tensor of autograd's (``rms_norm_kept_inputs``) rather than x, marked
+``NORMALIZED``: no memory of their own while the model's activations are alive. Where it cannot
+be read without unpacking it (saved-tensor hooks in force: checkpointing, offloading), they
+keep x, and x̂ is computed here by the forward's arithmetic.
 """
 
 from __future__ import annotations
@@ -23,10 +28,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dpgrad import registry
 from dpgrad.backend import guarded
 from dpgrad.kernels import reference
 from dpgrad.kernels.reference import accumulation_dtype, same_layout
-from dpgrad.registry import register_grad_sample_group, register_grad_sampler
+from dpgrad.layer_inputs import saved_tensors_hooked
+from dpgrad.registry import register_grad_sample_group, register_grad_sampler, register_kept_inputs
 from dpgrad.samplers.groups import Group, cat, clipped_sums_of, row_norms, stackable, trainable
 
 # Classes whose forward is exactly Llama's RMSNorm (checked against torch.func in the tests).
@@ -62,8 +69,26 @@ def _eps(layer: nn.Module, x: torch.Tensor) -> float:
     return layer.eps
 
 
-def _normalized(layer: nn.Module, x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """What the layer's forward multiplies its weight by, in ``acc``."""
+class _Normalized:
+    """The mark of a record whose first activation is what the layer's forward multiplied its
+    weight by, not its input."""
+
+    def __repr__(self) -> str:
+        return "NORMALIZED"
+
+
+NORMALIZED = _Normalized()
+
+
+def given_normalized(activations) -> bool:
+    """Whether ``activations`` (a record's) hold the normalised input (``rms_norm_kept_inputs``)."""
+    return len(activations) > 1 and activations[1] is NORMALIZED
+
+
+def _normalized(layer: nn.Module, x: torch.Tensor, acc: torch.dtype, given: bool = False) -> torch.Tensor:
+    """What the layer's forward multiplies its weight by, in ``acc``: x itself where ``given``."""
+    if given:
+        return x.to(acc)
     shape = _shape(layer)
     if isinstance(layer, nn.GroupNorm):
         return F.group_norm(x.to(acc), layer.num_groups, eps=layer.eps)
@@ -74,10 +99,12 @@ def _normalized(layer: nn.Module, x: torch.Tensor, acc: torch.dtype) -> torch.Te
     return norm(x.to(acc), shape, eps=_eps(layer, x))
 
 
-def per_sample_grads(layer: nn.Module, x: torch.Tensor, backprops: torch.Tensor) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+def per_sample_grads(layer: nn.Module, x: torch.Tensor, backprops: torch.Tensor, normalized: bool = False
+                     ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Per-sample gradients of the weight and the bias (None where frozen or absent), (N,
     *normalized_shape) each, in fp32 (fp64 for fp64). Activations and backprops may differ in
-    dtype (autocast): they meet in the accumulation dtype."""
+    dtype (autocast): they meet in the accumulation dtype. ``normalized``: x is what the
+    forward multiplied the weight by (``NORMALIZED``), not the layer's input."""
     weight, bias = trainable(layer)
     acc = accumulation_dtype(x, backprops)
     shape = _shape(layer)
@@ -86,7 +113,7 @@ def per_sample_grads(layer: nn.Module, x: torch.Tensor, backprops: torch.Tensor)
     total = _sum_spatial if isinstance(layer, nn.GroupNorm) else _sum_tokens
     if weight:
         # The product promotes half backprops to the accumulation dtype: no copy of its own.
-        gw = total(_normalized(layer, x, acc) * backprops, shape, acc)
+        gw = total(_normalized(layer, x, acc, normalized) * backprops, shape, acc)
     if bias:
         gb = total(backprops, shape, acc)
     return gw, gb
@@ -103,7 +130,7 @@ def norm_layer_grad_sample(
 ) -> Dict[nn.Parameter, torch.Tensor]:
     """Per-sample gradients of a LayerNorm's, RMSNorm's or GroupNorm's weight and bias, (B,
     *weight.shape) each, in the parameters' dtypes."""
-    gw, gb = per_sample_grads(layer, activations[0], backprops)
+    gw, gb = per_sample_grads(layer, activations[0], backprops, given_normalized(activations))
     out = {}
     if gw is not None:
         out[layer.weight] = gw.to(layer.weight.dtype)
@@ -112,11 +139,12 @@ def norm_layer_grad_sample(
     return out
 
 
-def _group_grads(ops, layers: List[nn.Module], xs: List[torch.Tensor], gs: List[torch.Tensor]):
+def _group_grads(ops, layers: List[nn.Module], xs: List[torch.Tensor], gs: List[torch.Tensor], normalized: bool):
     """The per-sample (weight, bias) gradients of the layers (None where frozen or absent), (L*B,
-    *normalized_shape) each, layer by layer. Triton: one launch for the group, each layer's
-    tensors read where they are. Eager: one computation on the concatenated inputs when they
-    are small, else one per layer."""
+    *normalized_shape) each, layer by layer; ``normalized``: xs are the normalised inputs
+    (``NORMALIZED``). Triton: one launch for the group, each layer's tensors read where they
+    are. Eager: one computation on the concatenated inputs when they are small, else one per
+    layer."""
     layer = layers[0]
     weight, bias = trainable(layer)
     if isinstance(layer, nn.GroupNorm):
@@ -124,11 +152,36 @@ def _group_grads(ops, layers: List[nn.Module], xs: List[torch.Tensor], gs: List[
             return ops.group_norm_grad_sample_grouped(xs, gs, layer.num_groups, layer.eps, weight=weight, bias=bias)
     elif ops is not reference and ops.norm_layer_fits(xs[0]):
         return ops.norm_layer_grad_sample_grouped(xs, gs, _eps(layer, xs[0]), rms=not isinstance(layer, nn.LayerNorm),
-                                                  rounded=_llama_family(layer), weight=weight, bias=bias)
+                                                  rounded=_llama_family(layer), normalized=normalized,
+                                                  weight=weight, bias=bias)
     if stackable(xs) and stackable(gs):
-        return per_sample_grads(layer, cat(xs), cat(gs))
-    parts = [per_sample_grads(layer, x, g) for layer, x, g in zip(layers, xs, gs)]
+        return per_sample_grads(layer, cat(xs), cat(gs), normalized)
+    parts = [per_sample_grads(layer, x, g, normalized) for layer, x, g in zip(layers, xs, gs)]
     return tuple(None if parts[0][i] is None else cat([part[i] for part in parts]) for i in (0, 1))
+
+
+@register_kept_inputs(HF_RMS_NORMS)
+def rms_norm_kept_inputs(layer: nn.Module, inputs, output: torch.Tensor) -> list:
+    """What the hooks keep of a call of a Llama-family RMSNorm: ``[round(x̂), NORMALIZED]``, the
+    tensor its forward multiplied the weight by, as autograd saved it for the weight's gradient
+    (no copy); its input ``[x]`` where that cannot be read as it is (saved-tensor hooks in force,
+    a forward other than the family's) or where the samplers in force for it are not these."""
+    kept = list(inputs)
+    cls = type(layer)
+    if (registry.GRAD_SAMPLERS.get(cls) is not norm_layer_grad_sample
+            or registry.GRAD_SAMPLE_GROUPS.get(cls) is not NormLayerGroup or saved_tensors_hooked()):
+        return kept
+    node = output.grad_fn
+    x = kept[0] if len(kept) == 1 else None
+    if type(node).__name__ != "MulBackward0" or not isinstance(x, torch.Tensor):
+        return kept
+    try:
+        normed = node._saved_other  # weight * normed: the weight's gradient reads normed
+    except RuntimeError:  # not saved
+        return kept
+    if not isinstance(normed, torch.Tensor) or normed.shape != x.shape or normed.dtype != x.dtype:
+        return kept
+    return [normed, NORMALIZED]
 
 
 @register_grad_sample_group(LAYERS)
@@ -141,20 +194,21 @@ class NormLayerGroup(Group):
     def key(cls, layer, activations, backprops):
         x = activations[0]
         return (type(layer), _shape(layer), getattr(layer, "num_groups", None), _eps(layer, x), *trainable(layer),
-                x.shape, x.dtype,
+                given_normalized(activations), x.shape, x.dtype,
                 backprops.shape, backprops.dtype, x.device)
 
     def norms(self):
         layers = [layer for layer, _, _ in self.records]
+        normalized = given_normalized(self.records[0][1])
         xs = [activations[0] for _, activations, _ in self.records]
         gs = [backprops for _, _, backprops in self.records]
         self.records = []
         layer = layers[0]
         if len(_shape(layer)) == 1 and same_layout(xs) and same_layout(gs):
             grads = guarded("per-sample gradients", layer, (xs[0], gs[0]),
-                            lambda ops: _group_grads(ops, layers, xs, gs))
+                            lambda ops: _group_grads(ops, layers, xs, gs, normalized))
         else:
-            grads = _group_grads(reference, layers, xs, gs)
+            grads = _group_grads(reference, layers, xs, gs, normalized)
         kept = [g for g in grads if g is not None]
         # Weight and bias gradients have the same shape: one tensor (K*L*B, *shape) for both.
         self._grads = kept[0] if len(kept) == 1 else torch.cat(kept)
