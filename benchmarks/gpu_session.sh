@@ -126,16 +126,20 @@ case $part in
 import sys
 from pathlib import Path
 from dpgrad.tools import results
-times = {}
+seen = {}  # (case, metric) -> {side: p50}
 for side, folder in zip(("base", "head"), sys.argv[1:]):
     for r in results.flat_records(results.load(sorted(Path(folder).glob("dp_step_*.json")))):
-        if r["metric"]["name"] == "step_time":
+        if r["metric"]["name"] in ("step_time", "peak_memory"):
             s = r["shape"]
-            times.setdefault((s["model"], s["batch"], s["seq_len"], r["provider"]), {})[side] = r["metric"]["p50"]
-print(f"{'case':42} {'base ms':>9} {'head ms':>9} {'head/base':>9}")
-for key, t in sorted(times.items()):
-    b, h = t.get("base", float("nan")), t.get("head", float("nan"))
-    print(f"{'-'.join(map(str, key)):42} {b:9.2f} {h:9.2f} {h / b:9.3f}")
+            key = (s["model"], s["batch"], s["seq_len"], r["provider"])
+            seen.setdefault((key, r["metric"]["name"]), {})[side] = r["metric"]["p50"]
+nan = float("nan")
+print(f"{'case':42} {'base ms':>9} {'head ms':>9} {'head/base':>9} {'base GiB':>9} {'head GiB':>9}")
+for key in sorted({key for key, _ in seen}):
+    t, m = seen.get((key, "step_time"), {}), seen.get((key, "peak_memory"), {})
+    b, h = t.get("base", nan), t.get("head", nan)
+    mb, mh = (m.get(side, nan) / 2**30 for side in ("base", "head"))
+    print(f"{'-'.join(map(str, key)):42} {b:9.2f} {h:9.2f} {h / b:9.3f} {mb:9.2f} {mh:9.2f}")
 PYEOF
         ;;
     kernels)
