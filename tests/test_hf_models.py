@@ -491,6 +491,27 @@ def test_gpt2_non_reentrant_checkpointing(mode):
 
 
 @pytest.mark.parametrize("mode", list(MODES))
+def test_llama_rms_norm_on_an_input_without_gradient(mode):
+    """Frozen token embeddings: the first RMSNorm's input needs no gradient, its weight does
+    (autograd saves the normalised input for the weight alone); bf16, exact."""
+    case = llama()
+    case.model.to(torch.bfloat16)
+    case.model.model.embed_tokens.weight.requires_grad_(False)
+    check(case, MODES[mode], rtol=BF16_RTOL)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_llama_non_reentrant_checkpointing_in_bf16(mode):
+    """The same for Llama in bf16, every parameter trained: its RMSNorms' inputs are kept (what
+    autograd saved is behind checkpointing's hooks), and the step is exact."""
+    case = llama()
+    case.model.to(torch.bfloat16)
+    case.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    case.model.train()
+    check(case, MODES[mode], rtol=BF16_RTOL)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
 def test_gpt2_reentrant_checkpointing_is_refused_with_the_fix(mode):
     case = gpt2_checkpointed(use_reentrant=True)
     with pytest.raises(RuntimeError, match=r"reentrant activation checkpointing .*gradient_checkpointing_kwargs="
