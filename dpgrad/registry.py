@@ -164,6 +164,14 @@ def register_grad_sample_group(target_class_or_classes: Target):
     return _register(GRAD_SAMPLE_GROUPS, target_class_or_classes)
 
 
+def served_by(cls: type, module: str) -> bool:
+    """Whether every sampler and group in force for the layer type ``cls`` comes from ``module``
+    (none replaced by a user's own): a kept-inputs function keeps something else than the
+    inputs only for the samplers it was written for."""
+    return all(getattr(table[cls], "__module__", None) == module for table in TABLES
+               if table is not KEPT_INPUTS and cls in table)
+
+
 def register_kept_inputs(target_class_or_classes: Target):
     """Decorator: register ``fn(layer, inputs, output) -> list`` as what the hooks keep of a
     call of a layer type for its samplers, in place of the list of its inputs, called at the

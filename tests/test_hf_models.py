@@ -11,7 +11,7 @@ autograd. dpgrad, in both modes: per-sample norms within fp32 rel 1e-5 (bf16 rel
 Some gradients are zero in exact arithmetic (an attention key bias: softmax ignores a shift
 of all scores) and only rounding noise in the model's own precision. For those the element
 tolerance is also floored at 4x the error plain autograd makes, running the same samples one
-at a time in the model's precision: measured, never assumed. Norm tolerances are not touched.
+at a time in the model's precision (under autocast where the step is): measured, never assumed. Norm tolerances are not touched.
 """
 
 from __future__ import annotations
@@ -167,9 +167,10 @@ def vit(device="cpu") -> Case:
 CASES = {"gpt2": gpt2, "llama_lora": llama_lora, "llama": llama, "bert": bert, "vit": vit}
 
 
-def reference(case: Case, dtype=torch.float64, loss_reduction="mean") -> Dict[str, torch.Tensor]:
+def reference(case: Case, dtype=torch.float64, loss_reduction="mean", autocast=False) -> Dict[str, torch.Tensor]:
     """Per-sample gradients of the trainable parameters by plain autograd, one sample at a
-    time, on a copy of the model in ``dtype`` (None: the model's own)."""
+    time, on a copy of the model in ``dtype`` (None: the model's own), its forward pass under
+    CPU autocast to bf16 where ``autocast``."""
     model = copy.deepcopy(case.model)
     if dtype is not None:
         model = model.to(dtype)
@@ -177,7 +178,9 @@ def reference(case: Case, dtype=torch.float64, loss_reduction="mean") -> Dict[st
     grads = {n: [] for n in params}
     for b in range(B):
         model.zero_grad()
-        case.per_sample_loss(model, slice(b, b + 1), loss_reduction).sum().backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = case.per_sample_loss(model, slice(b, b + 1), loss_reduction).sum()
+        loss.backward()
         for n, p in params.items():
             grads[n].append(torch.zeros_like(p) if p.grad is None else p.grad.clone())
     return {n: torch.stack(g) for n, g in grads.items()}
@@ -208,7 +211,8 @@ def clipped_step(case: Case, single: bool, loss_reduction: str, C: float, autoca
 def check(case: Case, single: bool, loss_reduction: str = "mean", rtol: float = RTOL, autocast=False,
           saved_hooks=False):
     ref = reference(case, loss_reduction=loss_reduction)
-    own = reference(case, dtype=None, loss_reduction=loss_reduction)  # plain autograd in the model's precision
+    # plain autograd in the model's precision, as the step runs it
+    own = reference(case, dtype=None, loss_reduction=loss_reduction, autocast=autocast)
     ref_norms = total_norm(ref)
     C = float(ref_norms.median())  # about half the samples clipped
     model, norms = clipped_step(case, single, loss_reduction, C, autocast, saved_hooks)
@@ -258,9 +262,12 @@ def test_half_precision_weights(name, mode, dtype):
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_fp32_weights_under_autocast(mode):
-    """Linear inputs in fp32 meet bf16 backprops: no dtype error, fp32 gradients and norms."""
-    check(gpt2(), MODES[mode], rtol=BF16_RTOL, autocast=True)
+@pytest.mark.parametrize("name", ["gpt2", "llama", "llama_lora"])
+def test_fp32_weights_under_autocast(name, mode):
+    """fp32 weights under autocast (the Trainer's bf16=True): the projections (Conv1D, Linear,
+    LoRA's) multiply their inputs cast to bf16, which the hooks keep; fp32 gradients, the
+    norms within bf16's tolerance of float64."""
+    check(CASES[name](), MODES[mode], rtol=BF16_RTOL, autocast=True)
 
 
 @pytest.mark.parametrize("path", norms.HF_RMS_NORMS, ids=lambda p: p.rsplit(".", 1)[1])

@@ -10,6 +10,8 @@ every sampler is also given both mixes directly (CPU autocast makes only the fir
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -77,6 +79,70 @@ def test_fp32_weights_under_autocast(mode, ghost):
     assert_norms_close(norms, ref, "autocast norms", RTOL)
     for p in model.parameters():
         assert p.grad.dtype == torch.float32
+
+
+def _fp32_linear_inputs_alive(model: nn.Module, forward) -> tuple:
+    """(alive, all): the fp32 inputs of the model's Linear layers in ``forward()`` under CPU
+    autocast, and how many of them are still alive after it returned (its result kept)."""
+    refs = []
+
+    def seen(m, args):
+        if args[0].dtype == torch.float32:
+            refs.append(weakref.ref(args[0]))
+
+    hooks = [m.register_forward_pre_hook(seen) for m in model.modules() if isinstance(m, nn.Linear)]
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            kept = forward()
+    finally:
+        for h in hooks:
+            h.remove()
+    gc.collect()
+    assert kept is not None
+    return sum(r() is not None for r in refs), len(refs)
+
+
+WRAPPERS = {
+    "gsm": lambda m: dpgrad.GradSampleModule(m),
+    "double": lambda m: dpgrad.GradSampleModuleFastGradientClipping(m, max_grad_norm=1.0),
+    "single": lambda m: dpgrad.GradSampleModuleFastGradientClipping(m, max_grad_norm=1.0, single_backward=True),
+}
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_autocast_keeps_no_fp32_input_that_autograd_lets_go(wrapper):
+    """Under autocast a Linear multiplies its fp32 input cast to bf16, and autograd saves the
+    cast alone: plain autograd lets the fp32 input of ``up`` (the embeddings) go when the
+    forward pass ends (the other Linear layers get bf16 on CPU). The hooks keep autograd's cast in their place, so under every
+    wrapper they go too (the steps' exactness: the tests above and below)."""
+    torch.manual_seed(0)
+    model = MixedNet()
+    ids, _ = batch()
+    assert _fp32_linear_inputs_alive(model, lambda: model(ids)) == (0, 1)  # plain autograd
+    wrapped = WRAPPERS[wrapper](model)
+    assert _fp32_linear_inputs_alive(model, lambda: wrapped(ids)) == (0, 1)
+
+
+def test_a_users_linear_sampler_gets_the_fp32_inputs(monkeypatch):
+    """A grad sampler of the user's own for nn.Linear is called with the layer's inputs under
+    autocast (fp32 for ``up``, as Opacus calls it), not with the cast dpgrad's own read."""
+    torch.manual_seed(0)
+    model = MixedNet()
+    ours = registry.GRAD_SAMPLERS[nn.Linear]
+    given = {}
+
+    def users(layer, activations, backprops):
+        given[layer] = activations[0].dtype
+        return ours(layer, activations, backprops)
+
+    monkeypatch.setitem(registry.GRAD_SAMPLERS, nn.Linear, users)
+    monkeypatch.delitem(registry.GRAD_SAMPLE_GROUPS, nn.Linear)  # so that the sampler itself is called
+    wrapped = dpgrad.GradSampleModule(model)
+    ids, y = batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        losses = loss_fn(wrapped(ids), y)
+    losses.mean().backward()
+    assert given == {model.up: torch.float32, model.down: torch.bfloat16, model.head: torch.bfloat16}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -8,6 +8,11 @@ layer shape among those ``dpgrad.backend`` allows: Triton for CUDA tensors, eage
 transpose of a Linear's: its per-sample weight gradient ``A_b^T G_b`` is a Linear's with the
 roles of A and G swapped, its norm a Linear's. It is registered by dotted path (dpgrad never
 imports transformers).
+
+Under autocast a layer multiplies its input cast to the autocast dtype, which autograd saves
+for the weight's gradient, and not the input itself (fp32, often a tensor nothing else keeps):
+the hooks keep autograd's cast (``linear_kept_inputs``), half the bytes, and the samplers read
+half-precision operands on both sides, the same values they would round the input to.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from dpgrad import registry
 from dpgrad.backend import guarded, ops_for
 from dpgrad.kernels import reference
 from dpgrad.kernels.reference import accumulation_dtype, same_layout
@@ -26,11 +32,13 @@ from dpgrad.registry import (
     register_factor_sampler,
     register_grad_sample_group,
     register_grad_sampler,
+    register_kept_inputs,
     register_norm_group,
     register_norm_sampler,
 )
 from dpgrad.samplers.groups import (Coefficients, Group, cat, clipped_sums_of, row_norms, stackable, trainable,
                                     weights_then_biases)
+from dpgrad.layer_inputs import saved_tensors_hooked
 from dpgrad.tuning import get_tuner
 
 CONV1D = "transformers.pytorch_utils.Conv1D"
@@ -46,6 +54,46 @@ def flatten_tokens(activations: torch.Tensor, backprops: torch.Tensor) -> Tuple[
     A = activations.reshape(B, T, activations.shape[-1])
     G = backprops.reshape(B, T, backprops.shape[-1])
     return A, G
+
+
+# The nodes a Linear's or Conv1D's output comes from: a view of one product of the input (B*T, d).
+_VIEWS = ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0")
+_SAVED_INPUT = {"AddmmBackward0": "_saved_mat1", "MmBackward0": "_saved_self"}
+
+
+@register_kept_inputs(LAYERS)
+def linear_kept_inputs(layer: nn.Module, inputs, output: torch.Tensor) -> list:
+    """What the hooks keep of a call under autocast whose input x was cast for the product:
+    the cast, as autograd saved it for the weight's gradient (a view, no copy), shaped as x.
+    Elsewhere, or where that tensor cannot be read as it is (saved-tensor hooks in force, a
+    forward that is not one product, the samplers in force not these), the inputs."""
+    kept = list(inputs)
+    x = kept[0] if len(kept) == 1 else None
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        return kept
+    device = x.device.type
+    if not torch.is_autocast_enabled(device) or x.dtype == torch.get_autocast_dtype(device):
+        return kept
+    if not registry.served_by(type(layer), __name__) or saved_tensors_hooked():
+        return kept
+    node = output.grad_fn
+    if type(node).__name__ in _VIEWS:
+        node = node.next_functions[0][0]
+    attr = _SAVED_INPUT.get(type(node).__name__)
+    if attr is None:
+        return kept
+    try:
+        saved = getattr(node, attr)  # the product's first operand: the input
+    except RuntimeError:  # not saved (a frozen weight)
+        return kept
+    d = x.shape[-1]
+    if (not isinstance(saved, torch.Tensor) or saved.dtype != torch.get_autocast_dtype(device)
+            or saved.shape != (x.numel() // max(d, 1), d)):
+        return kept
+    try:
+        return [saved.view(x.shape)]
+    except RuntimeError:  # not viewable so: the inputs, as before
+        return kept
 
 
 def _transposed(layer: nn.Module) -> bool:

@@ -167,9 +167,7 @@ def rms_norm_kept_inputs(layer: nn.Module, inputs, output: torch.Tensor) -> list
     (no copy); its input ``[x]`` where that cannot be read as it is (saved-tensor hooks in force,
     a forward other than the family's) or where the samplers in force for it are not these."""
     kept = list(inputs)
-    cls = type(layer)
-    if (registry.GRAD_SAMPLERS.get(cls) is not norm_layer_grad_sample
-            or registry.GRAD_SAMPLE_GROUPS.get(cls) is not NormLayerGroup or saved_tensors_hooked()):
+    if not registry.served_by(type(layer), __name__) or saved_tensors_hooked():
         return kept
     node = output.grad_fn
     x = kept[0] if len(kept) == 1 else None
