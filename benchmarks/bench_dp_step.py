@@ -26,7 +26,9 @@ Each sequence is one sample (``shape=`` of the loss wrappers). Models:
   layers of width 64, 32x32 images, patches of 8) in quick mode. For these ``seq_len`` is the
   image side and each image is one sample.
 Quick mode (the default without CUDA, ``DPGRAD_BENCH_QUICK=1`` otherwise) runs the small
-models in fp32; the full suite runs the real sizes in bf16 on a GPU. Peak memory: on a GPU the
+models in fp32; the full suite runs the real sizes in bf16 on a GPU. dtype ``amp``: fp32
+weights, the forward pass and the loss under ``torch.autocast`` to bf16 (as the Hugging Face
+Trainer's ``bf16=True`` runs them), the backward pass outside it. Peak memory: on a GPU the
 most allocated during one step, less what was allocated before the provider copied the model
 (the suite's models, kept for every provider to copy), after a garbage collection; on a CPU
 the most one step allocates at once beyond what was live when it started (torch.profiler).
@@ -42,6 +44,7 @@ import copy
 import gc
 import os
 from dataclasses import dataclass
+from contextlib import nullcontext
 from typing import Callable, Dict, Tuple
 
 import pytest
@@ -68,10 +71,12 @@ DEVICE = torch.device("cuda" if CUDA else "cpu")
 CASES = (
     [("tiny", 8, 64, "fp32"), ("tiny", 8, 256, "fp32"), ("hf-gpt2-tiny", 8, 64, "fp32"),
      ("hf-gpt2-tiny-ckpt", 8, 64, "fp32"), ("hf-llama-tiny", 8, 64, "fp32"), ("hf-llama-tiny-lora16", 8, 64, "fp32"),
-     ("hf-llama-tiny", 1, 1024, "fp32"), ("wrn-16-1", 32, 32, "fp32"), ("vit-tiny", 16, 32, "fp32")]
+     ("hf-llama-tiny-lora16", 8, 64, "amp"), ("hf-llama-tiny", 1, 1024, "fp32"), ("wrn-16-1", 32, 32, "fp32"),
+     ("vit-tiny", 16, 32, "fp32")]
     if results.quick_mode()
     else [("hf-gpt2", 64, 128, "bf16"), ("hf-gpt2", 8, 1024, "bf16"), ("hf-gpt2-ckpt", 8, 1024, "bf16"),
           ("hf-llama-1b", 8, 1024, "bf16"), ("hf-llama-1b-lora16", 8, 1024, "bf16"),
+          ("hf-llama-1b-lora16", 8, 1024, "amp"),
           # Long context, one sequence a step.
           ("hf-llama-1b", 1, 8192, "bf16"), ("hf-gpt2-16k", 1, 16384, "bf16"),
           ("wrn-16-4", 256, 32, "bf16"), ("vit-b16", 32, 224, "bf16")]
@@ -84,6 +89,9 @@ CHECKPOINTED = ("non-private", "dpgrad-double", "dpgrad-single", "dpgrad-single-
 PROVIDERS = ["non-private", "opacus-hooks", "torch-func", "opacus-ghost", "dpgrad-double", "dpgrad-single",
              "dpgrad-single-per-block", "dpgrad-single-per-layer"]
 ROUNDS = 15 if CUDA else 10
+# The weights' dtype of each case's dtype, and the dtype autocast runs the forward pass in.
+WEIGHTS = {"amp": "fp32"}
+AUTOCAST = {"amp": torch.bfloat16}
 # Each case runs this many times in one run, its providers in turn each time: its figures are
 # the median of the repeats, with their spread (a GPU's clocks drift from one minute to the next).
 REPEATS = int(os.environ.get("DPGRAD_BENCH_REPEATS") or (3 if CUDA else 1))
@@ -155,18 +163,27 @@ def _hf(name: str) -> BenchModel:
 _models: Dict[Tuple[str, str], BenchModel] = {}
 
 
+def _weights(dtype: str) -> torch.dtype:
+    return DTYPES[WEIGHTS.get(dtype, dtype)]
+
+
+def _forward_context(dtype: str):
+    """Where a step's forward pass and loss run: under autocast for ``amp``."""
+    return torch.autocast(DEVICE.type, dtype=AUTOCAST[dtype]) if dtype in AUTOCAST else nullcontext()
+
+
 def _model(name: str, dtype: str) -> BenchModel:
     """One set of random weights per model and dtype: every provider copies it."""
     if (name, dtype) not in _models:
         torch.manual_seed(0)
         if name.startswith(("wrn-", "vit-")):
             built = _vision(name)
-            built.module.to(device=DEVICE, dtype=DTYPES[dtype])
+            built.module.to(device=DEVICE, dtype=_weights(dtype))
         elif name.startswith("hf-"):
             built = _hf(name)
-            built.module.to(device=DEVICE, dtype=DTYPES[dtype])
+            built.module.to(device=DEVICE, dtype=_weights(dtype))
         else:
-            preset = build_model(name, DEVICE, DTYPES[dtype])
+            preset = build_model(name, DEVICE, _weights(dtype))
             built = BenchModel(preset.module, preset.vocab_size, preset.padding_idx, hf=False)
         _models[(name, dtype)] = built
     return _models[(name, dtype)]
@@ -192,13 +209,16 @@ def make_step(provider: str, name: str, batch: int, seq_len: int, dtype: str) ->
 
         def step():
             optimizer.zero_grad(set_to_none=True)
-            criterion(built.logits(model, inputs).reshape(-1, vocab), targets.reshape(-1)).backward()
+            with _forward_context(dtype):
+                loss = criterion(built.logits(model, inputs).reshape(-1, vocab), targets.reshape(-1))
+            loss.backward()
             optimizer.step()
 
         return step
 
     if provider in ("opacus-hooks", "torch-func"):
-        return _per_sample_gradient_step(provider, built, model, inputs, targets, criterion, trainable, batch)
+        return _per_sample_gradient_step(provider, built, model, inputs, targets, criterion, trainable, batch,
+                                         dtype)
     if provider == "opacus-ghost":
         wrapped, loss_cls = OpacusFGC(model, max_grad_norm=1.0, loss_reduction="mean"), OpacusDPLoss
         optimizer_cls = DPOptimizerFastGradientClipping
@@ -219,10 +239,11 @@ def make_step(provider: str, name: str, batch: int, seq_len: int, dtype: str) ->
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        logits = built.logits(wrapped, inputs)
-        # A sequence's tokens are one sample (shape=); an image is one row already.
-        shape = None if built.vision else logits.shape[:2]
-        loss = dp_criterion(logits.reshape(-1, vocab), targets.reshape(-1), shape=shape)
+        with _forward_context(dtype):
+            logits = built.logits(wrapped, inputs)
+            # A sequence's tokens are one sample (shape=); an image is one row already.
+            shape = None if built.vision else logits.shape[:2]
+            loss = dp_criterion(logits.reshape(-1, vocab), targets.reshape(-1), shape=shape)
         # Not held through the backward pass, as the non-private step holds no reference to
         # them: B*T*V (2 GB in bf16 for Llama at B=8 T=1024) would count as the DP step's memory.
         del logits
@@ -239,7 +260,7 @@ def _batch(built: BenchModel, batch: int, seq_len: int, dtype: str) -> Tuple[tor
     if built.vision:
         images = torch.randn(batch, 3, seq_len, seq_len, generator=generator)
         labels = torch.randint(0, built.vocab_size, (batch,), generator=generator)
-        return images.to(device=DEVICE, dtype=DTYPES[dtype]), labels.to(DEVICE)
+        return images.to(device=DEVICE, dtype=_weights(dtype)), labels.to(DEVICE)
     cfg = TinyTransformerConfig(vocab_size=built.vocab_size, padding_idx=built.padding_idx, max_seq_len=seq_len + 1,
                                 d_model=1, n_heads=1)
     ids = synthetic_batch(cfg, batch, seq_len + 1, generator=generator).to(DEVICE)
@@ -261,14 +282,16 @@ def _clipping(provider: str, model: nn.Module) -> dict:
     return dict(max_grad_norm=1.0)
 
 
-def _per_sample_gradient_step(provider, built, model, inputs, targets, criterion, trainable, batch):
+def _per_sample_gradient_step(provider, built, model, inputs, targets, criterion, trainable, batch, dtype):
     """Opacus's DP-SGD from per-sample gradients: by its hooks, or by one vmap over the model."""
     vocab = built.vocab_size
     if provider == "opacus-hooks":
         wrapped = OpacusGSM(model, loss_reduction="mean")
 
         def backward():
-            criterion(built.logits(wrapped, inputs).reshape(-1, vocab), targets.reshape(-1)).backward()
+            with _forward_context(dtype):
+                loss = criterion(built.logits(wrapped, inputs).reshape(-1, vocab), targets.reshape(-1))
+            loss.backward()
     else:
         wrapped = model
         frozen = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
@@ -283,7 +306,8 @@ def _per_sample_gradient_step(provider, built, model, inputs, targets, criterion
         per_sample = vmap(grad(sample_loss), in_dims=(None, 0, 0))
 
         def backward():
-            grads = per_sample(tuple(p.detach() for p in trainable), inputs, targets)
+            with _forward_context(dtype):  # the gradients are taken inside the vmap
+                grads = per_sample(tuple(p.detach() for p in trainable), inputs, targets)
             for p, g in zip(trainable, grads):
                 p.grad_sample = g
 
