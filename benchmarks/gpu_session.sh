@@ -18,7 +18,8 @@
 #                                                   (installed from `git archive`), then at the
 #                                                   checkout, each with an empty tune store, on
 #                                                   the same machine: results in $OUT/base and
-#                                                   $OUT/head, and their step times side by side
+#                                                   $OUT/head, and their step times and peak
+#                                                   memory side by side
 #                                                   (each part at most LIMIT seconds, default 270)
 #   bash benchmarks/gpu_session.sh kernels          bench_kernels.py, full sizes
 #   bash benchmarks/gpu_session.sh profile [ARGS]   profile_dp_step.py (default: GPT-2 small B=64
