@@ -27,6 +27,7 @@ from dpgrad import registry
 from dpgrad.backend import guarded, ops_for
 from dpgrad.kernels import reference
 from dpgrad.kernels.reference import accumulation_dtype, same_layout
+from dpgrad.layer_inputs import saved_tensors_hooked
 from dpgrad.registry import (
     register_clipped_sum_sampler,
     register_factor_sampler,
@@ -38,7 +39,6 @@ from dpgrad.registry import (
 )
 from dpgrad.samplers.groups import (Coefficients, Group, cat, clipped_sums_of, row_norms, stackable, trainable,
                                     weights_then_biases)
-from dpgrad.layer_inputs import saved_tensors_hooked
 from dpgrad.tuning import get_tuner
 
 CONV1D = "transformers.pytorch_utils.Conv1D"
