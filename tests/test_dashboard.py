@@ -484,7 +484,7 @@ def test_summary_names_the_machine_choices_ratios_and_page():
     words = " ".join(text.split())
     assert "tiny on cpu-test (eager backend), 3 trainable layers: eager-bmm x2, eager-sort x1" in words
     assert "median speedup over Opacus's samplers 2.50x" in words
-    assert "(NVIDIA H100 80GB HBM3): hf-gpt2 B=8 T=1024 0.83" in words
+    assert "(NVIDIA H100 80GB HBM3): hf-gpt2 B=8 T=1024 bf16 0.83" in words  # a case's dtype: one of several
     assert text.rstrip().endswith("dashboard: build/dashboard/index.html")
 
 

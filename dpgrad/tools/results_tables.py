@@ -216,7 +216,7 @@ def summary(docs: List[dict], report: Optional[dict] = None, page: Optional[str]
             single = rows.get("dpgrad-single")
             value = _p50(single, "throughput_over_non_private")
             if value is not None:
-                ratios.append(f"{model} B={batch} T={seq_len} {_ratio(value, single)}")
+                ratios.append(f"{model} B={batch} T={seq_len} {dtype} {_ratio(value, single)}")
         if ratios:
             lines.append(f"  dpgrad single throughput / non-private ({doc['machine']['device']}): " + ", ".join(ratios))
     if page:
