@@ -1,7 +1,8 @@
 """Hugging Face models built from tiny configs (random weights), against a float64 microbatch reference.
 
-GPT-2 (Conv1D projections, the LM head tied to the token embedding), Llama with PEFT LoRA
-adapters (RMSNorm, rotary positions, no bias; only the adapters train), a BERT-style
+GPT-2 (Conv1D projections, the LM head tied to the token embedding), Llama fully trained and
+with PEFT LoRA adapters (RMSNorm, rotary positions, no bias; only the adapters train), Qwen3
+(RMSNorms on each head's queries and keys too), a BERT-style
 encoder with a classification head, and a ViT image classifier (a patch-embedding convolution). Causal-LM losses are per sequence, the mean over the
 tokens not labelled -100 (padding, with an attention mask), as DPLossFastGradientClipping's
 ``shape=`` gives them. The reference runs each sample alone through a float64 copy with plain
@@ -164,7 +165,17 @@ def vit(device="cpu") -> Case:
                                                                        reduction="none"))
 
 
-CASES = {"gpt2": gpt2, "llama_lora": llama_lora, "llama": llama, "bert": bert, "vit": vit}
+def qwen3(device="cpu") -> Case:
+    """Qwen3: besides Llama's, RMSNorms on each head's queries and keys ((B, T, H, head_dim)
+    inputs), every parameter trained."""
+    torch.manual_seed(5)
+    cfg = transformers.Qwen3Config(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=1, head_dim=8, vocab_size=V, max_position_embeddings=T,
+                                   pad_token_id=0, bos_token_id=1, eos_token_id=1, tie_word_embeddings=False)
+    return causal_lm(transformers.Qwen3ForCausalLM(cfg), position_ids=False, device=device)
+
+
+CASES = {"gpt2": gpt2, "llama_lora": llama_lora, "llama": llama, "qwen3": qwen3, "bert": bert, "vit": vit}
 
 
 def reference(case: Case, dtype=torch.float64, loss_reduction="mean", autocast=False) -> Dict[str, torch.Tensor]:
@@ -252,7 +263,7 @@ def test_gpt2_sum_reduction(mode):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("name", ["gpt2", "llama_lora", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "llama_lora", "llama", "qwen3"])
 def test_half_precision_weights(name, mode, dtype):
     """bf16 and fp16 weights: norms accumulated in fp32, within bf16's rel 1e-2 of a float64
     run of the same (rounded) weights."""
