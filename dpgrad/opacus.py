@@ -147,8 +147,10 @@ class DPOptimizerFastGradientClipping(_OpacusDPOptimizerFastGradientClipping):
     - ``p.summed_grad`` is the clipped gradient itself, not a copy (a copy is made only when
       the step is skipped, so that a later ``zero_grad`` cannot clear it);
     - the noise of all parameters of one device and dtype is drawn in one call into one
-      buffer, the clipped sums are added to it and the result divided in place (one
-      multi-tensor operation each), and every ``p.grad`` is a view of that buffer;
+      buffer, already divided by the expected batch size under "mean" (its standard deviation
+      divided), the clipped sums are added to it times the same factor (one multi-tensor
+      operation, rounded once), and every ``p.grad`` is a view of that buffer: no pass of its
+      own for the division (without noise, the sums are divided as Opacus divides them);
     - a trainable parameter the backward pass did not reach (``p.grad`` None) is given a zero
       sum: it receives noise like every other parameter (Opacus's optimizer fails on it).
 
@@ -189,25 +191,36 @@ class DPOptimizerFastGradientClipping(_OpacusDPOptimizerFastGradientClipping):
         groups: Dict[Tuple[torch.device, torch.dtype], List[nn.Parameter]] = {}
         for p in params:
             groups.setdefault((p.summed_grad.device, p.summed_grad.dtype), []).append(p)
+        # Under "mean" the division of scale_grad, folded in here where noise is drawn.
+        divisor = self._divisor()
+        folded = divisor != 1 and not (isinstance(std, (int, float)) and std == 0)
         for (device, dtype), group in groups.items():
             sizes = [p.numel() for p in group]
             noise = torch.empty(sum(sizes), device=device, dtype=dtype)
             if isinstance(std, torch.Tensor):
-                noise.normal_(0, 1, generator=self.generator).mul_(std.to(device=device, dtype=dtype))
+                noise.normal_(0, 1, generator=self.generator).mul_((std / divisor).to(device=device, dtype=dtype))
             elif std == 0:
                 noise.zero_()
             else:
-                noise.normal_(0, std, generator=self.generator)
+                noise.normal_(0, std / divisor, generator=self.generator)
             noisy = [piece.view_as(p) for piece, p in zip(noise.split(sizes), group)]
-            torch._foreach_add_(noisy, [p.summed_grad for p in group])
+            torch._foreach_add_(noisy, [p.summed_grad for p in group], alpha=1 / divisor if folded else 1)
             for p, g in zip(group, noisy):
                 p.grad = g
+        self._scaled = folded
         for p in params:
             _mark_as_processed(p.summed_grad)
 
+    def _divisor(self) -> float:
+        """What scale_grad divides the noisy sums by: the expected batch size (times the
+        accumulated steps) under "mean", else 1."""
+        return self.expected_batch_size * self.accumulated_iterations if self.loss_reduction == "mean" else 1
+
     def scale_grad(self):
+        if self.__dict__.pop("_scaled", False):  # add_noise divided them already
+            return
         if self.loss_reduction == "mean":
-            torch._foreach_div_([p.grad for p in self.params], self.expected_batch_size * self.accumulated_iterations)
+            torch._foreach_div_([p.grad for p in self.params], self._divisor())
 
 
 class DistributedDPOptimizerFastGradientClipping(DPOptimizerFastGradientClipping):

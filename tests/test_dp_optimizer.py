@@ -77,6 +77,29 @@ def test_without_noise_the_update_is_opacus(reduction, set_to_none, steps, devic
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_with_noise_the_update_is_the_noisy_sum_divided_without_a_pass_of_its_own(reduction):
+    """``p.grad = (sum + noise) / B`` under "mean": the noise is drawn divided and the sums are
+    added times 1/B in the same multi-tensor operation, with no division of its own. With the
+    same draws, two updates differ by the difference of their sums over B; under "sum", by
+    the difference of the sums."""
+    params = _params((torch.float64,))
+    batch = 4 if reduction == "mean" else 1
+    updates = []
+    for seed in (1, 2):
+        opt = _optimizer(DPOptimizerFastGradientClipping, params, noise=1.0, reduction=reduction,
+                         generator=torch.Generator().manual_seed(7))
+        for p, g in zip(params, _grads(params, seed)):
+            p.grad = g
+        with DispatchCounts() as counts:
+            assert opt.pre_step()
+        assert not any("div" in name for name in counts.names), counts.names
+        updates.append([p.grad.clone() for p in params])
+        opt.zero_grad()
+    for a, b, g1, g2 in zip(*updates, _grads(params, 1), _grads(params, 2)):
+        torch.testing.assert_close(a - b, (g1 - g2) / batch, rtol=1e-12, atol=1e-12)
+
+
 def test_a_skipped_step_keeps_its_sum_through_zero_grad_in_place():
     """The sum of a skipped step is the gradient tensor until it is copied: zero_grad's in-place
     zeroing must not reach it."""
