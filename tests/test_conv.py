@@ -359,9 +359,11 @@ def test_convolutions_whose_samples_mix_are_refused(mode, mix):
 # forced Triton backend (the second pass) leaves out.
 @pytest.mark.parametrize("algorithm", ["direct", "gram"] + ([] if BACKEND_PASS else ["grad-sample"]))
 def test_the_tuned_algorithm_serves_the_group_and_the_report(algorithm, monkeypatch, tmp_path):
-    """Whichever candidate the autotuner times fastest serves the layer's norms (and, for the
-    per-sample-gradient algorithm, its clipped sum from the kept gradients), exactly; the
-    autotune report's recording sees the decision and times Opacus's sampler beside it."""
+    """Whichever candidate the autotuner times fastest serves the layer's norms, exactly, and
+    keeps nothing for the clipped sum (a convolution backward), not even the per-sample
+    gradients of the per-sample-gradient algorithm (B times the weight: the layers clipped
+    from those are ConvGradSampleGroup's); the autotune report's recording sees the decision
+    and times Opacus's sampler beside it."""
     pytest.importorskip("opacus")
     from dpgrad.tuning import tuner as tuner_module
 
@@ -384,6 +386,7 @@ def test_the_tuned_algorithm_serves_the_group_and_the_report(algorithm, monkeypa
     (recorded, decision, opacus_ms), = rec.layers
     assert recorded is layer and decision.kind == "conv_norm" and decision.choice.endswith(algorithm)
     assert decision.source == "measured" and isinstance(opacus_ms, float)
+    assert group._grads is None
     for p, row in zip(params, rows):
         name = next(n for n, q in layer.named_parameters() if q is p)
         assert_norms_close(row, ref[name].flatten(1).norm(dim=1), f"{name} norm by {decision.choice}")

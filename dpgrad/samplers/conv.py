@@ -152,13 +152,12 @@ class ConvGroup(Group):
                 inputs = [(x, G, geom) for x, G in self._inputs]
                 tuner = get_tuner()
                 cand = tuner.select_group("conv_norm", inputs, self._layers)
-                if cand.algorithm == "grad-sample":
-                    # The gradients are the work: kept for the clipped sums.
-                    self._grads = cat([reference.conv_per_sample(x, G, geom, shape) for x, G in self._inputs])
-                    rows.append(row_norms(self._grads))
-                else:
-                    rows.append(cat([tuner.run("conv_norm", cand, args, lyr) for args, lyr in zip(inputs, self._layers)])
-                                .sqrt())
+                # Whatever the algorithm, nothing is kept for the clipped sums (a convolution
+                # backward): the planner sent these layers here because their per-sample
+                # gradients are not small beside their inputs (ConvGradSampleGroup keeps those
+                # that are), and "grad-sample" takes them a batch slice at a time.
+                rows.append(cat([tuner.run("conv_norm", cand, args, lyr) for args, lyr in zip(inputs, self._layers)])
+                            .sqrt())
         if bias:
             self._bias = cat([_bias_sums(G) for _, G in self._inputs])
             rows.append(torch.linalg.vector_norm(self._bias, dim=1))
