@@ -102,8 +102,9 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="hf-gpt2-tiny", help="a model of bench_dp_step.py (default: hf-gpt2-tiny)")
     parser.add_argument("--batch", type=int, default=8, help="samples per step (default: 8)")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per sample (default: 64)")
-    parser.add_argument("--dtype", default="bf16" if torch.cuda.is_available() else "fp32", choices=["fp32", "bf16"],
-                        help="model dtype (default: bf16 on a GPU, fp32 on a CPU)")
+    parser.add_argument("--dtype", default="bf16" if torch.cuda.is_available() else "fp32", choices=["fp32", "bf16", "amp"],
+                        help="model dtype, or amp: fp32 weights under autocast to bf16 (default: bf16 on a GPU, fp32 "
+                             "on a CPU)")
     parser.add_argument("--provider", nargs="+", default=["non-private", "dpgrad-single"],
                         choices=bench_dp_step.PROVIDERS, help="the steps to profile")
     parser.add_argument("--steps", type=int, default=3, help="profiled steps per provider (default: 3)")
