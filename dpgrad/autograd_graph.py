@@ -28,6 +28,29 @@ from torch.autograd.graph import GradientEdge, Node
 
 from dpgrad.guarantee import sequence_number
 
+# What a backward pass that keeps the graph says when the model's compiled backward cannot run twice.
+DONATED_BUFFERS = (
+    "the model runs through torch.compile with donated buffers (Inductor's compiled backward reuses "
+    "the memory of what it saved, so it can run only once), and dpgrad backpropagates through the "
+    "graph twice: its independence probe on a new layout, and the norm pass of double backward, "
+    "keep the graph for the backward pass that follows. Set "
+    "torch._functorch.config.donated_buffer = False (import torch._functorch.config) before the "
+    "first compiled call, or call torch._dynamo.reset() after setting it; with "
+    "single_backward=True, check_independence=False also does, giving up that check. Nothing has "
+    "reached p.grad from this pass."
+)
+
+
+def grad_keeping_graph(outputs, inputs, grad_outputs=None, **kwargs):
+    """``torch.autograd.grad`` with ``retain_graph=True``, a compiled backward that cannot run
+    twice (donated buffers) refused with what to do (``DONATED_BUFFERS``)."""
+    try:
+        return torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph=True, **kwargs)
+    except RuntimeError as error:
+        if "donated buffers" in str(error):
+            raise RuntimeError(DONATED_BUFFERS) from error
+        raise
+
 
 def mark_output(out: torch.Tensor, mark: object, forward_id: int = 0) -> None:
     """Mark the node that produced ``out`` (before any later in-place change of ``out``) as

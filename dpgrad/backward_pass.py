@@ -37,7 +37,7 @@ import torch.nn as nn
 from torch.autograd.profiler import record_function
 
 from dpgrad import registry
-from dpgrad.autograd_graph import ForwardEdges
+from dpgrad.autograd_graph import ForwardEdges, grad_keeping_graph
 from dpgrad.backend import name_layers
 from dpgrad.fsdp import sharded_modules
 from dpgrad.guarantee import (
@@ -495,7 +495,7 @@ class BackwardPath:
         with region("dpgrad.independence_probe"):
             self._probing = probe
             try:
-                torch.autograd.grad(outputs, targets, vectors, retain_graph=True, allow_unused=True)
+                grad_keeping_graph(outputs, targets, vectors, allow_unused=True)
             finally:
                 self._probing = None
             offenders = probe.offenders()

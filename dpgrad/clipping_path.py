@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from dpgrad import registry
+from dpgrad.autograd_graph import grad_keeping_graph
 from dpgrad.backward_pass import BackwardPath, FiniteCheck, region
 from dpgrad.clipped_sums import ClippedSums
 from dpgrad.coefficients import clipping_coefficients, reduce_losses
@@ -380,7 +381,10 @@ class ClippingPath(BackwardPath):
         self._norm_pass = NormPass.KEEP_FOR_CLIPPING if self.single_backward else NormPass.NORMS_ONLY
         try:
             try:
-                torch.autograd.grad(reduced, targets, retain_graph=not self.single_backward, allow_unused=True)
+                if self.single_backward:
+                    torch.autograd.grad(reduced, targets, allow_unused=True)
+                else:  # the second pass goes through the same graph
+                    grad_keeping_graph(reduced, targets, allow_unused=True)
             except RuntimeError as error:
                 if "use_reentrant=True" in str(error):
                     raise RuntimeError(REENTRANT_CHECKPOINT) from error
@@ -505,7 +509,7 @@ class ClippingPath(BackwardPath):
         with region("dpgrad.independence_probe"):
             self._probing = probe
             try:
-                grads = torch.autograd.grad(loss_per_sample, targets, weights, retain_graph=True, allow_unused=True)
+                grads = grad_keeping_graph(loss_per_sample, targets, weights, allow_unused=True)
             finally:
                 self._probing = None
             count = len(edges.output_edges)

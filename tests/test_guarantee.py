@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import copy
 import io
+import os
 import pickle
 import re
+import shutil
 from types import SimpleNamespace
 from typing import Callable, Optional
 
@@ -621,6 +623,85 @@ def test_compiled_after_wrapping_is_exact(mode, what):
     x, y = batch(B=3)
     step(compiled, x, y)
     check_exact(model, wrapped, reference_model, x, y)
+
+
+# What torch raises when a compiled backward whose buffers were donated is asked to keep the graph.
+DONATED = ("This backward function was compiled with non-empty donated buffers which requires create_graph=False "
+           "and retain_graph=False.")
+
+
+@pytest.mark.parametrize("mode, checked", [("single", True), ("double", False), ("gsm", True)],
+                         ids=["single-probe", "double-norm-pass", "gsm-probe"])
+def test_a_backward_that_cannot_keep_the_graph_is_refused_with_the_fix(mode, checked, monkeypatch):
+    """Inductor may compile a backward that reuses the memory of what it saved (donated
+    buffers): it runs once. The independence probe and double backward's norm pass keep the
+    graph for the pass that follows; where autograd refuses that, dpgrad says why and what to
+    do, before anything is touched (torch's refusal stood in for: whether Inductor donates
+    depends on the machine, e.g. on its thread count)."""
+    from dpgrad import autograd_graph
+
+    real_grad = torch.autograd.grad
+
+    def refusing(*args, retain_graph=None, **kwargs):
+        if retain_graph:
+            raise RuntimeError(DONATED)
+        return real_grad(*args, retain_graph=retain_graph, **kwargs)
+
+    monkeypatch.setattr(autograd_graph.torch.autograd, "grad", refusing)
+    torch.manual_seed(0)
+    model = Net()
+    if mode == "gsm":
+        wrapped = dpgrad.GradSampleModule(model, loss_reduction="sum")
+    else:
+        wrapped = dpgrad.GradSampleModuleFastGradientClipping(model, max_grad_norm=C, loss_reduction="sum",
+                                                              single_backward=mode == "single",
+                                                              check_independence=checked)
+    x, y = batch(B=3)
+    with pytest.raises(RuntimeError, match=re.escape("torch._functorch.config.donated_buffer = False")):
+        step(wrapped, x, y)
+    assert all(p.grad is None and getattr(p, "grad_sample", None) is None for p in model.parameters())
+
+
+class EmbedNorm(nn.Module):
+    """ids (B, T) -> logits (B, 5): Embedding, LayerNorm, mean over T, Linear. At these sizes
+    Inductor may compile the LayerNorm's backward with donated buffers."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(13, 16)
+        self.ln = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, ids):
+        return self.head(self.ln(self.emb(ids)).mean(1))
+
+
+@compiling
+@pytest.mark.skipif(not (os.environ.get("CXX") or shutil.which("g++")),
+                    reason="Inductor compiles for the CPU with a C++ compiler")
+def test_compiled_by_inductor(monkeypatch):
+    """torch.compile's default backend, single backward: exact, or, where it donates buffers
+    (on a machine with several threads a step of this model does), refused with the fix,
+    nothing touched, and exact once the fix is in. (Both modes are exact with aot_eager above.)"""
+    import torch._functorch.config as functorch_config
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    ids, y = torch.randint(0, 13, (6, 5), generator=g), torch.randint(0, 5, (6,), generator=g)
+    model = EmbedNorm()
+    reference_model = copy.deepcopy(model)
+    wrapped = wrap(model, "single")
+    compiled = torch.compile(wrapped)
+    torch._dynamo.reset()
+    try:
+        step(compiled, ids, y)
+    except RuntimeError as error:
+        assert "torch._functorch.config.donated_buffer = False" in str(error)
+        assert all(p.grad is None for p in model.parameters())
+        monkeypatch.setattr(functorch_config, "donated_buffer", False)
+        torch._dynamo.reset()
+        step(compiled, ids, y)
+    check_exact(model, wrapped, reference_model, ids, y)
 
 
 @compiling
