@@ -2,8 +2,9 @@
 
 The rest of the suite runs on CPU tensors (and the kernels under Triton's interpreter, which
 checks their arithmetic, not how they compile and launch). Here Hugging Face GPT-2 (tied
-embeddings), Llama with LoRA adapters and ViT (a patch convolution) run on the GPU in both
-modes, fp32 and bf16, and two WideResNets (convolutions, GroupNorm) in fp32, against a float64
+embeddings), Llama with LoRA adapters and fully trained, Qwen3 and ViT (a patch convolution)
+run on the GPU in both modes, fp32 and bf16 (GPT-2 and the Llamas also with fp32 weights under
+autocast), and two WideResNets (convolutions, GroupNorm) in fp32, against a float64
 reference on the same GPU; the backward path's host synchronisations are counted by CUDA's own
 sync debug mode. Skipped without CUDA.
 """
@@ -24,13 +25,16 @@ pytestmark = [pytest.mark.gpu,
 transformers = pytest.importorskip("transformers")
 
 import dpgrad  # noqa: E402
-from test_hf_models import BF16_RTOL, MODES, check, gpt2, llama_lora, vit  # noqa: E402
+from test_hf_models import BF16_RTOL, MODES, check, gpt2, llama, llama_lora, qwen3, vit  # noqa: E402
 from test_vision_models import MODELS as VISION_MODELS, clipped_step as vision_clipped_step, images  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from dispatch_counts import cuda_syncs  # noqa: E402
 
 CASES = {"gpt2": gpt2, "llama_lora": llama_lora, "vit": vit}
+# Every parameter trained: the RMSNorms on the norm-layer kernel, in bf16 from what autograd
+# saved (their normalised inputs), and Qwen3's per-head ones on four-dimensional inputs.
+NORMED = {"llama": llama, "qwen3": qwen3}
 
 
 @pytest.fixture(autouse=True)
@@ -50,6 +54,27 @@ def test_dp_step_matches_float64_on_gpu(name, mode, dtype):
         check(case, MODES[mode], rtol=BF16_RTOL)
     else:
         check(case, MODES[mode])
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("name", list(NORMED))
+def test_rms_norm_models_match_float64_on_gpu(name, mode, dtype):
+    case = NORMED[name]("cuda")
+    if dtype == "bf16":
+        case.model.to(torch.bfloat16)
+        check(case, MODES[mode], rtol=BF16_RTOL)
+    else:
+        check(case, MODES[mode])
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("name", ["gpt2", "llama", "llama_lora"])
+def test_fp32_weights_under_autocast_on_gpu(name, mode):
+    """CUDA autocast (LayerNorm and RMSNorm in fp32, the projections in bf16 on the casts the
+    hooks keep), against float64 within bf16's tolerance, in both modes."""
+    factory = {"gpt2": gpt2, "llama": llama, "llama_lora": llama_lora}[name]
+    check(factory("cuda"), MODES[mode], rtol=BF16_RTOL, autocast=True)
 
 
 @pytest.mark.parametrize("mode", list(MODES))

@@ -178,10 +178,15 @@ def qwen3(device="cpu") -> Case:
 CASES = {"gpt2": gpt2, "llama_lora": llama_lora, "llama": llama, "qwen3": qwen3, "bert": bert, "vit": vit}
 
 
+def autocast_on(model: nn.Module, enabled: bool):
+    """Autocast to bf16 on the model's device, where ``enabled``."""
+    return torch.autocast(next(model.parameters()).device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
 def reference(case: Case, dtype=torch.float64, loss_reduction="mean", autocast=False) -> Dict[str, torch.Tensor]:
     """Per-sample gradients of the trainable parameters by plain autograd, one sample at a
     time, on a copy of the model in ``dtype`` (None: the model's own), its forward pass under
-    CPU autocast to bf16 where ``autocast``."""
+    autocast to bf16 where ``autocast``."""
     model = copy.deepcopy(case.model)
     if dtype is not None:
         model = model.to(dtype)
@@ -189,7 +194,7 @@ def reference(case: Case, dtype=torch.float64, loss_reduction="mean", autocast=F
     grads = {n: [] for n in params}
     for b in range(B):
         model.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with autocast_on(model, autocast):
             loss = case.per_sample_loss(model, slice(b, b + 1), loss_reduction).sum()
         loss.backward()
         for n, p in params.items():
@@ -211,7 +216,7 @@ def clipped_step(case: Case, single: bool, loss_reduction: str, C: float, autoca
                                                           single_backward=single)
     criterion = dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss(reduction=loss_reduction),
                                                   loss_reduction)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), \
+    with autocast_on(model, autocast), \
             saved_tensors_passed_through() if saved_hooks else contextlib.nullcontext():
         args, shape = case.forward(wrapped, slice(None))
         loss = criterion(*args, shape=shape)
