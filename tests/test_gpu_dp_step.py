@@ -25,16 +25,16 @@ pytestmark = [pytest.mark.gpu,
 transformers = pytest.importorskip("transformers")
 
 import dpgrad  # noqa: E402
-from test_hf_models import BF16_RTOL, MODES, check, gpt2, llama, llama_lora, qwen3, vit  # noqa: E402
+from test_hf_models import CASES as HF_CASES, BF16_RTOL, MODES, check  # noqa: E402
 from test_vision_models import MODELS as VISION_MODELS, clipped_step as vision_clipped_step, images  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from dispatch_counts import cuda_syncs  # noqa: E402
 
-CASES = {"gpt2": gpt2, "llama_lora": llama_lora, "vit": vit}
-# Every parameter trained: the RMSNorms on the norm-layer kernel, in bf16 from what autograd
-# saved (their normalised inputs), and Qwen3's per-head ones on four-dimensional inputs.
-NORMED = {"llama": llama, "qwen3": qwen3}
+CASES = {name: HF_CASES[name] for name in ("gpt2", "llama_lora", "vit")}
+# Besides, every parameter trained: the RMSNorms on the norm-layer kernel, in bf16 from what
+# autograd saved (their normalised inputs), and Qwen3's per-head ones on four-dimensional inputs.
+STEP_CASES = [*CASES, "llama", "qwen3"]
 
 
 @pytest.fixture(autouse=True)
@@ -46,21 +46,9 @@ def _no_tf32_convolutions(monkeypatch):
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", STEP_CASES)
 def test_dp_step_matches_float64_on_gpu(name, mode, dtype):
-    case = CASES[name]("cuda")
-    if dtype == "bf16":
-        case.model.to(torch.bfloat16)
-        check(case, MODES[mode], rtol=BF16_RTOL)
-    else:
-        check(case, MODES[mode])
-
-
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("name", list(NORMED))
-def test_rms_norm_models_match_float64_on_gpu(name, mode, dtype):
-    case = NORMED[name]("cuda")
+    case = HF_CASES[name]("cuda")
     if dtype == "bf16":
         case.model.to(torch.bfloat16)
         check(case, MODES[mode], rtol=BF16_RTOL)
@@ -73,8 +61,7 @@ def test_rms_norm_models_match_float64_on_gpu(name, mode, dtype):
 def test_fp32_weights_under_autocast_on_gpu(name, mode):
     """CUDA autocast (LayerNorm and RMSNorm in fp32, the projections in bf16 on the casts the
     hooks keep), against float64 within bf16's tolerance, in both modes."""
-    factory = {"gpt2": gpt2, "llama": llama, "llama_lora": llama_lora}[name]
-    check(factory("cuda"), MODES[mode], rtol=BF16_RTOL, autocast=True)
+    check(HF_CASES[name]("cuda"), MODES[mode], rtol=BF16_RTOL, autocast=True)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
