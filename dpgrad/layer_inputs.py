@@ -95,10 +95,18 @@ def _top_saved_tensors_hooks():
         return None
 
 
-def saved_tensors_hooked() -> bool:
-    """Whether ``saved_tensors_hooks`` are in force (activation checkpointing, offloading to the
-    CPU): reading a tensor autograd saved then unpacks it, which may recompute or copy it."""
-    return _top_saved_tensors_hooks() is not None
+def saved_operand(node, attr: str) -> Optional[torch.Tensor]:
+    """The tensor the autograd node ``node`` saved as ``attr`` (e.g. ``_saved_mat1``), read as it
+    is: None where saved-tensor hooks are in force (activation checkpointing, offloading: reading
+    would unpack it, which may recompute or copy it), where ``node`` has no such attribute, or
+    where it saved none (an operand whose partner needs no gradient)."""
+    if node is None or _top_saved_tensors_hooks() is not None:
+        return None
+    try:
+        saved = getattr(node, attr)
+    except (AttributeError, RuntimeError):
+        return None
+    return saved if isinstance(saved, torch.Tensor) else None
 
 
 def recomputing() -> bool:

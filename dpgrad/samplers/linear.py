@@ -27,7 +27,7 @@ from dpgrad import registry
 from dpgrad.backend import guarded, ops_for
 from dpgrad.kernels import reference
 from dpgrad.kernels.reference import accumulation_dtype, same_layout
-from dpgrad.layer_inputs import saved_tensors_hooked
+from dpgrad.layer_inputs import saved_operand
 from dpgrad.registry import (
     register_clipped_sum_sampler,
     register_factor_sampler,
@@ -74,21 +74,15 @@ def linear_kept_inputs(layer: nn.Module, inputs, output: torch.Tensor) -> list:
     device = x.device.type
     if not torch.is_autocast_enabled(device) or x.dtype == torch.get_autocast_dtype(device):
         return kept
-    if not registry.served_by(type(layer), __name__) or saved_tensors_hooked():
+    if not registry.served_by(type(layer), __name__):
         return kept
     node = output.grad_fn
     if type(node).__name__ in _VIEWS:
         node = node.next_functions[0][0]
     attr = _SAVED_INPUT.get(type(node).__name__)
-    if attr is None:
-        return kept
-    try:
-        saved = getattr(node, attr)  # the product's first operand: the input
-    except RuntimeError:  # not saved (a frozen weight)
-        return kept
+    saved = None if attr is None else saved_operand(node, attr)  # the product's first operand: the input
     d = x.shape[-1]
-    if (not isinstance(saved, torch.Tensor) or saved.dtype != torch.get_autocast_dtype(device)
-            or saved.shape != (x.numel() // max(d, 1), d)):
+    if saved is None or saved.dtype != torch.get_autocast_dtype(device) or saved.shape != (x.numel() // max(d, 1), d):
         return kept
     try:
         return [saved.view(x.shape)]

@@ -32,7 +32,7 @@ from dpgrad import registry
 from dpgrad.backend import guarded
 from dpgrad.kernels import reference
 from dpgrad.kernels.reference import accumulation_dtype, same_layout
-from dpgrad.layer_inputs import saved_tensors_hooked
+from dpgrad.layer_inputs import saved_operand
 from dpgrad.registry import register_grad_sample_group, register_grad_sampler, register_kept_inputs
 from dpgrad.samplers.groups import Group, cat, clipped_sums_of, row_norms, stackable, trainable
 
@@ -167,17 +167,13 @@ def rms_norm_kept_inputs(layer: nn.Module, inputs, output: torch.Tensor) -> list
     (no copy); its input ``[x]`` where that cannot be read as it is (saved-tensor hooks in force,
     a forward other than the family's) or where the samplers in force for it are not these."""
     kept = list(inputs)
-    if not registry.served_by(type(layer), __name__) or saved_tensors_hooked():
-        return kept
-    node = output.grad_fn
     x = kept[0] if len(kept) == 1 else None
-    if type(node).__name__ != "MulBackward0" or not isinstance(x, torch.Tensor):
+    node = output.grad_fn
+    if (not isinstance(x, torch.Tensor) or type(node).__name__ != "MulBackward0"
+            or not registry.served_by(type(layer), __name__)):
         return kept
-    try:
-        normed = node._saved_other  # weight * normed: the weight's gradient reads normed
-    except RuntimeError:  # not saved
-        return kept
-    if not isinstance(normed, torch.Tensor) or normed.shape != x.shape or normed.dtype != x.dtype:
+    normed = saved_operand(node, "_saved_other")  # weight * normed: the weight's gradient reads normed
+    if normed is None or normed.shape != x.shape or normed.dtype != x.dtype:
         return kept
     return [normed, NORMALIZED]
 
