@@ -5,9 +5,12 @@
 
 For each provider (the steps of ``bench_dp_step.py``, same weights and batch): host time per
 step (the operations' own CPU time, less the time spent waiting for the device, which is
-shown apart), device time per step (the sum of kernel times on CUDA), kernel launches per
+shown apart), device time per step (the sum of kernel times on CUDA: dpgrad's named regions,
+``dpgrad.finish`` and the like, are not kernels and are left out of it), kernel launches per
 step, the operations that cost the host most and, on a GPU, the kernels that cost the device
-most. ``--trace`` writes the timeline; ``--python`` profiles the Python functions instead. A
+most, and each region's span on the device's timeline (from its first kernel's start to its
+last's end: idle time included, so a span longer than its kernels' time means the device
+waited for the host there). ``--trace`` writes the timeline; ``--python`` profiles the Python functions instead. A
 step whose host time exceeds its device time keeps the GPU waiting. Prints one table; with
 ``--json PATH`` also writes the figures, with the machine (device, versions, commit, date).
 Not a test and not a benchmark suite: a tool for finding what to fix.
@@ -53,26 +56,39 @@ def profile_provider(provider: str, model: str, batch: int, seq_len: int, dtype:
         with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
             dst.write(src.read())
         raw.unlink()
-    events = prof.key_averages()
+    return {"provider": provider, **summarise(prof.key_averages(), steps, top, torch.cuda.is_available())}
+
+
+def summarise(events, steps: int, top: int, cuda: bool) -> dict:
+    """The figures per step of a profile's ``key_averages()`` (``events``) over ``steps`` steps.
+
+    On the device, a named region (``record_function``: ``dpgrad.finish`` and the like) is a
+    span of the timeline, not work: its time overlaps its kernels' and includes the device's
+    idle time within it, so it is kept out of the device time and the kernels, and listed
+    apart (``regions``)."""
     launches = sum(e.count for e in events if e.key in LAUNCHES)
     waiting_us = sum(e.self_cpu_time_total for e in events if e.key in SYNCS)
-    device_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) \
-        if torch.cuda.is_available() else 0.0
+    on_device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA] if cuda else []
+    kernels = [e for e in on_device if not e.is_user_annotation]
+    regions = [e for e in on_device if e.is_user_annotation]
     # Host time: each op's own CPU time, summed, less the time spent waiting for the device.
     host_us = sum(e.self_cpu_time_total for e in events) - waiting_us
     costly = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
-    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
-                     key=lambda e: e.self_device_time_total, reverse=True)[:top] if torch.cuda.is_available() else []
+
+    def per_step(found):
+        return [(e.key[:120], e.count // steps, round(e.self_device_time_total / 1e3 / steps, 3))
+                for e in sorted(found, key=lambda e: e.self_device_time_total, reverse=True)[:top]]
+
     return {
-        "provider": provider,
         "host_ms_per_step": host_us / 1e3 / steps,
         "waiting_ms_per_step": waiting_us / 1e3 / steps,
-        "device_ms_per_step": device_us / 1e3 / steps,
+        "device_ms_per_step": sum(e.self_device_time_total for e in kernels) / 1e3 / steps,
         "launches_per_step": launches / steps,
         "top_host": [(e.key, e.count // steps, round(e.self_cpu_time_total / 1e3 / steps, 3)) for e in costly],
         # The kernels that cost the device most: where a GPU-bound step's time goes.
-        "top_device": [(e.key[:120], e.count // steps, round(e.self_device_time_total / 1e3 / steps, 3))
-                       for e in kernels],
+        "top_device": per_step(kernels),
+        # dpgrad's regions on the device's timeline: spans, idle time included.
+        "regions": per_step(regions),
     }
 
 
@@ -121,9 +137,9 @@ def main(argv=None) -> int:
                              None if args.trace is None else Path(f"{args.trace}-{p}.json.gz"))
             for p in args.provider]
     print(f"{args.model} B={args.batch} T={args.seq_len} {args.dtype}")
-    print(f"{'provider':16s} {'host ms/step':>12s} {'waiting':>8s} {'device ms/step':>14s} {'launches/step':>13s}")
+    print(f"{'provider':24s} {'host ms/step':>12s} {'waiting':>8s} {'device ms/step':>14s} {'launches/step':>13s}")
     for r in rows:
-        print(f"{r['provider']:16s} {r['host_ms_per_step']:12.1f} {r['waiting_ms_per_step']:8.1f} "
+        print(f"{r['provider']:24s} {r['host_ms_per_step']:12.1f} {r['waiting_ms_per_step']:8.1f} "
               f"{r['device_ms_per_step']:14.1f} {r['launches_per_step']:13.0f}")
     for r in rows:
         print(f"\n{r['provider']}: costliest host operations (name, calls/step, ms/step)")
@@ -132,6 +148,10 @@ def main(argv=None) -> int:
         if r["top_device"]:
             print(f"{r['provider']}: costliest kernels (name, launches/step, ms/step)")
             for name, calls, ms in r["top_device"]:
+                print(f"  {ms:8.3f}  {calls:6d}  {name}")
+        if r["regions"]:
+            print(f"{r['provider']}: regions' spans on the device, idle time included (name, calls/step, ms/step)")
+            for name, calls, ms in r["regions"]:
                 print(f"  {ms:8.3f}  {calls:6d}  {name}")
     if args.json:
         from dpgrad.tools import results

@@ -242,3 +242,34 @@ def test_finish_step_does_not_grow_with_depth(kind, mode, setting):
         assert abs(deep_ops - ops - hand_offs) <= DEPTH_SLACK, (
             f"clipped sums: {ops} operations at depth 2, {deep_ops} at 12: {deep_ops - ops} more, for "
             f"{hand_offs} more parameters")
+
+
+def test_profile_device_time_is_kernels_not_regions():
+    """``profile_dp_step``'s device time per step sums kernels only: a named region on the
+    device (``dpgrad.finish``, ``dpgrad.clip_group``) is a span of the timeline that overlaps
+    its kernels and includes idle time, so it is listed apart, never added to the work."""
+    from types import SimpleNamespace
+
+    import profile_dp_step
+
+    cuda = torch.autograd.DeviceType.CUDA
+    cpu = torch.autograd.DeviceType.CPU
+
+    def event(key, device, us, count=2, annotation=False, cpu_us=0.0):
+        return SimpleNamespace(key=key, count=count, device_type=device, is_user_annotation=annotation,
+                               self_device_time_total=us if device == cuda else 0.0, self_cpu_time_total=cpu_us)
+
+    events = [event("gemm", cuda, 6000.0), event("_linear_gram_norm_kernel", cuda, 2000.0, count=8),
+              event("dpgrad.finish", cuda, 7000.0, annotation=True),  # a span: 8 ms of kernels would fit in it
+              event("dpgrad.finish", cpu, 0.0, annotation=True, cpu_us=1000.0),
+              event("cudaLaunchKernel", cpu, 0.0, count=20, cpu_us=400.0),
+              event("cudaStreamSynchronize", cpu, 0.0, count=2, cpu_us=3000.0)]
+    found = profile_dp_step.summarise(events, steps=2, top=5, cuda=True)
+    assert found["device_ms_per_step"] == pytest.approx(4.0)  # (6 + 2) ms over two steps
+    assert [name for name, _, _ in found["top_device"]] == ["gemm", "_linear_gram_norm_kernel"]
+    assert found["regions"] == [("dpgrad.finish", 1, 3.5)]
+    assert found["launches_per_step"] == 10
+    assert found["waiting_ms_per_step"] == pytest.approx(1.5)
+    assert found["host_ms_per_step"] == pytest.approx(0.7)  # (1 + 0.4) ms over two steps, less the waits
+    without_cuda = profile_dp_step.summarise(events, steps=2, top=5, cuda=False)
+    assert without_cuda["device_ms_per_step"] == 0.0 and without_cuda["regions"] == []
