@@ -209,7 +209,7 @@ class ClippingPath(BackwardPath):
                 f"DPLossFastGradientClipping {opacus}."
             )
         self._records.append(record)
-        self.records_peak = max(self.records_peak, len(self._records))
+        self.records_peak = max(self.records_peak, len(self._records) + len(self._group_flush.ready))
         if self._norm_pass is NormPass.KEEP_FOR_CLIPPING and self.clip_groups is not None:
             self._group_flush.after(record)
 
@@ -222,7 +222,8 @@ class ClippingPath(BackwardPath):
         self.records_peak = 0
 
     def _clear_pass(self) -> None:
-        self._records, self._group_flush.flushed = [], []
+        self._records = []
+        self._group_flush.clear()
         super()._clear_pass()
 
     def finish(self) -> None:

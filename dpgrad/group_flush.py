@@ -1,11 +1,18 @@
-"""Per-layer and per-block clipping in one backward pass: each clipping group clipped as soon as
-its records are all in.
+"""Per-layer and per-block clipping in one backward pass: the clipping groups whose records are
+all in, clipped together once the memory they hold is needed.
 
 With clipping groups (``dpgrad.clipping_groups``) a group's coefficients need only its own
-norms, so single backward clips each group as soon as the records of all its layers are in (in
-the backward hook of its last layer), and lets go of their inputs there: a pass holds the
-records of the groups not yet complete, not the whole model's. The sums wait (on the device,
-in ``held``) for the pass's finite check before they reach ``p.grad``, as flat clipping's do.
+norms, so single backward can clip a group as soon as the records of all its layers are in (in
+the backward hook of its last layer) and let go of their inputs there: a pass then holds the
+records of the groups not yet complete, not the whole model's. Clipping each group on its own
+launches its layers' kernels apart, where groups clipped together launch the layers of one
+shape at once (a transformer's blocks: one launch per shape, not one per block), so complete
+groups wait (``ready``) while the memory in use on a CUDA device is below what it was at the
+pass's first record: the backward pass frees the forward's activations as it goes, and the
+records fill that room. Once memory in use passes that mark, the complete groups are clipped,
+all at once; the rest at the end of the pass. On other devices, whose memory in use torch does
+not count, each group is clipped as soon as it is complete. The sums wait (on the device, in
+``held``) for the pass's finite check before they reach ``p.grad``, as flat clipping's do.
 """
 
 from __future__ import annotations
@@ -21,20 +28,61 @@ from dpgrad.samplers.groups import Record
 
 class GroupFlush:
     """The clipping-group flush of a ``ClippingPath`` (``path``) in single backward: its kept
-    records (``path._records``), the sums it has taken (``held``), and each flush's parameters
-    and norm rows for the pass's norms (``flushed``)."""
+    records (``path._records``), those of complete groups not clipped yet (``ready``), the sums
+    it has taken (``held``), and each flush's parameters and norm rows for the pass's norms
+    (``flushed``)."""
 
     def __init__(self, path):
         self.path = path
         self.held: Dict[nn.Parameter, torch.Tensor] = {}
         self.flushed: List[Tuple[List[nn.Parameter], torch.Tensor]] = []  # (params, norm rows)
+        self.ready: List[Record] = []  # the records of complete groups, not clipped yet
+        # Memory in use on each device at the pass's first record there (None where not counted).
+        self._marks: Dict[torch.device, Optional[int]] = {}
+        # What the records set aside may grow by before memory in use is read again: the room
+        # below the mark at the last reading, less the bytes set aside since.
+        self._room: Dict[torch.device, int] = {}
+
+    def clear(self) -> None:
+        """Forget a pass (ended, or abandoned by an error)."""
+        self.flushed, self.ready, self._marks, self._room = [], [], {}, {}
+
+    @staticmethod
+    def memory_in_use(device: torch.device) -> Optional[int]:
+        """Bytes of tensors allocated on ``device`` (CUDA's caching allocator counts them on
+        the host: no wait for the device), or None on a device whose use torch does not count
+        (then each complete group is clipped at once)."""
+        if device.type != "cuda":
+            return None
+        stats = torch.cuda.memory.memory_stats_as_nested_dict(device)
+        return stats.get("allocated_bytes", {}).get("all", {}).get("current")
+
+    def _due(self, record: Record, now: List[Record]) -> bool:
+        """Whether the complete groups are to be clipped now that ``now`` (``record``'s and
+        others) are set aside: memory in use on ``record``'s device has passed the pass's mark
+        there (or is not counted). It is read only once the records set aside since the last
+        reading hold more than the room that reading found (one host call per reading)."""
+        device = record.backprops.device
+        mark = self._marks.get(device)
+        if mark is None:
+            return True
+        room = self._room.get(device, 0) - sum(_bytes(rec) for rec in now)
+        if room >= 0:
+            self._room[device] = room
+            return False
+        used = self.memory_in_use(device)
+        self._room[device] = max(0, mark - used)
+        return used > mark
 
     def after(self, record: Record) -> None:
-        """Clip the kept records whose clipping groups are complete now that ``record`` is in:
-        no layer with a parameter in them has a call of a forward pass still to be recorded
-        (``_unrecorded``), and no kept record of another, incomplete group shares a group with
-        them (a group's norm takes all of its records at once)."""
+        """Set aside (``ready``) the kept records whose clipping groups are complete now that
+        ``record`` is in: no layer with a parameter in them has a call of a forward pass still
+        to be recorded (``_unrecorded``), and no kept record of another, incomplete group
+        shares a group with them (a group's norm takes all of its records at once); and clip
+        all that are set aside if memory in use has passed the pass's mark (``_due``)."""
         path = self.path
+        if record.backprops.device not in self._marks:
+            self._marks[record.backprops.device] = self.memory_in_use(record.backprops.device)
         complete: Dict[int, bool] = {}
 
         def done(g: int) -> bool:
@@ -58,8 +106,10 @@ class GroupFlush:
         if not now:
             return
         path._records = [rec for rec, r in zip(path._records, ready) if not r]
-        with torch.no_grad(), region("dpgrad.clip_group"):
-            self.flush(now)
+        self.ready += now
+        if self._due(record, now):
+            with torch.no_grad(), region("dpgrad.clip_group"):
+                self.flush(self.ready)
 
     def flush(self, records: List[Record]) -> None:
         """The norms of ``records`` (whole clipping groups), their groups' coefficients, and
@@ -76,15 +126,22 @@ class GroupFlush:
         path.sums.sum_groups([group for group, _ in kernel_groups], coefs, self.held)
 
     def rows(self) -> Optional[Tuple[List[nn.Parameter], torch.Tensor]]:
-        """At the end of the pass: the records of groups not complete (a layer whose output
-        reached no loss) flushed too, then every flushed parameter and its norm row (P, B),
-        or None where the pass had none."""
-        self.flush(self.path._records)
-        flushed, self.flushed = self.flushed, []
+        """At the end of the pass: the complete groups not clipped yet and the records of
+        groups not complete (a layer whose output reached no loss) flushed, all at once, then
+        every flushed parameter and its norm row (P, B), or None where the pass had none."""
+        records, self.path._records = self.ready + self.path._records, []
+        self.flush(records)
+        flushed = self.flushed
+        self.clear()
         if not flushed:
             return None
         params = [p for ps, _ in flushed for p in ps]
         return params, torch.cat([r for _, r in flushed]) if len(flushed) > 1 else flushed[0][1]
+
+
+def _bytes(record: Record) -> int:
+    """What a record's tensors (inputs and backprops) take."""
+    return sum(t.numel() * t.element_size() for t in (record.backprops, *record.inputs) if isinstance(t, torch.Tensor))
 
 
 __all__ = ["GroupFlush"]

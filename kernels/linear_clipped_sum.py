@@ -36,11 +36,11 @@ _MAX_PARTIAL_ELEMENTS = 1 << 26
 
 @triton.autotune(configs=CONFIGS, key=["p", "d", "WITH_BIAS"],
                  prune_configs_by=prune_for("_linear_clipped_sum_kernel"))
-@triton.jit(do_not_specialize=["B", "T", "samples_per_split", "grouped"])
+@triton.jit(do_not_specialize=["B", "T", "s_cl", "samples_per_split", "grouped"])
 def _linear_clipped_sum_kernel(
     A, G, A_PTRS, G_PTRS, COEF, W, BIAS,
     B, T, p, d,
-    s_ab, s_at, s_ad, s_gb, s_gt, s_gp,
+    s_ab, s_at, s_ad, s_gb, s_gt, s_gp, s_cl,
     samples_per_split, grouped,
     WITH_BIAS: tl.constexpr, UPCAST: tl.constexpr,
     BP: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
@@ -60,7 +60,7 @@ def _linear_clipped_sum_kernel(
         # The sample's own sum first, on the tensor cores; the scaling is in fp32.
         b_ws, b_bs = sample_tile(A, G, i_b, o_p, o_d, m_p, m_d, T, s_ab, s_at, s_ad, s_gb, s_gt, s_gp,
                                  WITH_BIAS, UPCAST, BP, BD, BT)
-        c = tl.load(COEF + i_b).to(tl.float32)
+        c = tl.load(COEF + i_l * s_cl + i_b).to(tl.float32)  # s_cl 0: one row for every layer
         b_w += c * b_ws
         if WITH_BIAS:
             b_bias += c * b_bs
@@ -104,13 +104,15 @@ def linear_clipped_sum_grouped(
     bias: bool = False,
     out_dtype: Optional[torch.dtype] = None,
 ) -> List[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
-    """``linear_clipped_sum`` of L layers of one shape (and one batch: one ``coef``) in one
-    launch, each layer's tensors read where they are (a table of their addresses: no copies).
+    """``linear_clipped_sum`` of L layers of one shape (and one batch) in one launch, each
+    layer's tensors read where they are (a table of their addresses: no copies).
 
     Args:
         As: L inputs, [B, T, d] each, one dtype (fp32/bf16/fp16) and one set of strides.
         Gs: L backprops, [B, T, p] each, likewise.
-        coef, bias, out_dtype: as for ``linear_clipped_sum``.
+        coef: clipping factors, [B] for every layer, or [L, B], a row per layer (layers in
+            different clipping groups; a row repeated by ``expand`` is read, not copied).
+        bias, out_dtype: as for ``linear_clipped_sum``.
 
     Returns:
         For each layer, (weight sum [p, d], bias sum [p] or None), in ``out_dtype``.
@@ -123,11 +125,17 @@ def linear_clipped_sum_grouped(
     p = G.shape[2]
     out_dtype = out_dtype or G.dtype
     device = A.device
-    coef = coef.to(device=device, dtype=torch.float32).contiguous()
+    coef = coef.to(device=device, dtype=torch.float32)
+    if coef.dim() == 1:
+        coef = coef.view(1, -1).expand(L, -1)
+    if coef.shape != (L, B):
+        raise ValueError(f"coef of shape {tuple(coef.shape)} for {L} layers of a batch of {B}: give [B] or [L, B]")
+    if coef.stride(1) != 1 or (L > 1 and coef.stride(0) not in (0, B)):
+        coef = coef.contiguous()
     if B == 0 or p * d == 0:
         # Nothing to tile (an empty batch, or a layer with no weights): plain torch suffices.
         return [(torch.zeros(p, d, dtype=out_dtype, device=device),
-                 torch.einsum("b,btp->p", coef, g.float()).to(out_dtype) if bias else None) for g in Gs]
+                 torch.einsum("b,btp->p", c, g.float()).to(out_dtype) if bias else None) for c, g in zip(coef, Gs)]
     tiles = cdiv(p, 64) * cdiv(d, 64)
     splits = max(1, min(B, _TARGET_PROGRAMS // (tiles * L), _MAX_PARTIAL_ELEMENTS // (p * d * L)))
     per_split = cdiv(B, splits)
@@ -138,7 +146,7 @@ def linear_clipped_sum_grouped(
     launch(_linear_clipped_sum_kernel, lambda meta: (cdiv(p, meta["BP"]) * cdiv(d, meta["BD"]), splits, L),
         A, G, ga.table, gg.table, coef, w, b,
         B, T, p, d,
-        *ga.strides, *gg.strides,
+        *ga.strides, *gg.strides, coef.stride(0) if L > 1 else 0,
         per_split, ga.on,
         WITH_BIAS=bias, UPCAST=INTERPRET,
     )

@@ -27,6 +27,31 @@ FREEZES_RUN = ["none"] if BACKEND_PASS else ["none", "layer"]
 LAYER_RULE = staticmethod(lambda name: name.split(".")[0])
 
 
+# When single backward clips the groups whose records are all in (``dpgrad.group_flush``): each
+# as soon as it is complete ("eager": a CPU, whose memory in use torch does not count), all at
+# the end of the pass ("deferred": a GPU whose backward pass has freed more than the records
+# hold, memory in use never above its mark), or at every other completion ("alternate").
+FLUSHES = ["eager", "deferred", "alternate"]
+
+
+@pytest.fixture
+def flush(request, monkeypatch):
+    """GroupFlush's reading of memory in use, as the parametrised pattern says."""
+    from dpgrad.group_flush import GroupFlush
+
+    if request.param == "eager":
+        return request.param
+    readings = iter(range(1 << 30))
+
+    def memory_in_use(device):
+        if request.param == "deferred":
+            return 0
+        return next(readings) % 2  # 0 at the pass's first record (its mark), then 1, 0, 1, ...
+
+    monkeypatch.setattr(GroupFlush, "memory_in_use", staticmethod(memory_in_use))
+    return request.param
+
+
 def wrap(model, mode, clipping, bounds, groups=None, loss_reduction="sum"):
     return dpgrad.GradSampleModuleFastGradientClipping(
         model, loss_reduction=loss_reduction, max_grad_norm=bounds, single_backward=mode == "single",
@@ -128,11 +153,12 @@ SPECS = {
 }
 
 
+@pytest.mark.parametrize("flush", FLUSHES, indirect=True)
 @pytest.mark.parametrize("policy", ["", "-norms"])
 @pytest.mark.parametrize("freeze", FREEZES_RUN)
 @pytest.mark.parametrize("spec", list(SPECS))
 @pytest.mark.parametrize("mode", MODES)
-def test_group_norms_and_clipped_sums_match_float64(mode, spec, freeze, policy):
+def test_group_norms_and_clipped_sums_match_float64(mode, spec, freeze, policy, flush):
     cfg = NetConfig()
     model = build(cfg, seed=0, freeze=FREEZES[freeze])
     clipping, make = SPECS[spec]
@@ -197,10 +223,11 @@ class Blocks(nn.Module):
         return self.head(x.mean(1))
 
 
+@pytest.mark.parametrize("flush", FLUSHES, indirect=True)
 @pytest.mark.parametrize("policy", ["", "-norms"])
 @pytest.mark.parametrize("clipping", ["per_block", "per_layer"])
 @pytest.mark.parametrize("mode", MODES)
-def test_layers_of_one_shape_in_different_groups(mode, clipping, policy):
+def test_layers_of_one_shape_in_different_groups(mode, clipping, policy, flush):
     torch.manual_seed(7)
     g = torch.Generator().manual_seed(8)
     batches = [(torch.randint(0, 9, (B, 5), generator=g), torch.randint(0, 4, (B,), generator=g)) for B in (6, 4)]
@@ -254,6 +281,32 @@ def test_a_group_is_clipped_as_soon_as_its_records_are_in(clipping, peak):
         assert wrapped._path.records_peak == peak
 
 
+@pytest.mark.skipif(BACKEND_PASS, reason="which records are held does not depend on the kernels")
+@pytest.mark.parametrize("readings, peak", [((0, 0, 0, 0, 0), 8), ((0, 1, 0, 1, 0), 5), ((5, 6, 6, 6, 6), 3),
+                                            ((1 << 30, 0), 8)],
+                         ids=["never-above", "every-other", "always-above", "room"])
+def test_complete_groups_wait_while_memory_in_use_is_below_the_mark(readings, peak, monkeypatch):
+    """On a GPU a complete group's records are kept while memory in use is at most what it was
+    at the pass's first record (the backward pass frees activations as it goes), and every
+    group set aside is clipped at once when it is above: Blocks per block (its four groups
+    complete at the last block, then each block, then the rest with the embedding), memory in
+    use read at the first record and at a completion whose records, with those set aside since
+    the last reading, hold more than the room below the mark that reading found. Never above:
+    all 8 records held, as under flat clipping; above at the first and third completions: at
+    most the output layer, the second block and the first block (5); always above: as on a CPU
+    (3); a gigabyte of room at the first completion: read no more. Exact each time."""
+    from dpgrad.group_flush import GroupFlush
+
+    calls = iter(readings)
+    monkeypatch.setattr(GroupFlush, "memory_in_use", staticmethod(lambda device: next(calls)))
+    torch.manual_seed(7)
+    g = torch.Generator().manual_seed(9)
+    batch = (torch.randint(0, 9, (6, 4), generator=g), torch.randint(0, 4, (6,), generator=g))
+    wrapped = check(Blocks(), [batch], "single", "groups", per_block)
+    assert wrapped._path.records_peak == peak
+    assert next(calls, None) is None  # read as often as the docstring says, no more
+
+
 class WithUnusedLayer(Blocks):
     """A layer called whose output reaches no loss: its group is never complete in the pass."""
 
@@ -287,8 +340,9 @@ def test_zero_grad_between_forward_and_backward_keeps_each_group_whole(mode, cli
     check(Blocks(), batches, mode, *args, between=lambda wrapped: wrapped.zero_grad())
 
 
+@pytest.mark.parametrize("flush", FLUSHES, indirect=True)
 @pytest.mark.parametrize("mode", MODES)
-def test_crossed_groups_of_layers_of_one_shape(mode):
+def test_crossed_groups_of_layers_of_one_shape(mode, flush):
     """Two Linear layers of one shape whose weight and bias are in crossed groups (the first
     block's weight with the second's bias, and the reverse): summed apart, each exact."""
     torch.manual_seed(7)
@@ -551,8 +605,9 @@ def test_make_private_refusals(kw, message):
 @pytest.mark.parametrize("name, dtype", [("gpt2", torch.float32), ("gpt2", torch.bfloat16), ("llama_lora", torch.float32),
                                          ("gpt2_checkpointed", torch.float32)],
                          ids=["gpt2", "gpt2-bf16", "llama_lora", "gpt2-checkpointed"])
+@pytest.mark.parametrize("flush", ["eager", "deferred"], indirect=True)
 @pytest.mark.parametrize("mode", MODES[:1] if BACKEND_PASS else MODES)
-def test_hugging_face_models_per_block(mode, name, dtype):
+def test_hugging_face_models_per_block(mode, name, dtype, flush):
     """GPT-2 (its tied embedding and output layer in one group, "other") and Llama with LoRA
     adapters (only they train), one group per block, against the float64 one-sample-at-a-time
     reference of tests/test_hf_models.py (bf16 weights: norms within bf16's rel 1e-2; not the
@@ -560,15 +615,23 @@ def test_hugging_face_models_per_block(mode, name, dtype):
     autograd in bf16 itself, a group's norm having no other groups to average its rounding)."""
     import test_hf_models as H
 
-    rtol = 1e-5 if dtype == torch.float32 else H.BF16_RTOL
     # Non-reentrant activation checkpointing: the blocks recomputed in the backward pass.
     case = H.gpt2_checkpointed(use_reentrant=False) if name == "gpt2_checkpointed" else H.CASES[name]()
     case.model.to(dtype)
+    # Two blocks, and the rest (nothing else trains under LoRA).
+    per_block_step(case, mode, 1e-5 if dtype == torch.float32 else H.BF16_RTOL, 2 if name == "llama_lora" else 3)
+
+
+def per_block_step(case, mode: str, rtol: float, groups: int):
+    """One step of ``case`` (a test_hf_models case) clipped per block (``groups`` of them),
+    each group's bound its median float64 norm, against the float64 reference; the wrapper."""
+    import test_hf_models as H
+
     ref = H.reference(case)
     own = H.reference(case, dtype=None)  # plain autograd in the model's precision
     group_of = reference_groups(case.model, "groups", per_block)
     G = max(group_of.values()) + 1
-    assert G == (2 if name == "llama_lora" else 3)  # two blocks, and the rest (nothing else trains under LoRA)
+    assert G == groups
     want = group_norms(ref, group_of, G)
     bounds = [float(want[g].median()) for g in range(G)]
     model = copy.deepcopy(case.model)
@@ -579,7 +642,7 @@ def test_hugging_face_models_per_block(mode, name, dtype):
     norms = wrapped.per_sample_group_norms
     for g in range(G):
         assert_norms_close(norms[g], want[g], f"group {g} norms", rtol)
-    coef = (torch.tensor(bounds, dtype=torch.float64)[:, None] / (norms.double() + 1e-6)).clamp(max=1.0)
+    coef = (torch.tensor(bounds, dtype=torch.float64, device=norms.device)[:, None] / (norms.double() + 1e-6)).clamp(max=1.0)
     assert (coef < 1).any() and (coef == 1).any()
     params = dict(model.named_parameters())
     for n, g in ref.items():
@@ -588,5 +651,6 @@ def test_hugging_face_models_per_block(mode, name, dtype):
         scale = (c[:, None] * g.flatten(1).abs()).sum(0).max().item()
         # Gradients zero in exact arithmetic (an attention key bias) are rounding noise.
         autograd_error = (torch.einsum("b,b...->...", c, own[n].double()) - expected).abs().max().item()
-        assert params[n].grad is not None and params[n].grad.dtype == dtype, n
+        assert params[n].grad is not None and params[n].grad.dtype == params[n].dtype, n
         assert_tensor_close(params[n].grad, expected, f"clipped {n}.grad", max(scale, 4 * autograd_error / rtol), rtol)
+    return wrapped

@@ -190,13 +190,17 @@ class _FinishCounts:
 _deep: Dict[tuple, Tuple[Dict[str, Tuple[int, int]], int]] = {}
 
 
-def _finish_counts(kind: str, n_layer: int, single: bool, setting: str):
-    """(counts of the second step's finish, trainable parameters)."""
-    key = (kind, n_layer, single, setting)
+def _finish_counts(kind: str, n_layer: int, mode: str, setting: str):
+    """(counts of the second step's finish, trainable parameters) in ``mode``: "single",
+    "double", or "per-block" (single backward, clipped per block, with the room in memory a
+    GPU's backward pass makes: every complete block waits for the end of the pass)."""
+    key = (kind, n_layer, mode, setting)
     if key not in _deep:
         import torch.nn as nn
 
         import dpgrad
+        from dpgrad.clipping_groups import even_split, per_block
+        from dpgrad.group_flush import GroupFlush
         from dpgrad.samplers import groups
 
         with pytest.MonkeyPatch.context() as patch:
@@ -204,7 +208,12 @@ def _finish_counts(kind: str, n_layer: int, single: bool, setting: str):
             if setting == "triton":
                 patch.setattr(groups, "STACK_ELEMENTS", 0)
             model = _deep_model(kind, n_layer)
-            wrapped = dpgrad.GradSampleModuleFastGradientClipping(model, max_grad_norm=1.0, single_backward=single)
+            clipping = dict(max_grad_norm=1.0)
+            if mode == "per-block":
+                patch.setattr(GroupFlush, "memory_in_use", staticmethod(lambda device: 0))
+                blocks = len({per_block(n) for n, p in model.named_parameters() if p.requires_grad})
+                clipping = dict(clipping="groups", clipping_groups=per_block, max_grad_norm=even_split(1.0, blocks))
+            wrapped = dpgrad.GradSampleModuleFastGradientClipping(model, single_backward=mode != "double", **clipping)
             criterion = dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss())
             counted = _FinishCounts(wrapped._path, patch)
             ids = torch.randint(1, 64, (2, 8), generator=torch.Generator().manual_seed(0))
@@ -218,16 +227,19 @@ def _finish_counts(kind: str, n_layer: int, single: bool, setting: str):
 
 
 # The Triton runs, slow under the interpreter, in single-backward mode only: its finish step
-# does all the double-backward one does, and the clipped sums.
-@pytest.mark.parametrize("mode, setting", [("single", "eager"), ("double", "eager"), ("single", "triton")])
+# does all the double-backward one does, and the clipped sums. Per block, where the GPU's
+# memory has room for the blocks' records until the end of the pass (``GroupFlush``), the
+# blocks are clipped together in the finish, as one group of layers of each shape.
+@pytest.mark.parametrize("mode, setting", [("single", "eager"), ("double", "eager"), ("single", "triton"),
+                                           ("per-block", "eager"), ("per-block", "triton")])
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_finish_step_does_not_grow_with_depth(kind, mode, setting):
     if setting != "eager":
         pytest.importorskip("triton")
         if torch.cuda.is_available():
             pytest.skip("kernel launches are counted under Triton's interpreter (CPU tensors)")
-    single = mode == "single"
-    (shallow, params_shallow), (deep, params_deep) = (_finish_counts(kind, n, single, setting) for n in DEPTHS)
+    single = mode != "double"
+    (shallow, params_shallow), (deep, params_deep) = (_finish_counts(kind, n, mode, setting) for n in DEPTHS)
     ops, launches = shallow["norms"]
     deep_ops, deep_launches = deep["norms"]
     assert deep_launches == launches, f"norm pass: {launches} launches at depth 2, {deep_launches} at 12"

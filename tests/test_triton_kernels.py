@@ -464,6 +464,12 @@ def test_grouped_launches_equal_each_layer(shape, dtype, strided):
         wr, br = R.linear_clipped_sum(*upcast(A, G), coef.double(), bias=True)
         assert_rel_per_sample(w[None], wr[None], GRAD_RTOL[dtype], "grouped clipped sum")
         assert_rel_per_sample(b[None], br[None], GRAD_RTOL[dtype], "grouped clipped bias sum")
+    # A row of coefficients per layer (layers of one shape in different clipping groups).
+    rows = torch.rand(L, B, generator=torch.Generator().manual_seed(42)).to(DEVICE)
+    for (w, b), A, G, c in zip(K.linear_clipped_sum_grouped(As, Gs, rows, bias=True), As, Gs, rows):
+        wr, br = R.linear_clipped_sum(*upcast(A, G), c.double(), bias=True)
+        assert_rel_per_sample(w[None], wr[None], GRAD_RTOL[dtype], "grouped clipped sum, a row per layer")
+        assert_rel_per_sample(b[None], br[None], GRAD_RTOL[dtype], "grouped clipped bias sum, a row per layer")
     A1s, G1s = [A[:, :1] for A in As], [G[:, :1] for G in Gs]
     outer = torch.cat([R.linear_weight_sq_norm_outer(*upcast(A, G)) for A, G in zip(A1s, G1s)])
     assert_rel_per_sample(K.linear_weight_sq_norm_outer_grouped(A1s, G1s)[:, None], outer[:, None],
@@ -479,6 +485,9 @@ def test_grouped_launches_refuse_mixed_layouts():
             K.linear_per_sample_grouped([A, other], [G, G])
     with pytest.raises(ValueError, match="one shape, dtype and strides"):
         K.linear_clipped_sum_grouped([A, A], [G, G.transpose(0, 1).contiguous().transpose(0, 1)], torch.ones(2))
+    for coef in (torch.ones(3), torch.ones(3, 2), torch.ones(2, 3)):  # a row of B per layer, or one for all
+        with pytest.raises(ValueError, match=r"give \[B\] or \[L, B\]"):
+            K.linear_clipped_sum_grouped([A, A], [G, G], coef.to(DEVICE))
 
 
 def _norm_layer_reference(x: torch.Tensor, g: torch.Tensor, eps: float, form: str):

@@ -120,6 +120,8 @@ class ConvGroup(Group):
     candidate the autotuner chose for the shape (once per group), layer by layer; the bias
     token sums taken once in fp32 for their norms and clipped sums."""
 
+    mixed_clip_groups = True  # each layer clipped with its own group's coefficients
+
     per_sample = False  # whether the weights are clipped from their per-sample gradients
 
     @classmethod
@@ -174,9 +176,8 @@ class ConvGroup(Group):
             if grads is not None:
                 out += clipped_sums_of(weights, coef, grads)
             else:
-                c = coef.of(weights)
-                for w, (x, G) in zip(weights, inputs):
-                    out.append((w, reference.conv_clipped_sum(x, G, c.like(G), self._geom, tuple(w.shape),
+                for w, (x, G) in zip(weights, inputs):  # each with its clipping group's coefficients
+                    out.append((w, reference.conv_clipped_sum(x, G, coef.of([w]).like(G), self._geom, tuple(w.shape),
                                                               out_dtype=w.dtype)))
         if bias:
             if bias_sums is None:

@@ -69,12 +69,13 @@ def weights_then_biases(layers: Sequence[nn.Module]) -> List[nn.Parameter]:
 
 class Coefficients:
     """The clipping coefficients of a pass, (B,), and the forms of them groups use, each made
-    once per pass: in a tensor's accumulation dtype and device, or in its own dtype, repeated
-    over T positions (for a (B*T, n) operand), or expanded to L rows (for a batched product).
+    once per pass: in a tensor's accumulation dtype and device, or in its own dtype, or as L
+    rows, one per parameter (for a batched product).
 
     With clipping groups (``dpgrad.clipping_groups``) they are a table (K, B), a row per group,
     and ``groups`` maps each parameter to its row: a group of records takes the coefficients of
-    its parameters with ``of`` (records batched together share their parameters' groups)."""
+    parameters of one clipping group with ``of``, or a row for each parameter with ``rows`` and
+    ``layer_rows`` (a group whose layers may be in several: ``Group.mixed_clip_groups``)."""
 
     def __init__(self, coef: torch.Tensor, groups=None):
         self._coef = coef
@@ -115,10 +116,21 @@ class Coefficients:
         """(B,) in x's own dtype (rounded down in half precision: ``coefficients_in``)."""
         return self._form(("rounded", x.dtype, x.device), lambda: coefficients_in(self.like(x), x.dtype))
 
-    def per_token(self, T: int, x: torch.Tensor) -> torch.Tensor:
-        """(B*T, 1): each sample's coefficient on each of its T positions."""
-        return self._form(("token", T, accumulation_dtype(x), x.device),
-                          lambda: self.like(x).repeat_interleave(T).view(-1, 1))
+    def layer_rows(self, params: Sequence[nn.Parameter], x: torch.Tensor) -> torch.Tensor:
+        """(L, B): the coefficients of L parameters, a row each, in x's accumulation dtype on its
+        device (without clipping groups one row expanded, not copied, made once per pass)."""
+        L = len(params)
+        if self._groups is None:
+            return self._form(("layer_rows", L, accumulation_dtype(x), x.device),
+                              lambda: self.like(x).view(1, -1).expand(L, -1))
+        return self._form(("layer_rows", *map(id, params), accumulation_dtype(x), x.device),
+                          lambda: self.rows(params, x).view(L, -1))
+
+    def each(self, params: Sequence[nn.Parameter], x: torch.Tensor) -> Sequence[torch.Tensor]:
+        """``layer_rows`` as L tensors (B,) (without clipping groups, ``like(x)`` L times)."""
+        if self._groups is None:
+            return (self.like(x),) * len(params)
+        return self.layer_rows(params, x).unbind(0)
 
     def rows(self, params: Sequence[nn.Parameter], x: torch.Tensor) -> torch.Tensor:
         """(L, 1, B): the coefficients of L parameters as the left operand of L batched products."""
@@ -148,7 +160,15 @@ def clipped_sums_of(params: Sequence[nn.Parameter], coef: Coefficients, grads: t
 
 
 class Group:
-    """Records of layers of one type whose inputs have the same shapes (equal ``key``)."""
+    """Records of layers of one type whose inputs have the same shapes (equal ``key``).
+
+    ``mixed_clip_groups``: whether its clipped sums take each parameter's own coefficients
+    (``Coefficients.rows``), so that with clipping groups layers of one shape in different
+    groups are batched together (a transformer's blocks clipped per block: one launch per
+    shape); False, the default (a group registered by a user), keeps each group's records in a
+    batch of their own, whose coefficients ``Coefficients.of`` gives."""
+
+    mixed_clip_groups = False
 
     def __init__(self, records: List[Record]):
         self.records = records
@@ -229,8 +249,9 @@ def group_records(records: List[Record], at: Sequence[int], group_class: Callabl
                   ) -> List[Tuple[Callable[[List[Record]], Group], Tuple[int, ...]]]:
     """``records[i]`` for i in ``at``, grouped: by ``group_class(layer)`` and its key where there
     is one (and, with clipping groups, by ``clip_key(layer)``, the groups of the layer's
-    parameters), else one ``default`` group per record. Each group as (what makes it from its
-    records, their indices in ``records``): a plan that serves every pass of the same shapes."""
+    parameters, unless the class takes mixed groups), else one ``default`` group per record.
+    Each group as (what makes it from its records, their indices in ``records``): a plan that
+    serves every pass of the same shapes."""
     keyed: dict = {}
     singles = []
     for i in at:
@@ -240,5 +261,6 @@ def group_records(records: List[Record], at: Sequence[int], group_class: Callabl
         if key is None:
             singles.append((cls if cls is not None else default, (i,)))
         else:
-            keyed.setdefault((cls, key, clip_key(rec[0]) if clip_key is not None else None), []).append(i)
+            apart = clip_key is not None and not cls.mixed_clip_groups
+            keyed.setdefault((cls, key, clip_key(rec[0]) if apart else None), []).append(i)
     return [(cls, tuple(idx)) for (cls, *_), idx in keyed.items()] + singles

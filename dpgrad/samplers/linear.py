@@ -174,6 +174,8 @@ class LinearGroup(Group):
     never a GEMM.
     """
 
+    mixed_clip_groups = True  # each layer clipped with its own group's coefficients
+
     @classmethod
     def key(cls, layer, activations, backprops):
         x = activations[0]
@@ -253,13 +255,15 @@ class LinearGroup(Group):
         out = []
         if weight:
             weights = [layer.weight for layer in layers]
-            out += zip(weights, self._weight_sums(inputs, coef.of(weights)))
+            out += zip(weights, self._weight_sums(inputs, coef, weights))
         if bias:
             out += clipped_sums_of([layer.bias for layer in layers], coef, bias_sums)
         self._bias_sums = None
         return out
 
-    def _weight_sums(self, inputs, coef) -> List[torch.Tensor]:
+    def _weight_sums(self, inputs, coef, weights) -> List[torch.Tensor]:
+        """The clipped sums of the layers' ``weights``, each with its own clipping group's
+        coefficients (layers of one shape in several groups are summed together too)."""
         layers = self._layers
         transposed = _transposed(layers[0])
         dtype = layers[0].weight.dtype
@@ -268,22 +272,26 @@ class LinearGroup(Group):
             L, T, d, p = len(layers), A.shape[1], A.shape[2], G.shape[2]
             acc = accumulation_dtype(A, G)
             A3 = reference.autocast_rounded(A.view(L, -1, d), G, acc)
-            scaled = reference.autocast_rounded(G.view(L, -1, p), A, acc) * coef.per_token(T, G)
+            # Each layer's samples scaled by its row of coefficients, on each of their T positions.
+            rows = coef.layer_rows(weights, G)[..., None, None]
+            scaled = (reference.autocast_rounded(G.view(L, -1, T, p), A, acc) * rows).view(L, -1, p)
             sums = torch.bmm(A3.mT, scaled) if transposed else torch.bmm(scaled.mT, A3)
             return sums.to(dtype).unbind(0)
         G0 = inputs[0][1]
-        factors = coef.like(G0)  # (B,) fp32, as the kernels take them
-        cand = get_tuner().select_group("linear_clipped_sum", [(A, G, factors) for A, G in inputs], layers)
+        factors = coef.layer_rows(weights, G0)  # (L, B) fp32, as the kernels take them
+        each = coef.each(weights, G0)
+        cand = get_tuner().select_group("linear_clipped_sum", [(A, G, f) for (A, G), f in zip(inputs, each)], layers)
         # Conv1D's (d, p) weight: the same sums with the roles of A and G swapped.
         lefts, rights = ([G for _, G in inputs], [A for A, _ in inputs]) if transposed else (
             [A for A, _ in inputs], [G for _, G in inputs])
 
         def by_layer(chosen):
             # Eager: a GEMM on operands scaled in their own dtype.
-            scale = coef.rounded_like(G0) if chosen.backend == "eager" else factors
-            return [chosen.run(left, right, scale, out_dtype=dtype)[0] for left, right in zip(lefts, rights)]
+            scales = [coef.of([w]).rounded_like(G0) for w in weights] if chosen.backend == "eager" else each
+            return [chosen.run(left, right, scale, out_dtype=dtype)[0]
+                    for left, right, scale in zip(lefts, rights, scales)]
 
-        return self._run("linear_clipped_sum", cand, [(A, G, factors) for A, G in inputs],
+        return self._run("linear_clipped_sum", cand, [(A, G, f) for (A, G), f in zip(inputs, each)],
                          lambda chosen: [w for w, _ in chosen.grouped()(lefts, rights, factors, out_dtype=dtype)],
                          by_layer)
 
@@ -333,6 +341,6 @@ class LinearGradSampleGroup(LinearGroup):
         self._inputs = []  # what the clipped sums need is in the gradients now
         return self._params(), rows
 
-    def _weight_sums(self, inputs, coef):
+    def _weight_sums(self, inputs, coef, weights):
         w, self._grads = self._grads, None
-        return [s for _, s in clipped_sums_of([layer.weight for layer in self._layers], coef, w)]
+        return [s for _, s in clipped_sums_of(weights, coef, w)]

@@ -184,6 +184,8 @@ class NormLayerGroup(Group):
     gradients of all of them at once (one Triton launch, or, eager, from their concatenated
     inputs when small), kept in fp32 for their norms and clipped sums."""
 
+    mixed_clip_groups = True  # each layer clipped with its own group's coefficients
+
     @classmethod
     def key(cls, layer, activations, backprops):
         x = activations[0]
