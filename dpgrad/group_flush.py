@@ -7,12 +7,14 @@ the backward hook of its last layer) and let go of their inputs there: a pass th
 records of the groups not yet complete, not the whole model's. Clipping each group on its own
 launches its layers' kernels apart, where groups clipped together launch the layers of one
 shape at once (a transformer's blocks: one launch per shape, not one per block), so complete
-groups wait (``ready``) while the memory in use on a CUDA device is below what it was at the
-pass's first record: the backward pass frees the forward's activations as it goes, and the
-records fill that room. Once memory in use passes that mark, the complete groups are clipped,
-all at once; the rest at the end of the pass. On other devices, whose memory in use torch does
-not count, each group is clipped as soon as it is complete. The sums wait (on the device, in
-``held``) for the pass's finite check before they reach ``p.grad``, as flat clipping's do.
+groups wait (``ready``) while the memory in use on a CUDA device stays at most the most it has
+held (its peak since torch's statistics were last reset, read at the pass's first record): the
+forward pass and the loss set that mark, the backward pass frees the forward's activations as
+it goes, and the records fill that room without raising the peak. Once memory in use passes
+the mark, the complete groups are clipped, all at once; the rest at the end of the pass. On
+other devices, whose memory torch does not count, each group is clipped as soon as it is
+complete. The sums wait (on the device, in ``held``) for the pass's finite check before they
+reach ``p.grad``, as flat clipping's do.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ class GroupFlush:
         self.held: Dict[nn.Parameter, torch.Tensor] = {}
         self.flushed: List[Tuple[List[nn.Parameter], torch.Tensor]] = []  # (params, norm rows)
         self.ready: List[Record] = []  # the records of complete groups, not clipped yet
-        # Memory in use on each device at the pass's first record there (None where not counted).
+        # The most memory each device has held, read at the pass's first record there (None
+        # where not counted).
         self._marks: Dict[torch.device, Optional[int]] = {}
         # What the records set aside may grow by before memory in use is read again: the room
         # below the mark at the last reading, less the bytes set aside since.
@@ -48,14 +51,15 @@ class GroupFlush:
         self.flushed, self.ready, self._marks, self._room = [], [], {}, {}
 
     @staticmethod
-    def memory_in_use(device: torch.device) -> Optional[int]:
+    def memory_in_use(device: torch.device, peak: bool = False) -> Optional[int]:
         """Bytes of tensors allocated on ``device`` (CUDA's caching allocator counts them on
-        the host: no wait for the device), or None on a device whose use torch does not count
-        (then each complete group is clipped at once)."""
+        the host: no wait for the device), or with ``peak`` the most it has held since its
+        statistics were last reset (``torch.cuda.max_memory_allocated``); None on a device
+        whose memory torch does not count (then each complete group is clipped at once)."""
         if device.type != "cuda":
             return None
         stats = torch.cuda.memory.memory_stats_as_nested_dict(device)
-        return stats.get("allocated_bytes", {}).get("all", {}).get("current")
+        return stats.get("allocated_bytes", {}).get("all", {}).get("peak" if peak else "current")
 
     def _due(self, record: Record, now: List[Record]) -> bool:
         """Whether the complete groups are to be clipped now that ``now`` (``record``'s and
@@ -82,7 +86,7 @@ class GroupFlush:
         all that are set aside if memory in use has passed the pass's mark (``_due``)."""
         path = self.path
         if record.backprops.device not in self._marks:
-            self._marks[record.backprops.device] = self.memory_in_use(record.backprops.device)
+            self._marks[record.backprops.device] = self.memory_in_use(record.backprops.device, peak=True)
         complete: Dict[int, bool] = {}
 
         def done(g: int) -> bool:

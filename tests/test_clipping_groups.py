@@ -28,9 +28,9 @@ LAYER_RULE = staticmethod(lambda name: name.split(".")[0])
 
 
 # When single backward clips the groups whose records are all in (``dpgrad.group_flush``): each
-# as soon as it is complete ("eager": a CPU, whose memory in use torch does not count), all at
-# the end of the pass ("deferred": a GPU whose backward pass has freed more than the records
-# hold, memory in use never above its mark), or at every other completion ("alternate").
+# as soon as it is complete ("eager": a CPU, whose memory torch does not count), all at the end
+# of the pass ("deferred": a GPU whose backward pass has freed more than the records hold,
+# memory in use never above its peak), or at every other completion ("alternate").
 FLUSHES = ["eager", "deferred", "alternate"]
 
 
@@ -43,7 +43,7 @@ def flush(request, monkeypatch):
         return request.param
     readings = iter(range(1 << 30))
 
-    def memory_in_use(device):
+    def memory_in_use(device, peak=False):
         if request.param == "deferred":
             return 0
         return next(readings) % 2  # 0 at the pass's first record (its mark), then 1, 0, 1, ...
@@ -286,25 +286,32 @@ def test_a_group_is_clipped_as_soon_as_its_records_are_in(clipping, peak):
                                             ((1 << 30, 0), 8)],
                          ids=["never-above", "every-other", "always-above", "room"])
 def test_complete_groups_wait_while_memory_in_use_is_below_the_mark(readings, peak, monkeypatch):
-    """On a GPU a complete group's records are kept while memory in use is at most what it was
-    at the pass's first record (the backward pass frees activations as it goes), and every
-    group set aside is clipped at once when it is above: Blocks per block (its four groups
-    complete at the last block, then each block, then the rest with the embedding), memory in
-    use read at the first record and at a completion whose records, with those set aside since
-    the last reading, hold more than the room below the mark that reading found. Never above:
+    """On a GPU a complete group's records are kept while memory in use is at most the most
+    the device had held when the pass's first record came (the forward pass's peak; the
+    backward pass frees activations as it goes), and every group set aside is clipped at once
+    when it is above: Blocks per block (its four groups complete at the last block, then each
+    block, then the rest with the embedding), the peak read at the first record and memory in
+    use at a completion whose records, with those set aside since the last reading, hold more
+    than the room below the mark that reading found. Never above:
     all 8 records held, as under flat clipping; above at the first and third completions: at
     most the output layer, the second block and the first block (5); always above: as on a CPU
     (3); a gigabyte of room at the first completion: read no more. Exact each time."""
     from dpgrad.group_flush import GroupFlush
 
-    calls = iter(readings)
-    monkeypatch.setattr(GroupFlush, "memory_in_use", staticmethod(lambda device: next(calls)))
+    calls, asked = iter(readings), []
+
+    def memory_in_use(device, peak=False):
+        asked.append(peak)
+        return next(calls)
+
+    monkeypatch.setattr(GroupFlush, "memory_in_use", staticmethod(memory_in_use))
     torch.manual_seed(7)
     g = torch.Generator().manual_seed(9)
     batch = (torch.randint(0, 9, (6, 4), generator=g), torch.randint(0, 4, (6,), generator=g))
     wrapped = check(Blocks(), [batch], "single", "groups", per_block)
     assert wrapped._path.records_peak == peak
     assert next(calls, None) is None  # read as often as the docstring says, no more
+    assert asked == [True] + [False] * (len(readings) - 1)  # the peak for the mark, then memory in use
 
 
 class WithUnusedLayer(Blocks):
