@@ -75,6 +75,8 @@ class GroupFlush:
             self._room[device] = room
             return False
         used = self.memory_in_use(device)
+        if used is None:  # no longer counted (statistics unavailable): clip now
+            return True
         self._room[device] = max(0, mark - used)
         return used > mark
 

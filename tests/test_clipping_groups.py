@@ -283,8 +283,8 @@ def test_a_group_is_clipped_as_soon_as_its_records_are_in(clipping, peak):
 
 @pytest.mark.skipif(BACKEND_PASS, reason="which records are held does not depend on the kernels")
 @pytest.mark.parametrize("readings, peak", [((0, 0, 0, 0, 0), 8), ((0, 1, 0, 1, 0), 5), ((5, 6, 6, 6, 6), 3),
-                                            ((1 << 30, 0), 8)],
-                         ids=["never-above", "every-other", "always-above", "room"])
+                                            ((1 << 30, 0), 8), ((0, None, None, None, None), 3)],
+                         ids=["never-above", "every-other", "always-above", "room", "not-counted"])
 def test_complete_groups_wait_while_memory_in_use_is_below_the_mark(readings, peak, monkeypatch):
     """On a GPU a complete group's records are kept while memory in use is at most the most
     the device had held when the pass's first record came (the forward pass's peak; the
@@ -295,7 +295,8 @@ def test_complete_groups_wait_while_memory_in_use_is_below_the_mark(readings, pe
     than the room below the mark that reading found. Never above:
     all 8 records held, as under flat clipping; above at the first and third completions: at
     most the output layer, the second block and the first block (5); always above: as on a CPU
-    (3); a gigabyte of room at the first completion: read no more. Exact each time."""
+    (3); a gigabyte of room at the first completion: read no more; memory in use no longer
+    counted after the first record: as on a CPU. Exact each time."""
     from dpgrad.group_flush import GroupFlush
 
     calls, asked = iter(readings), []
