@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from dpgrad import registry
-from dpgrad.samplers.groups import GradSampleGroup, Group, Record, SamplerGroup, group_records
+from dpgrad.samplers.groups import GradSampleGroup, Group, Record, SamplerGroup, group_records, record_bytes
 
 # A layer is clipped from its per-sample gradients when they (fp32) take at most this fraction
 # of the memory of the inputs and backprops that book-keeping would keep for it, or when they
@@ -170,8 +170,7 @@ class Planner:
         if layer in self.path.functorch_layers or type(layer) not in self.path.GRAD_SAMPLERS:
             return False
         elements = record.backprops.shape[0] * sum(p.numel() for p in self.path.layer_params(layer))
-        kept = sum(t.numel() * t.element_size() for t in (record.backprops, *record.inputs)
-                   if isinstance(t, torch.Tensor))
+        kept = record_bytes(record)
         return elements <= TINY_GRAD_SAMPLE_ELEMENTS or 4 * elements <= GRAD_SAMPLE_MEMORY_FRACTION * kept
 
     def clip_key(self) -> Optional[Callable[[nn.Module], tuple]]:

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from dpgrad.backward_pass import region
-from dpgrad.samplers.groups import Record
+from dpgrad.samplers.groups import Record, record_bytes
 
 
 class GroupFlush:
@@ -70,7 +70,7 @@ class GroupFlush:
         mark = self._marks.get(device)
         if mark is None:
             return True
-        room = self._room.get(device, 0) - sum(_bytes(rec) for rec in now)
+        room = self._room.get(device, 0) - sum(record_bytes(rec) for rec in now)
         if room >= 0:
             self._room[device] = room
             return False
@@ -143,11 +143,6 @@ class GroupFlush:
             return None
         params = [p for ps, _ in flushed for p in ps]
         return params, torch.cat([r for _, r in flushed]) if len(flushed) > 1 else flushed[0][1]
-
-
-def _bytes(record: Record) -> int:
-    """What a record's tensors (inputs and backprops) take."""
-    return sum(t.numel() * t.element_size() for t in (record.backprops, *record.inputs) if isinstance(t, torch.Tensor))
 
 
 __all__ = ["GroupFlush"]

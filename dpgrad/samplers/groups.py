@@ -31,6 +31,12 @@ class Record(NamedTuple):
     inputs: list
     backprops: torch.Tensor
 
+
+def record_bytes(record: Record) -> int:
+    """What a record's tensors (its inputs and backprops) take."""
+    return sum(t.numel() * t.element_size() for t in (record.backprops, *record.inputs) if isinstance(t, torch.Tensor))
+
+
 ParamTensors = List[Tuple[nn.Parameter, torch.Tensor]]
 
 # A group's inputs are concatenated into one batched operation up to this many elements: below
@@ -119,12 +125,8 @@ class Coefficients:
     def layer_rows(self, params: Sequence[nn.Parameter], x: torch.Tensor) -> torch.Tensor:
         """(L, B): the coefficients of L parameters, a row each, in x's accumulation dtype on its
         device (without clipping groups one row expanded, not copied, made once per pass)."""
-        L = len(params)
-        if self._groups is None:
-            return self._form(("layer_rows", L, accumulation_dtype(x), x.device),
-                              lambda: self.like(x).view(1, -1).expand(L, -1))
         return self._form(("layer_rows", *map(id, params), accumulation_dtype(x), x.device),
-                          lambda: self.rows(params, x).view(L, -1))
+                          lambda: self.rows(params, x).view(len(params), -1))
 
     def each(self, params: Sequence[nn.Parameter], x: torch.Tensor) -> Sequence[torch.Tensor]:
         """``layer_rows`` as L tensors (B,) (without clipping groups, ``like(x)`` L times)."""
