@@ -34,10 +34,9 @@ from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 import torch.nn as nn
-from torch.autograd.profiler import record_function
 
 from dpgrad import registry
-from dpgrad.autograd_graph import ForwardEdges, grad_keeping_graph
+from dpgrad.autograd_graph import ForwardEdges, grad_keeping_graph, region
 from dpgrad.backend import name_layers
 from dpgrad.fsdp import sharded_modules
 from dpgrad.guarantee import (
@@ -57,12 +56,6 @@ from dpgrad.model_checks import own_trainable, refuse_wrapped, validate
 from dpgrad.samplers import ft_compute_per_sample_gradient, prepare_layer
 from dpgrad.samplers.functorch import _first_tensor
 from dpgrad.samplers.groups import Record
-
-
-def region(name: str):
-    """A named range in a torch.profiler trace while a profiler runs; nothing otherwise
-    (``record_function`` costs microseconds even with no profiler to see it)."""
-    return record_function(name) if torch._C._autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 class FiniteCheck:

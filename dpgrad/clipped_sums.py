@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn as nn
 
-from dpgrad.backward_pass import region
+from dpgrad.autograd_graph import region
 from dpgrad.samplers.groups import Coefficients, Group
 
 

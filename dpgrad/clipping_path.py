@@ -31,8 +31,8 @@ import torch
 import torch.nn as nn
 
 from dpgrad import registry
-from dpgrad.autograd_graph import grad_keeping_graph
-from dpgrad.backward_pass import BackwardPath, FiniteCheck, region
+from dpgrad.autograd_graph import grad_keeping_graph, region
+from dpgrad.backward_pass import BackwardPath, FiniteCheck
 from dpgrad.clipped_sums import ClippedSums
 from dpgrad.coefficients import clipping_coefficients, reduce_losses
 from dpgrad.finish_plan import Planner

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from dpgrad.backward_pass import region
+from dpgrad.autograd_graph import region
 from dpgrad.samplers.groups import Record, record_bytes
 
 
