@@ -455,11 +455,12 @@ class ClippingPath(BackwardPath):
             if callable(max_grad_norm):  # the bound from the norm (adaptive clipping)
                 max_grad_norm = max_grad_norm(self.pass_norm)
             if groups is None:
-                torch._foreach_mul_(grads, clipping_coefficients(self.pass_norm, max_grad_norm, self.gamma).view(()))
+                coefs = [clipping_coefficients(self.pass_norm, max_grad_norm, self.gamma).view(())]
             else:  # each parameter by its group's coefficient
                 self.group_norms = groups.norms(params, rows.view(-1, 1))
                 coef = groups.coefficients(self.group_norms).view(-1)
-                torch._foreach_mul_(grads, coef.index_select(0, groups.rows(params, coef.device)).unbind(0))
+                coefs = list(coef.index_select(0, groups.rows(params, coef.device)).unbind(0))
+            grads = scaled(grads, coefs)
         held = [dict(zip(params, grads))]
         del grads, reached
         self.sums.to_grad(held)
@@ -524,6 +525,30 @@ class ClippingPath(BackwardPath):
                 raise loss_mixing_error(probe, at_outputs)
             # The outputs are clean: layers read by the loss directly (``inner``), or the model.
             raise model_mixing_error(probe, offenders) if through else loss_mixing_error(probe, offenders)
+
+
+def owned(grads: List[torch.Tensor]) -> List[bool]:
+    """Which of the gradients ``torch.autograd.grad`` returned are each the only view of their
+    memory: autograd can return one parameter's gradient as a view of another's (at B = 1, a
+    class token's inside the position embeddings'), or an expanded tensor; scaled in place,
+    such a gradient would scale its neighbour's too."""
+    storages: Dict[int, int] = {}
+    for g in grads:
+        key = g.untyped_storage().data_ptr()
+        storages[key] = storages.get(key, 0) + 1
+    return [storages[g.untyped_storage().data_ptr()] == 1 and g.is_contiguous() and g.storage_offset() == 0
+            and g.untyped_storage().nbytes() == g.numel() * g.element_size() for g in grads]
+
+
+def scaled(grads: List[torch.Tensor], coefs: List[torch.Tensor]) -> List[torch.Tensor]:
+    """``grads`` each times its coefficient (one for all, or one each): in place where a
+    gradient is the only view of its memory (``owned``), into a new tensor elsewhere."""
+    each = coefs if len(coefs) > 1 else None
+    mine = owned(grads)
+    inplace = [g for g, m in zip(grads, mine) if m]
+    if inplace:
+        torch._foreach_mul_(inplace, coefs[0] if each is None else [c for c, m in zip(each, mine) if m])
+    return [g if m else g * (coefs[0] if each is None else each[i]) for i, (g, m) in enumerate(zip(grads, mine))]
 
 
 __all__ = ["ClippingPath", "NormPass"]

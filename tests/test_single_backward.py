@@ -212,6 +212,101 @@ def test_one_sample_with_a_non_finite_loss_raises_before_p_grad(mode):
     assert all(p.grad is None for p in model.parameters())
 
 
+class Embeddings(nn.Module):
+    """A class token and position embeddings around a patch projection (ViT's pattern): at
+    B = 1 autograd returns the class token's gradient as a view into the position
+    embeddings'."""
+
+    def __init__(self, d=4, T=3):
+        super().__init__()
+        self.cls = nn.Parameter(torch.randn(1, 1, d))
+        self.pos = nn.Parameter(torch.randn(1, T + 1, d))
+        self.proj = nn.Linear(5, d)
+
+    def forward(self, x):
+        return torch.cat([self.cls.expand(x.shape[0], -1, -1), self.proj(x)], 1) + self.pos
+
+
+class ClassToken(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = Embeddings(), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.emb(x))[:, 0])
+
+
+def clipped_reference(model, x, y, bound, gamma=None):
+    """float64: sum_b c_b g_b, c_b Opacus's min(1, C / (n + 1e-6)), or automatic clipping's
+    C / (n + gamma) (above 1 for a small norm)."""
+    m = copy.deepcopy(model).double()
+    params = list(m.parameters())
+    losses = F.cross_entropy(m(x.double()), y, reduction="none")
+    total = [torch.zeros_like(p) for p in params]
+    for b in range(len(losses)):
+        grads = torch.autograd.grad(losses[b], params, retain_graph=True)
+        norm = torch.sqrt(sum(g.square().sum() for g in grads))
+        c = bound / (norm + gamma) if gamma is not None else min(1.0, bound / (norm + 1e-6))
+        total = [t + c * g for t, g in zip(total, grads)]
+    return total
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("clipping", ["flat", "automatic"])
+def test_a_batch_of_one_is_scaled_once(mode, clipping):
+    """Flat clipping gave a wrong gradient (96% off), automatic clipping 4.4 C: the class
+    token's gradient was scaled in place twice, once as itself and once inside the position
+    embeddings'."""
+    torch.manual_seed(0)
+    model = ClassToken()
+    x, y = torch.randn(1, 3, 5), torch.tensor([1])
+    bound = 0.05 if clipping == "flat" else 20.0  # automatic: far above the norm, c > 1
+    expected = clipped_reference(model, x, y, bound, 0.01 if clipping == "automatic" else None)
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(model, max_grad_norm=bound, loss_reduction="sum",
+                                                          single_backward=mode == "single", clipping=clipping)
+    criterion = dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss(reduction="sum"), "sum")
+    criterion(wrapped(x), y).backward()
+    for (n, p), e in zip(model.named_parameters(), expected):
+        torch.testing.assert_close(p.grad.double(), e, rtol=1e-5, atol=1e-7 * bound, msg=n)
+    norm = torch.sqrt(sum(p.grad.double().square().sum() for p in model.parameters()))
+    assert norm <= bound * (1 + 1e-6)
+    # The gradients autograd handed over are the parameters' own: no two share memory.
+    grads = [p.grad for p in model.parameters()]
+    assert len({g.untyped_storage().data_ptr() for g in grads}) == len(grads)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_vit_batch_of_one_is_exact(mode):
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=8, num_hidden_layers=1,
+                                 num_attention_heads=2, intermediate_size=16, num_labels=3, hidden_dropout_prob=0.0,
+                                 attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = transformers.ViTForImageClassification(cfg).train()
+    x, y = torch.randn(1, 3, 8, 8), torch.tensor([2])
+
+    class Logits(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, pixels):
+            return self.inner(pixel_values=pixels).logits
+
+    net = Logits(model)
+    for clipping, bound, gamma in [("flat", 0.05, None), ("automatic", 50.0, 0.01)]:
+        expected = clipped_reference(net, x, y, bound, gamma)
+        wrapped = dpgrad.GradSampleModuleFastGradientClipping(net, max_grad_norm=bound, loss_reduction="sum",
+                                                              single_backward=mode == "single", clipping=clipping)
+        criterion = dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss(reduction="sum"), "sum")
+        net.zero_grad(set_to_none=True)
+        criterion(wrapped(x), y).backward()
+        for (n, p), e in zip(net.named_parameters(), expected):
+            torch.testing.assert_close(p.grad.double(), e, rtol=1e-4, atol=1e-6 * bound, msg=n)
+        wrapped.remove_hooks()
+
+
 # ---------------------------------------------------------------------------- models that stress the graph walk
 class InPlaceMLP(nn.Module):
     """A Linear whose output is changed in place (ReLU(inplace=True)), a branch that joins
