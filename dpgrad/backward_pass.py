@@ -27,6 +27,7 @@ number computed on the device, which the host reads once per step (``FiniteCheck
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import weakref
 from functools import partial
@@ -132,6 +133,7 @@ class BackwardPath:
         self.force_functorch, self.strict = force_functorch, strict
         self.check_independence = bool(check_independence)
         self.hooks_enabled = False
+        self.inert = False  # the path of a copy of the model alone: its hooks do nothing
         self.grad_accumulation_allowed = True  # Opacus's flag, read by GradSamplePath
         self.handles: list = []  # every hook on the model (the wrappers' autograd_grad_sample_hooks)
         self.root: Optional[nn.Module] = None  # the module whose parameters the guarantee covers
@@ -165,6 +167,20 @@ class BackwardPath:
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k not in self.TRANSIENT}
+
+    def __deepcopy__(self, memo: dict) -> "BackwardPath":
+        # A copy of the wrapper (or of a hooks object) copies the wrapper before its path: the
+        # copy's path is its own, hooked to its copy of the model. A copy of the model alone
+        # reaches the path first, through the hooks: that copy is a plain model (an EMA copy,
+        # a reference), its hooks inert, and the wrapper is not copied with it.
+        alone = self.root is not None and id(self.root) not in memo
+        state = self.__getstate__()
+        if alone:
+            state = dict(state, root=None, inert=True, hooks_enabled=False)
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(state, memo))
+        return new
 
     def __setstate__(self, state: dict) -> None:
         # Runs before the model in the state is complete (a copy of the model alone copies its
@@ -333,6 +349,8 @@ class BackwardPath:
 
     # ------------------------------------------------------------------ forward
     def _on_model_call(self, module: nn.Module, args) -> None:
+        if self.inert:
+            return  # a copy of the model alone
         self.begin_forward()
 
     def begin_forward(self) -> None:
@@ -418,7 +436,8 @@ class BackwardPath:
             p._forward_counter = getattr(p, "_forward_counter", 0) + 1
 
     def _on_model_output(self, module: nn.Module, args, output) -> None:
-        self.end_forward(output)
+        if not self.inert:
+            self.end_forward(output)
 
     def end_forward(self, output) -> None:
         """The end of a forward pass: the guarantee's check of its graph, when its layout is

@@ -47,7 +47,10 @@ class _Hooks:
         return self.__dict__["_wrapper"]
 
     def __getattr__(self, name):
-        return getattr(self.__dict__["_wrapper"], name)
+        wrapper = self.__dict__.get("_wrapper")
+        if wrapper is None:  # a copy being made (copy.deepcopy, pickle) asks before it holds one
+            raise AttributeError(name)
+        return getattr(wrapper, name)
 
     def __setattr__(self, name, value):
         setattr(self.__dict__["_wrapper"], name, value)

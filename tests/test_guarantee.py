@@ -543,6 +543,38 @@ def test_a_copy_of_the_wrapped_model_works_as_a_model(mode, how):
     check_exact(model, wrapped, reference_model, x[:1], y[:1])
 
 
+@pytest.mark.parametrize("mode", ["single", "double"])
+def test_a_deep_copy_of_a_model_hooked_in_place_is_a_plain_model(mode):
+    """make_private(wrap_model=False) hooks the model itself: a deep copy of it (an EMA
+    model, a reference) is a plain model whose plain backward gives the plain gradient (it
+    was refused, in single backward, as if it were the private model); the original stays
+    private, and a copy of the hooks object is a private wrapper of its own."""
+    torch.manual_seed(0)
+    model = Net()
+    plain = copy.deepcopy(model)
+    hooks = dpgrad.GradSampleHooksFastGradientClipping(model, max_grad_norm=C, loss_reduction="sum",
+                                                       single_backward=mode == "single")
+    copied = copy.deepcopy(model)
+    x, y = batch(B=2)
+    ce(copied(x), y).sum().backward()
+    ce(plain(x), y).sum().backward()
+    for (n, p), q in zip(copied.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=n)
+
+    def private_step(hooks):  # the model itself is called
+        criterion = dpgrad.DPLossFastGradientClipping(hooks, SimpleNamespace(loss_reduction="sum"),
+                                                      nn.CrossEntropyLoss(reduction="sum"), "sum")
+        criterion(hooks._module(x), y).backward()
+
+    private_step(hooks)
+    check_exact(model, hooks.wrapper, plain, x, y)
+    again = copy.deepcopy(hooks)
+    assert type(again) is type(hooks) and again._module is not model and not again.wrapper._path.inert
+    again._module.zero_grad(set_to_none=True)
+    private_step(again)
+    check_exact(again._module, again.wrapper, plain, x, y)
+
+
 # ---------------------------------------------------------------------------- checkpointing
 class Checkpointed(Net):
     def __init__(self, use_reentrant):
