@@ -87,9 +87,13 @@ class FiniteCheck:
         if math.isfinite(self._total.item()):
             return
         bad = [name for name, value in self._names() if not bool(torch.isfinite(value).all())]
+        # Norms come from sums of squares in fp32: a finite gradient whose norm passes
+        # sqrt(float32 max), about 1.8e19, has an infinite square.
+        huge = (" or a per-sample gradient's norm above about 1.8e19, whose square overflows "
+                "float32") if "norms" in self._what else ""
         raise FloatingPointError(
             f"non-finite per-sample {self._what} for parameters {bad}: the loss, the inputs or the "
-            "weights hold inf or NaN (in reduced precision, an overflow). Fix the cause (loss "
+            f"weights hold inf or NaN (in reduced precision, an overflow){huge}. Fix the cause (loss "
             "scaling, learning rate, inputs), or pass check_finite=False to skip this check."
         )
 

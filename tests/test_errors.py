@@ -567,6 +567,19 @@ def test_non_finite_per_sample_values(wrapper, bad):
         assert not norms[1].isfinite() and norms[[0, 2, 3]].isfinite().all()
 
 
+@pytest.mark.parametrize("single", [True, False])
+def test_finite_norms_whose_squares_overflow_say_so(single):
+    """Per-sample gradients near 1e20 are finite, their norms' fp32 squares are not: the
+    refusal says so, rather than that the loss or the inputs hold inf or NaN alone."""
+    model, _ = make()
+    wrapped = FGC(model, loss_reduction="sum", single_backward=single)
+    x, y = batch()
+    with pytest.raises(FloatingPointError) as err:
+        wrapped.clipped_backward(ce(wrapped(x), y) * 1e20)
+    says(err, "norm above about 1.8e19, whose square overflows float32", "check_finite=False")
+    assert all(p.grad is None for p in model.parameters())
+
+
 # ---------------------------------------------------------------------------- arguments
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))
 @pytest.mark.parametrize("loss_reduction", ["none", "Mean", None])
