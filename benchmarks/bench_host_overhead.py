@@ -26,10 +26,13 @@ Per (model, provider), after two warm-up steps (dpgrad's first step tunes its ke
 - ``cuda_syncs`` (CUDA): synchronisations ``torch.cuda.set_sync_debug_mode`` reports in a step;
 - ``launches`` (CUDA): kernel launches in a step, from torch.profiler;
 - ``hooked_layers`` (dpgrad): the layers the wrapper hooks;
-- ``first_step_probe_ops``, ``first_step_probe_syncs`` (dpgrad): what the first step of a
-  fresh wrapper dispatches and waits for beyond the same first step with
-  ``check_independence=False``: the independence probe (``dpgrad.independence``: one extra
-  backward pass, and its host reads), which later steps of the same layout do not run;
+- ``first_step_probe_ops``, ``first_step_probe_syncs``, ``first_step_probe_time`` (dpgrad):
+  what the first step of a fresh wrapper dispatches, waits for and takes (the median of
+  three fresh wrappers) beyond the same first step with ``check_independence=False``: the
+  independence check (``dpgrad.independence``: a backward pass per probe set from the model's
+  outputs or the losses, ceil(log2 B) or one more; the forward probe's runs of the model and
+  the criterion, one per set and a reference; one host read for each), which later steps of
+  the same layout do not run;
 - ``host_time``: the time for the host to issue a step, without waiting for its end (on a
   CPU, the step's time); ``step_time``: the time of a synchronised step.
 conftest derives, for the dpgrad rows against the non-private row: ``extra_ops_per_layer``,
@@ -38,6 +41,7 @@ conftest derives, for the dpgrad rows against the non-private row: ``extra_ops_p
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Callable, Dict, List
 
@@ -96,6 +100,19 @@ def host_times(run: Callable[[], None], rounds: int) -> List[float]:
     return times
 
 
+def first_step_time(provider: str, name: str, check_independence: bool, rounds: int = 3) -> float:
+    """Seconds of a fresh wrapper's first (synchronised) step, the median of ``rounds``."""
+    times = []
+    for _ in range(rounds):
+        step = make_step(provider, _model(name), BATCH, SEQ_LEN, DEVICE, check_independence=check_independence)
+        _sync()
+        start = time.perf_counter()
+        step.run()
+        _sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 @pytest.mark.parametrize("provider", PROVIDERS)
 @pytest.mark.parametrize("name", MODELS)
 def test_host_overhead(bench, name, provider):
@@ -128,6 +145,8 @@ def test_host_overhead(bench, name, provider):
         bench.metrics["first_step_probe_ops"] = results.metric("first_step_probe_ops", first[0].ops - first[1].ops)
         bench.metrics["first_step_probe_syncs"] = results.metric("first_step_probe_syncs",
                                                                  first[0].syncs - first[1].syncs)
+        on, off = (first_step_time(provider, name, on) for on in (True, False))
+        bench.metrics["first_step_probe_time"] = results.metric("first_step_probe_time", (on - off) * 1e3)
 
     # Untimed runs (--benchmark-disable: make test's pass over the suites) take one round of
     # each; conftest writes nothing for them.

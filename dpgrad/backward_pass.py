@@ -6,8 +6,9 @@ the model. A forward pass begins at the model's pre-hook (``begin_forward``: the
 hooked anew if its trainable parameters or modules changed), every call of a layer with
 trainable parameters of its own, whatever its mode, puts a gradient hook on its output
 (``_on_layer_call``), and the model's post-hook ends it (``end_forward``: the guarantee's check
-of its graph, ``dpgrad.guarantee``, and the independence probe, ``dpgrad.independence``, when its
-layout is new). A backward pass opens at its
+of its graph, ``dpgrad.guarantee``, when its layout is new, and the independence probes,
+``dpgrad.independence_check``, until a batch of the layout has been probed). A copy of the
+model alone (``copy.deepcopy``) carries inert hooks. A backward pass opens at its
 first recorded layer (``_open_pass``), keeps each layer's ``Record`` of inputs and backprops
 (``keep``), and closes after its last hook (``_close_pass``: ``finish``, then ``_clear_pass``);
 a forward pass that finds one still open (a backward that raised) clears it. What ``keep``
@@ -37,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from dpgrad import registry
-from dpgrad.autograd_graph import ForwardEdges, grad_keeping_graph, region
+from dpgrad.autograd_graph import ForwardEdges, region
 from dpgrad.backend import name_layers
 from dpgrad.fsdp import sharded_modules
 from dpgrad.guarantee import (
@@ -51,7 +52,8 @@ from dpgrad.guarantee import (
     watch_modules,
     watch_structure,
 )
-from dpgrad.independence import Draws, Probe, model_mixing_error, output_batch_dim
+from dpgrad.independence import Probe
+from dpgrad.independence_check import IndependenceCheck, check_every
 from dpgrad.layer_inputs import batch_to_front, broadcast_inputs, check_batch, recomputing
 from dpgrad.model_checks import own_trainable, refuse_wrapped, validate
 from dpgrad.samplers import ft_compute_per_sample_gradient, prepare_layer
@@ -124,11 +126,12 @@ class BackwardPath:
     # model's layout, and autograd nodes (which cannot be copied).
     TRANSIENT = ("_forward_batch", "_forward_seen", "_pass_open", "_edges", "_verified", "_seen_version",
                  "_seen_layout", "_seen_flags", "_checked", "_unrecorded", "_pending", "_pass_forwards",
-                 "_probing", "_draws", "_unprobed")
+                 "_probing", "independence")
     sharded = None  # the model's FSDP2 parameter groups (dpgrad.fsdp.ShardedParameters)
 
     def __init__(self, model: nn.Module, *, batch_first: bool, loss_reduction: str, check_finite: bool,
-                 force_functorch: bool, strict: bool, check_independence: bool = True):
+                 force_functorch: bool, strict: bool, check_independence: bool = True,
+                 recheck_independence: Optional[int] = None):
         if loss_reduction not in ("sum", "mean"):
             raise ValueError(f"loss_reduction = {loss_reduction!r}: only 'sum' and 'mean' are supported")
         refuse_wrapped(model)
@@ -136,6 +139,7 @@ class BackwardPath:
         self.batch_first, self.loss_reduction, self.check_finite = batch_first, loss_reduction, check_finite
         self.force_functorch, self.strict = force_functorch, strict
         self.check_independence = bool(check_independence)
+        self.recheck_independence = check_every(recheck_independence)
         self.hooks_enabled = False
         self.inert = False  # the path of a copy of the model alone: its hooks do nothing
         self.grad_accumulation_allowed = True  # Opacus's flag, read by GradSamplePath
@@ -166,8 +170,7 @@ class BackwardPath:
         self._seen_flags: Optional[list] = None  # their requires_grad then
         self._checked: set = set()  # the trainable parameters the guarantee's check covers
         self._probing: Optional[Probe] = None  # the independence probe in flight (its hooks record nothing)
-        self._draws = Draws()
-        self._unprobed: Optional[int] = None  # a forward pass of a new layout not probed yet
+        self.independence = IndependenceCheck(self)  # when the independence probes run
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k not in self.TRANSIENT}
@@ -293,7 +296,7 @@ class BackwardPath:
         # Those of layers skipped under strict=False, refused where their norms are asked for.
         self._skipped_params = {p for name, m in model.named_modules() if name in self._skipped
                                 for p in m.parameters()}
-        handles.append(model.register_forward_pre_hook(self._on_model_call))
+        handles.append(model.register_forward_pre_hook(self._on_model_call, with_kwargs=True))
         handles.append(model.register_forward_hook(self._on_model_output))
         return handles
 
@@ -337,6 +340,7 @@ class BackwardPath:
                 handle.remove()
             self.handles[:] = self._hook()
         self._verified.clear()
+        self.independence.clear()
         self._scan_version += 1
 
     def layer_params(self, layer: nn.Module) -> List[nn.Parameter]:
@@ -352,10 +356,13 @@ class BackwardPath:
         return self.GRAD_SAMPLERS[type(layer)]
 
     # ------------------------------------------------------------------ forward
-    def _on_model_call(self, module: nn.Module, args) -> None:
-        if self.inert:
-            return  # a copy of the model alone
+    def _on_model_call(self, module: nn.Module, args, kwargs) -> None:
+        if self.inert or self.independence.rerunning:
+            return None  # a copy of the model alone, or a forward probe's run (dpgrad.forward_probe)
         self.begin_forward()
+        if self.check_independence:
+            self.independence.begin_forward(args, kwargs)
+        return None
 
     def begin_forward(self) -> None:
         """A forward pass of the model begins: what the last one left is reset."""
@@ -382,6 +389,9 @@ class BackwardPath:
             )
 
     def _on_layer_call(self, layer: nn.Module, inputs, output) -> Optional[torch.Tensor]:
+        if self.independence.rerunning:  # a forward probe's run: the outputs changed on its rows
+            perturb = self.independence.perturb
+            return None if perturb is None else perturb(output)
         # Whatever the layer's mode: eval() changes what a layer computes (dropout), not
         # whether its gradient must be clipped.
         if not (self.hooks_enabled and torch.is_grad_enabled()):
@@ -440,7 +450,7 @@ class BackwardPath:
             p._forward_counter = getattr(p, "_forward_counter", 0) + 1
 
     def _on_model_output(self, module: nn.Module, args, output) -> None:
-        if not self.inert:
+        if not (self.inert or self.independence.rerunning):
             self.end_forward(output)
 
     def end_forward(self, output) -> None:
@@ -459,13 +469,14 @@ class BackwardPath:
         tensors = [t for t in found if t.grad_fn is not None]
         edges.set_outputs(tensors)
         if not calls or not edges.outputs:
+            self.independence.call = None
             return
         key = (self._scan_version, tuple(call[0] for call in calls), edges.output_seq - sequence_number(calls[0][1]))
         if key not in self._verified:
             self._verify(edges.outputs, calls, edges.marked_elsewhere)
-            if self.check_independence and not (self.probes_model_at_forward() and self._probe_model(tensors)):
-                self._unprobed = edges.forward_id  # the loss's probe takes the model too
             self._verified.add(key)
+        if self.check_independence:
+            self.independence.end_forward(key, tensors)
 
     def _verify(self, roots: list, calls: list, stop: Callable, in_loss: bool = False) -> None:
         """Raise ``UnclippedGradientError`` if a trainable parameter is reached from ``roots``
@@ -488,35 +499,6 @@ class BackwardPath:
     def probes_model_at_forward(self) -> bool:
         """Whether the model's probe runs at the end of a forward pass of a new layout (else the
         probe of the per-sample losses, in a backward pass dpgrad runs, takes the model too)."""
-        return True
-
-    def _probe_model(self, outputs: List[torch.Tensor]) -> bool:
-        """The model's independence probe (``dpgrad.independence``): one backward pass from the
-        model's outputs, a random vector on one sample's rows, to this forward pass's hooked
-        outputs, whose hooks check that no other row got a gradient. Raises
-        ``SampleMixingError`` naming the layers that did; False where no output holds the batch
-        where it can be told (nothing probed)."""
-        B = self._forward_batch
-        if B is None or B < 2:
-            return True  # nothing to mix
-        placed = [(t, output_batch_dim(t, B, self.batch_first)) for t in outputs
-                  if t.requires_grad and t.is_floating_point()]
-        placed = [(t, d) for t, d in placed if d is not None]
-        targets = self._edges.all_edges()
-        if not placed or not targets:
-            return False
-        probe = Probe(self._draws.samples(range(B)), B, self.batch_dim)
-        outputs = [t for t, _ in placed]
-        vectors = [self._draws.row_vector(t, probe.samples, d) for t, d in placed]
-        with region("dpgrad.independence_probe"):
-            self._probing = probe
-            try:
-                grad_keeping_graph(outputs, targets, vectors, allow_unused=True)
-            finally:
-                self._probing = None
-            offenders = probe.offenders()
-        if offenders:
-            raise model_mixing_error(probe, offenders)
         return True
 
     def _visit_node(self, node) -> None:

@@ -38,8 +38,6 @@ from dpgrad.coefficients import clipping_coefficients, reduce_losses
 from dpgrad.finish_plan import Planner
 from dpgrad.fsdp import ShardedParameters
 from dpgrad.guarantee import sequence_number
-from dpgrad.independence import OUTPUT, Probe, describe_output, hooked_edges_reached, loss_mixing_error, \
-    model_mixing_error
 from dpgrad.kernels import reference
 from dpgrad.group_flush import GroupFlush
 from dpgrad.samplers.groups import Group, Record
@@ -469,62 +467,36 @@ class ClippingPath(BackwardPath):
     def _verify_loss(self, loss_per_sample: torch.Tensor, targets: list) -> None:
         """The guarantee's checks of the graph between the loss and the model's outputs (the
         model's own graph is checked at the end of its forward pass), when its layout is new:
-        every parameter it reaches clipped, and each loss its own sample's (``_probe_loss``,
-        through the model too where its probe is still to come)."""
+        every parameter it reaches clipped; and each loss its own sample's, through the model
+        too where its probes were left to the loss's (``dpgrad.independence_check``)."""
         edges = self._edges
         root = loss_per_sample.grad_fn
         outputs = set(edges.outputs)
-        key = (self._scan_version, "loss", sequence_number(root) - edges.output_seq, bool(outputs))
-        if key not in self._verified or self._unprobed is not None:
+        key = self._loss_key(loss_per_sample)
+        if key not in self._verified:
             self._verify([root], [], lambda node: node in outputs or edges.marked(node), in_loss=True)
-            if self.check_independence:
-                self._probe_loss(loss_per_sample, outputs, targets if self._unprobed is not None else [])
-            self._unprobed = None
             self._verified.add(key)
+        if self.check_independence:
+            self.independence.probe_loss(loss_per_sample, key, targets)
+
+    def _loss_key(self, loss_per_sample: torch.Tensor, what: str = "loss") -> tuple:
+        """The layout of the graph from the model's outputs to the per-sample losses."""
+        edges = self._edges
+        return (self._scan_version, what, sequence_number(loss_per_sample.grad_fn) - edges.output_seq,
+                bool(edges.outputs))
+
+    def note_loss(self, loss_per_sample: torch.Tensor, recompute, modules=()) -> None:
+        """Per-sample losses from a criterion that ``recompute(samples)`` calls again with the
+        outputs and targets of ``samples`` changed: the loss's forward probe
+        (``dpgrad.forward_probe``) runs in their backward pass, where it is due."""
+        if self.check_independence and loss_per_sample.grad_fn is not None:
+            self.independence.note_loss(loss_per_sample, self._loss_key(loss_per_sample, "criterion"), recompute,
+                                        modules)
 
     def probes_model_at_forward(self) -> bool:
         # Once clipped_backward has been seen, its probe of the per-sample losses takes the
         # model too: one extra backward pass per new layout, not two.
         return not self._clipped_seen
-
-    def _probe_loss(self, loss_per_sample: torch.Tensor, outputs: set, through: list) -> None:
-        """The loss's independence probe (``dpgrad.independence``): the gradient of one
-        sample's loss at the model's outputs, and at the hooked outputs the loss reads without
-        passing through them, must be zero on every other sample's rows; with ``through`` (the
-        hooked outputs the norm pass asks for), also at every hooked layer's output on the way
-        (the model's probe, on a layout it has not had). Raises ``SampleMixingError``."""
-        B = loss_per_sample.shape[0]
-        if B < 2:
-            return
-        edges = self._edges
-        inner = hooked_edges_reached(loss_per_sample.grad_fn, outputs, edges.mark)
-        targets = edges.output_edges + inner + list(through)
-        if not targets:
-            return
-        # A sample whose loss weighs something (a padded batch's padding rows weigh zero).
-        weighed = (loss_per_sample.detach() != 0).nonzero().flatten().tolist() or list(range(B))
-        # The hooks read the backprops of the hooked outputs the loss reaches; the model's
-        # outputs are read below.
-        probe = Probe(self._draws.samples(weighed), B, self.batch_dim, hooks=bool(inner or through))
-        weights = torch.zeros_like(loss_per_sample)
-        weights[probe.samples] = 1
-        with region("dpgrad.independence_probe"):
-            self._probing = probe
-            try:
-                grads = grad_keeping_graph(loss_per_sample, targets, weights, allow_unused=True)
-            finally:
-                self._probing = None
-            count = len(edges.output_edges)
-            for i, (grad, shape) in enumerate(zip(grads, edges.output_shapes)):
-                if grad is not None and tuple(grad.shape) == shape:
-                    probe.observe_output(describe_output(grad, i, count), grad)
-            offenders = probe.offenders()
-        if offenders:
-            at_outputs = [(w, rows) for w, rows in offenders if w.startswith(OUTPUT)]
-            if at_outputs:
-                raise loss_mixing_error(probe, at_outputs)
-            # The outputs are clean: layers read by the loss directly (``inner``), or the model.
-            raise model_mixing_error(probe, offenders) if through else loss_mixing_error(probe, offenders)
 
 
 def owned(grads: List[torch.Tensor]) -> List[bool]:

@@ -92,7 +92,9 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
             ``DPLossFastGradientClipping``) also probes the loss, once per layout of it: one
             sample's loss must depend on that sample's rows of the model's outputs alone, else
             ``SampleMixingError`` says whether the losses are in another order than the batch
-            or the loss mixes samples.
+            or the loss mixes samples (with ``DPLossFastGradientClipping``, also from the
+            criterion run again with some samples' outputs and targets changed).
+        recheck_independence: as for ``GradSampleModule``.
     """
 
     use_ghost_clipping = _delegated("ghost", "Norms without per-sample gradients where a norm sampler exists.")
@@ -114,6 +116,7 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         clipping: str = "flat",
         clipping_groups=None,
         automatic_gamma: Optional[float] = None,
+        recheck_independence: Optional[int] = None,
     ):
         if clipping not in CLIPPINGS + tuple(AUTOMATIC):
             raise ValueError(f"clipping={clipping!r}: use one of {', '.join(CLIPPINGS + tuple(AUTOMATIC))}")
@@ -133,6 +136,7 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
                                  "flat clipping, or DistributedDataParallel")
         self._wrap(m, ClippingPath(m, batch_first=batch_first, loss_reduction=loss_reduction,
                                    check_finite=check_finite, check_independence=check_independence,
+                                   recheck_independence=recheck_independence,
                                    force_functorch=force_functorch, strict=strict,
                                    ghost=use_ghost_clipping, single_backward=single_backward, clip_groups=groups,
                                    gamma=gamma))
@@ -255,7 +259,7 @@ class GradSampleModuleFastGradientClippingFSDP(GradSampleModuleFastGradientClipp
     def __init__(self, m: nn.Module, *, batch_first: bool = True, loss_reduction: str = "mean",
                  strict: bool = True, max_grad_norm: float = 1, check_finite: bool = True,
                  check_independence: bool = True, single_backward: bool = False, clipping: str = "flat",
-                 automatic_gamma: Optional[float] = None):
+                 automatic_gamma: Optional[float] = None, recheck_independence: Optional[int] = None):
         if not sharded_modules(m):
             raise ValueError(
                 "GradSampleModuleFastGradientClippingFSDP takes a model sharded by FSDP2: call "
@@ -264,4 +268,5 @@ class GradSampleModuleFastGradientClippingFSDP(GradSampleModuleFastGradientClipp
         super().__init__(m, batch_first=batch_first, loss_reduction=loss_reduction, strict=strict,
                          max_grad_norm=max_grad_norm, use_ghost_clipping=True, check_finite=check_finite,
                          check_independence=check_independence, single_backward=single_backward,
-                         clipping=clipping, automatic_gamma=automatic_gamma)
+                         clipping=clipping, automatic_gamma=automatic_gamma,
+                         recheck_independence=recheck_independence)

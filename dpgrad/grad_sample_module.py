@@ -9,7 +9,7 @@ backward cannot leave stale per-sample state behind.
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn as nn
@@ -122,10 +122,15 @@ class GradSampleModule(nn.Module):
         check_finite: raise, naming the layer, when a per-sample gradient (or norm) is not
             finite. dpgrad's own keyword; pass False to turn the check off.
         check_independence: verify that each sample's rows are its own
-            (``dpgrad.independence``): on the first forward pass of each layout, one backward
-            pass from one sample's outputs must reach no other sample's rows of any hooked
-            layer, else ``SampleMixingError`` names the layers. dpgrad's own keyword; False
-            gives up the check (for a model known to be per-sample).
+            (``dpgrad.independence``): on the first forward pass of each layout with two
+            samples or more, backward passes from sets of samples' outputs (about log2 B of
+            them) must reach no other sample's rows of any hooked layer, and the model run again
+            with the sets' rows changed must not move other samples' outputs, else
+            ``SampleMixingError`` names the layers. dpgrad's own keyword; False gives up the
+            check (for a model known to be per-sample).
+        recheck_independence: dpgrad's own keyword: also probe every this many forward
+            passes, whatever the layout (a model whose mixing depends on the data or on a
+            flag the graph does not show); None (the default) probes new layouts only.
     """
 
     batch_first = _delegated("batch_first", "Inputs are [B, ...] if True, [K, B, ...] if False.")
@@ -135,6 +140,8 @@ class GradSampleModule(nn.Module):
     check_finite = _delegated("check_finite", "Whether non-finite per-sample values raise.")
     check_independence = _delegated("check_independence", "Whether samples mixed by the model (or the loss) "
                                     "are refused (dpgrad.independence).")
+    recheck_independence = _delegated("recheck_independence", "Probe again every this many forward passes "
+                                      "(None: new layouts only).")
     hooks_enabled = _delegated("hooks_enabled", "Whether the hooks record (disable_hooks, enable_hooks).")
 
     def __init__(
@@ -147,10 +154,12 @@ class GradSampleModule(nn.Module):
         force_functorch: bool = False,
         check_finite: bool = True,
         check_independence: bool = True,
+        recheck_independence: Optional[int] = None,
     ):
         self._wrap(m, GradSamplePath(m, batch_first=batch_first, loss_reduction=loss_reduction,
                                      check_finite=check_finite, force_functorch=force_functorch, strict=strict,
-                                     check_independence=check_independence))
+                                     check_independence=check_independence,
+                                     recheck_independence=recheck_independence))
 
     def _wrap(self, m: nn.Module, path: BackwardPath) -> None:
         """Take ``m`` with ``path`` (built, and the model checked, before it is touched)."""

@@ -482,7 +482,8 @@ class DPTrainer(transformers.Trainer):
             self._wrapper = GradSampleModuleFastGradientClipping(
                 model, max_grad_norm=self.privacy_args.max_grad_norm, loss_reduction="mean",
                 single_backward=self.privacy_args.single_backward,
-                check_independence=self.privacy_args.check_independence)
+                check_independence=self.privacy_args.check_independence,
+                recheck_independence=self.privacy_args.recheck_independence)
             criterion = nn.CrossEntropyLoss(ignore_index=IGNORE_INDEX, label_smoothing=self.args.label_smoothing_factor)
             self._loss = DPLossFastGradientClipping(self._wrapper, self._dp_optimizer, criterion, "mean")
         return self._wrapper

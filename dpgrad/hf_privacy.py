@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from dpgrad.coefficients import clipping_bound
+from dpgrad.independence_check import check_every
 
 ACCOUNTANTS = ("prv", "rdp")
 # The privacy state saved with each checkpoint (one file per process).
@@ -61,6 +62,9 @@ class PrivacyArguments:
     check_independence: bool = field(default=True, metadata={
         "help": "Verify on the first step that each row's outputs and loss are its own (no mixing "
                 "across the batch); False gives up that check."})
+    recheck_independence: Optional[int] = field(default=None, metadata={
+        "help": "Also verify it every this many physical batches, whatever the model's layout "
+                "(a model whose mixing depends on the data); default: new layouts only."})
     user_column: Optional[str] = field(default=None, metadata={
         "help": "Column of the dataset holding each row's user id: user-level privacy (users are "
                 "sampled, and a user moves the gradient by at most max_grad_norm)."})
@@ -77,6 +81,7 @@ class PrivacyArguments:
         if self.target_delta is not None and not 0 < self.target_delta < 1:
             raise ValueError(f"target_delta must lie strictly between 0 and 1, not {self.target_delta}")
         self.max_grad_norm = clipping_bound(self.max_grad_norm)
+        check_every(self.recheck_independence)
         if self.accountant not in ACCOUNTANTS:
             raise ValueError(f"accountant={self.accountant!r}: use one of {', '.join(ACCOUNTANTS)}")
         size = self.physical_batch_size

@@ -4,42 +4,43 @@ Clipping bounds each sample's contribution only if row b of every hooked layer's
 backprops, and per-sample loss b, belong to sample b alone. A loss or a layer that mixes
 samples (a batch statistic, in-batch negatives, attention across the batch), losses in
 another order than the batch, a batch reordered between layers, or a layer run with its batch
-on another dimension break that without any parameter going unclipped. A probe finds them
-all, whatever op does the mixing, from what autograd itself computes:
+on another dimension break that without any parameter going unclipped. Probes find them from
+what autograd computes, for every pair of samples at once:
 
-- the model's probe (at the end of a forward pass whose layout is new): one backward pass
-  from the model's outputs, with a random vector on the rows of one sample j (drawn at
-  random) and zeros elsewhere, to the outputs of the hooked layers. Each hooked layer's
-  backprops must be zero on every row but j's: a non-zero elsewhere is a mix between that
-  layer and the model's output.
-- the loss's probe (in ``clipped_backward``, once per layout of the loss): the gradient of
-  loss j alone at the model's outputs (and at any hooked output the loss reads directly),
-  only through the loss's own operations. Non-zero on one other row: the losses come in
-  another order than the batch; on more: the loss mixes samples. Where the
-  model's probe has not run (a new layout after ``clipped_backward`` was seen, or outputs
-  whose batch dimension cannot be told), this pass goes on through the model, to every
-  hooked output: one probe instead of two.
+- the probe sets (``probe_sets``): sets S_1..S_n of the batch's samples such that for any two
+  samples i != j some S_k holds i and not j. Sample i gets the i-th subset of size n // 2 of
+  {1..n}, and S_k holds the samples whose subset holds k; two distinct subsets of one size
+  never contain each other, so i's has some k that j's lacks. n is the least with
+  C(n, n // 2) >= B (Sperner's bound: no family of fewer sets separates every ordered pair):
+  2 sets for B = 2, 5 for 8, 8 for 64, 13 for 1024.
+- the model's probe (at the end of a forward pass whose layout is new): for each set, one
+  backward pass from the model's outputs, a random vector on the set's rows and zeros
+  elsewhere, to the outputs of the hooked layers. Each hooked layer's backprops must be zero
+  on every row outside the set. A dependency of an output row i on a hooked row j is found by
+  the set that holds i and not j (the random vector makes a cancellation between the set's
+  rows happen with probability zero): every one autograd can see, whatever the draw.
+- the loss's probe (in ``clipped_backward``, once per layout of the loss): for each set, the
+  gradient of the set's losses (random weights) at the model's outputs (and at any hooked
+  output the loss reads directly), only through the loss's own operations. Non-zero outside
+  the set: the losses come in another order than the batch, or the loss mixes samples. Where
+  the model's probe has not run (a new layout after ``clipped_backward`` was seen), this pass
+  goes on through the model, to every hooked output: one set of probes instead of two.
 
-Each probe is exact for the sample it draws: every other sample that j's rows reach, or
-that reaches j's loss, is found. A batch statistic, attention across the batch, a loss over
-the batch or a layer run time-first involve every sample, and are found at any draw; a
-reordering is found when it moves j (reversing a batch of B moves all but the middle
-sample, a single swap of two samples only those two: one draw in B/2 finds that). What it
-costs: one extra backward pass through the model, with its retained
-graph, and a few host synchronisations (three with the clipping wrapper), on the first step
-of each layout (a training loop's first step); the loss's probe runs the loss's operations
-once more. Nothing reaches
-``p.grad`` or the per-sample state from a probe: it asks autograd for layer outputs' gradients
-only, and the hooks read them without recording. Mixing before the first hooked layer in
-tensors that need no gradient (the data pipeline's, e.g. inputs normalised by the batch's own
-statistics) is outside what autograd reaches, and so outside the probe.
+A layout counts as checked only once a probe of it reached the rows of at least two samples
+(a batch of 0 or 1 samples, or one whose losses but one weigh zero, proves nothing): until
+then every pass of the layout is probed. All the probes of one check are read on the host at
+once. Nothing reaches ``p.grad`` or the per-sample state from a probe: it asks autograd for
+layer outputs' gradients only, and the hooks read them without recording. What autograd cannot
+see is the forward probe's (``dpgrad.forward_probe``).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import random
 from collections import deque
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
@@ -55,35 +56,91 @@ class SampleMixingError(RuntimeError):
     contribution. Raised before anything reaches ``p.grad``."""
 
 
+def probe_count(batch: int) -> int:
+    """How many probe sets a batch of ``batch`` samples takes (``probe_sets``)."""
+    if batch < 2:
+        return 0
+    n = 2
+    while math.comb(n, n // 2) < batch:
+        n += 1
+    return n
+
+
+def probe_sets(batch: int) -> List[Tuple[int, ...]]:
+    """Sets of samples such that for every two samples i != j of a batch of ``batch``, some set
+    holds i and not j (see the module docstring); none for a batch of fewer than two."""
+    n = probe_count(batch)
+    sets: List[List[int]] = [[] for _ in range(n)]
+    for sample, code in zip(range(batch), itertools.combinations(range(n), n // 2)):
+        for k in code:
+            sets[k].append(sample)
+    return [tuple(s) for s in sets if 0 < len(s) < batch]
+
+
 class Draws:
-    """The probes' random choices (a sample, a vector), from a stream of their own: seeded by
-    torch's initial seed (a seeded run probes alike), never drawing from torch's generators."""
+    """The probes' random numbers, from a stream of their own: seeded by torch's initial seed
+    (a seeded run probes alike), never drawing from torch's generators."""
 
     def __init__(self):
         self._random = random.Random(torch.initial_seed())
 
-    def samples(self, candidates: Sequence[int]) -> List[int]:
-        """The probed samples: one of ``candidates``, at random."""
-        return [candidates[self._random.randrange(len(candidates))]]
-
-    def row_vector(self, like: torch.Tensor, rows: Sequence[int], batch_dim: int) -> torch.Tensor:
-        """Zeros like ``like`` but for standard normal ``rows`` along ``batch_dim``."""
-        generator = torch.Generator(device=like.device)
+    def generator(self, device: torch.device) -> torch.Generator:
+        """A torch generator on ``device``, seeded from this stream."""
+        generator = torch.Generator(device=device)
         generator.manual_seed(self._random.getrandbits(62))
-        out = torch.zeros_like(like, memory_format=torch.contiguous_format)
-        for row in rows:
-            values = torch.randn(out.select(batch_dim, row).shape, generator=generator, device=like.device)
-            out.select(batch_dim, row).copy_(values)
-        return out
+        return generator
+
+    def on_rows(self, like: torch.Tensor, rows: "RowSet", batch_dim: int) -> torch.Tensor:
+        """Standard normal values like ``like`` on ``rows`` along ``batch_dim``, zeros elsewhere."""
+        values = torch.randn(like.shape, generator=self.generator(like.device), device=like.device,
+                             dtype=like.dtype if like.is_floating_point() else torch.float32)
+        return values * along(rows.mask(like.device), like, batch_dim).to(values.dtype)
+
+
+class RowSet:
+    """Some samples of a batch (``samples``), and their (B,) mask on a device (``mask``)."""
+
+    def __init__(self, samples: Sequence[int], table: "RowSets", index: int):
+        self.samples, self._table, self._index = tuple(samples), table, index
+
+    def mask(self, device: torch.device) -> torch.Tensor:
+        return self._table.on(device)[self._index]
+
+
+class RowSets(list):
+    """The probe sets of a batch as ``RowSet``s, their masks one table per device, copied
+    there once (a mask made from the sets' indices on the host would be copied at each use,
+    and on a GPU wait for its queue)."""
+
+    def __init__(self, batch: int, sets: Sequence[Sequence[int]]):
+        super().__init__(RowSet(s, self, k) for k, s in enumerate(sets))
+        self.batch = batch
+        self._tables = {}
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        table = self._tables.get(device)
+        if table is None:
+            held = [set(rows.samples) for rows in self]
+            table = torch.tensor([[i in s for i in range(self.batch)] for s in held], dtype=torch.bool)
+            table = self._tables[device] = table.view(len(self), self.batch).to(device)
+        return table
+
+
+def along(mask: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:
+    """A (B,) ``mask`` shaped to broadcast against ``like`` along ``dim``."""
+    shape = [1] * like.dim()
+    shape[dim] = like.shape[dim]
+    return mask.view(shape)
 
 
 class Probe:
-    """What one probe saw: for each hooked output (or model output) its gradient reached,
-    which rows outside the probed samples' are not zero. ``observe`` queues the check on
-    the device; ``offenders`` reads all of them at once."""
+    """What one probe (one set of samples, ``rows``) saw: for each hooked output (or model
+    output) its gradient reached, which rows are not zero. ``observe`` queues the flags on the
+    device; ``Probes.read`` reads every probe's at once."""
 
-    def __init__(self, samples: List[int], batch: int, batch_dim: int, hooks: bool = True):
-        self.samples, self.batch, self.batch_dim = samples, batch, batch_dim
+    def __init__(self, rows: RowSet, batch: int, batch_dim: int, hooks: bool = True):
+        self.rows, self.samples = rows, list(rows.samples)
+        self.batch, self.batch_dim = batch, batch_dim
         self.hooks = hooks  # whether the hooked layers' backprops are read (else only what is handed in)
         # (where, one (B,) flag vector per dimension that may hold the batch)
         self._seen: List[Tuple[str, List[torch.Tensor]]] = []
@@ -101,7 +158,7 @@ class Probe:
 
     def observe_output(self, where: str, grad: Optional[torch.Tensor]) -> None:
         """A model output's gradient, whose batch may lie on any dimension of size B (a model
-        wrapped with batch_first=False may still return (B, ...)): it is its own sample's if
+        wrapped with batch_first=False may still return (B, ...)): it is its own samples' if
         some such dimension holds it."""
         if grad is None:
             return
@@ -110,23 +167,51 @@ class Probe:
         if dims:
             self._seen.append((where, [self._flags(grad, d) for d in dims]))
 
-    def offenders(self) -> List[Tuple[str, List[int]]]:
-        """``(where, rows)`` for each place whose gradient is non-zero on rows outside the
-        probed samples' along every dimension that may hold the batch, in the order seen;
-        ``rows``: the non-zero rows along the dimension with the fewest."""
-        if not self._seen:
-            return []
-        flags = [f for _, fs in self._seen for f in fs]
+
+class Probes:
+    """The probes of one check, one per set of samples (``sets``: ``RowSets`` of the batch's
+    probe sets), read together."""
+
+    def __init__(self, sets: RowSets, batch_dim: int, hooks: bool = True):
+        self.batch, self.batch_dim, self.hooks = sets.batch, batch_dim, hooks
+        self.sets = sets
+        self.done: List[Probe] = []
+
+    def __iter__(self):
+        for rows in self.sets:
+            probe = Probe(rows, self.batch, self.batch_dim, self.hooks)
+            self.done.append(probe)
+            yield probe
+
+    def read(self) -> Tuple[List[Tuple[Probe, List[Tuple[str, List[int]]]]], Set[int]]:
+        """``(found, reached)``, with one wait for the device: for each probe whose gradients
+        reached rows outside its samples' along every dimension that may hold the batch, the
+        places, in the order seen, and the non-zero rows of each (along the dimension with
+        the fewest); and every row any probe reached, its own samples' included."""
+        flags = [f for probe in self.done for _, fs in probe._seen for f in fs]
+        if not flags:
+            return [], set()
         nonzero: List[List[int]] = [[] for _ in flags]
-        for k, r in (torch.stack(flags) if len(flags) > 1 else flags[0][None]).nonzero().tolist():  # the one wait
+        for k, r in torch.stack(flags).nonzero().tolist():  # the one wait
             nonzero[k].append(r)
-        found, i = [], 0
-        for where, fs in self._seen:
-            candidates = nonzero[i:i + len(fs)]
-            i += len(fs)
-            if not any(set(rows) <= set(self.samples) for rows in candidates):
-                found.append((where, min(candidates, key=len)))
-        return found
+        found, reached, i = [], set(), 0
+        for probe in self.done:
+            own, offenders = set(probe.samples), []
+            for where, fs in probe._seen:
+                candidates = nonzero[i:i + len(fs)]
+                i += len(fs)
+                reached.update(candidates[0])  # along the batch's own dimension
+                if not any(set(rows) <= own for rows in candidates):
+                    offenders.append((where, min(candidates, key=len)))
+            if offenders:
+                found.append((probe, offenders))
+        return found, reached
+
+
+def conclusive(reached: Set[int]) -> bool:
+    """Whether probes that reached ``reached`` rows checked a layout: rows of two samples at
+    least (one sample, or none, has nobody to mix with)."""
+    return len(reached) >= 2
 
 
 def output_batch_dim(t: torch.Tensor, batch: int, batch_first: bool) -> Optional[int]:
@@ -139,59 +224,70 @@ def output_batch_dim(t: torch.Tensor, batch: int, batch_first: bool) -> Optional
     return dims[0] if len(dims) == 1 else None
 
 
-def _rows(rows: List[int], limit: int = 8) -> str:
+def listed(rows: Sequence[int], limit: int = 8) -> str:
+    rows = list(rows)
     shown = ", ".join(str(r) for r in rows[:limit])
-    return f"[{shown}{', ...' if len(rows) > limit else ''}] ({len(rows)} of them)" if len(rows) > limit \
-        else f"[{shown}]"
+    return f"[{shown}, ...] ({len(rows)} of them)" if len(rows) > limit else f"[{shown}]"
+
+
+MODEL_CAUSES = (
+    "Something between the first of these layers and the model's output combines or reorders "
+    "samples: a statistic over the batch (x - x.mean(0), a BatchNorm in training mode), "
+    "attention or pooling across the batch, a sort or permutation of the batch, or a layer "
+    "run with its batch on another dimension (time-first inputs under batch_first=True). Each "
+    "sample's per-sample gradient would then depend on other samples, and clipping it would "
+    "not bound that sample's contribution. Keep each sample in its own row, in the batch's "
+    "order, between the trainable layers (statistics per sample, e.g. LayerNorm or GroupNorm; "
+    "batch_first set as the layers see the batch). ")
 
 
 def model_mixing_error(probe: Probe, offenders: List[Tuple[str, List[int]]]) -> SampleMixingError:
     """The refusal of a model whose hooked layers' rows depend on other samples."""
-    lines = []
-    for where, rows in _unique(offenders):
-        lines.append(f"- {where}: rows {_rows(rows)}")
+    lines = [f"- {where}: rows {listed(rows)}" for where, rows in _unique(offenders)]
     return SampleMixingError(
         f"samples are mixed inside the model: the gradient of {_which(probe)}'s outputs (a probe of a "
         f"batch of {probe.batch}) reached other samples' rows of these layers' outputs, nearest the "
-        "model's output first:\n" + "\n".join(lines) + "\n"
-        "Something between the first of these layers and the model's output combines or reorders "
-        "samples: a statistic over the batch (x - x.mean(0), a BatchNorm in training mode), "
-        "attention or pooling across the batch, a sort or permutation of the batch, or a layer "
-        "run with its batch on another dimension (time-first inputs under batch_first=True). Each "
-        "sample's per-sample gradient would then depend on other samples, and clipping it would "
-        "not bound that sample's contribution. Keep each sample in its own row, in the batch's "
-        "order, between the trainable layers (statistics per sample, e.g. LayerNorm or GroupNorm; "
-        "batch_first set as the layers see the batch). " + TURN_OFF + " " + NOTHING_REACHED)
+        "model's output first:\n" + "\n".join(lines) + "\n" + MODEL_CAUSES + TURN_OFF + " " + NOTHING_REACHED)
+
+
+LOSS_CAUSES = (
+    "A per-sample loss that reads other samples (in-batch negatives, a contrastive loss, "
+    "outputs normalised by statistics of the batch, a mean over the batch inside each loss) "
+    "lets one sample move many losses, so clipping each loss's gradient does not bound that "
+    "sample's contribution. Compute loss b from sample b's outputs alone. ")
 
 
 def loss_mixing_error(probe: Probe, offenders: List[Tuple[str, List[int]]]) -> SampleMixingError:
     """The refusal of per-sample losses that are not each their own sample's."""
     which, own = _which(probe, "loss"), set(probe.samples)
     reordered = all(len(rows) == len(own) and set(rows) != own for _, rows in offenders)
-    lines = "\n".join(f"- {where}: rows {_rows(rows)}" for where, rows in _unique(offenders))
+    lines = "\n".join(f"- {where}: rows {listed(rows)}" for where, rows in _unique(offenders))
     if reordered:
         return SampleMixingError(
             f"the per-sample losses are in another order than the batch: {which} depend on other "
-            f"samples' rows than their own, {probe.samples}:\n{lines}\n"
+            f"samples' rows than their own, {listed(probe.samples)}:\n{lines}\n"
             "Loss b must be sample b's (the b-th row of the model's outputs): compute the losses on "
             "the outputs in the batch's order, not on a shuffled, sorted or reversed copy, and give "
             "them in that order. " + NOTHING_REACHED)
     return SampleMixingError(
         f"the loss mixes samples: {which} depend on other samples' rows besides their own (a probe "
-        f"of a batch of {probe.batch}):\n{lines}\n"
-        "A per-sample loss that reads other samples (in-batch negatives, a contrastive loss, "
-        "outputs normalised by statistics of the batch, a mean over the batch inside each loss) "
-        "lets one sample move many losses, so clipping each loss's gradient does not bound that "
-        "sample's contribution. Compute loss b from sample b's outputs alone. " + TURN_OFF + " "
-        + NOTHING_REACHED)
+        f"of a batch of {probe.batch}):\n{lines}\n" + LOSS_CAUSES + TURN_OFF + " " + NOTHING_REACHED)
+
+
+def elsewhere_error(rank: int) -> SampleMixingError:
+    """The refusal on a rank whose own probes found nothing, when another rank's did (FSDP2:
+    every rank stops at the same step)."""
+    return SampleMixingError(
+        f"samples are mixed: the independence probe of another rank's batch found it (this is rank {rank}; "
+        "that rank's error names the layers or the loss). " + TURN_OFF + " " + NOTHING_REACHED)
 
 
 def _which(probe: Probe, what: str = "sample") -> str:
-    """"sample 3" or "samples 1 and 3" ("loss 3", "the losses of samples 1 and 3")."""
+    """"sample 3" or "samples [1, 3]" ("loss 3", "the losses of samples [1, 3]")."""
     if len(probe.samples) == 1:
         return f"{what} {probe.samples[0]}"
-    listed = " and ".join(str(s) for s in probe.samples)
-    return f"samples {listed}" if what == "sample" else f"the losses of samples {listed}"
+    shown = listed(probe.samples)
+    return f"samples {shown}" if what == "sample" else f"the losses of samples {shown}"
 
 
 def _unique(offenders: List[Tuple[str, List[int]]]) -> List[Tuple[str, List[int]]]:

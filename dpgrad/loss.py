@@ -12,12 +12,14 @@ noise and takes the step, and its accountant counts it.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import torch
 
 from dpgrad.coefficients import clipping_bound, reduce_losses
 from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping
+from dpgrad.forward_probe import copied, perturbed
 from dpgrad.hooks import GradSampleHooksFastGradientClipping
 
 REDUCTIONS = ("mean", "sum")
@@ -72,6 +74,14 @@ def weighted_backward(module, coef: torch.Tensor, loss_per_sample: torch.Tensor)
         (coef.to(loss_per_sample.device) * loss_per_sample).sum().backward()
     finally:
         module.enable_hooks()
+
+
+def _first_dim(args, kwargs) -> Optional[int]:
+    """The first dimension of the criterion's first tensor argument (its outputs)."""
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim():
+            return value.shape[0]
+    return None
 
 
 class DPTensorFastGradientClipping:
@@ -213,14 +223,12 @@ class DPLossFastGradientClipping:
         sequence is then one sample, its loss the mean over its tokens (those not equal to the
         criterion's ``ignore_index``, when it has one) or, under "sum", their sum.
         """
-        old = self.criterion.reduction
-        self.criterion.reduction = "none"
-        try:
-            loss_per_sample = self.criterion(*args, **kwargs)
-        finally:
-            self.criterion.reduction = old
-        if shape is not None and loss_per_sample.shape[0] == shape[0] * shape[1]:
-            loss_per_sample = self._per_sequence(loss_per_sample.view(shape[0], shape[1]), args, kwargs)
+        loss_per_sample = self._losses(args, kwargs, shape)
+        wrapper = clipping_wrapper(self.module)
+        if isinstance(wrapper, GradSampleModuleFastGradientClipping) and wrapper.check_independence:
+            # For the loss's forward probe (dpgrad.forward_probe), run where it is due.
+            modules = [self.criterion] if isinstance(self.criterion, torch.nn.Module) else []
+            wrapper._path.note_loss(loss_per_sample, partial(self._moved, args, kwargs, shape), modules)
         samples = None
         if self.batches is not None:
             if loss_per_sample.shape != (self.batches.size,):
@@ -233,6 +241,43 @@ class DPLossFastGradientClipping:
             samples = self.batches.samples
         return DPTensorFastGradientClipping(self.module, self.optimizer, loss_per_sample, self.loss_reduction,
                                             samples)
+
+    def _losses(self, args, kwargs, shape) -> torch.Tensor:
+        """The criterion's per-sample losses (per sequence, with ``shape``)."""
+        old = self.criterion.reduction
+        self.criterion.reduction = "none"
+        try:
+            loss_per_sample = self.criterion(*args, **kwargs)
+        finally:
+            self.criterion.reduction = old
+        if shape is not None and loss_per_sample.shape[0] == shape[0] * shape[1]:
+            loss_per_sample = self._per_sequence(loss_per_sample.view(shape[0], shape[1]), args, kwargs)
+        return loss_per_sample
+
+    def _moved(self, args, kwargs, shape, rows, generator) -> torch.Tensor:
+        """The per-sample losses with the criterion's arguments changed on the samples of
+        ``rows`` (a ``dpgrad.independence.RowSet``; None: unchanged): the outputs (the first
+        argument) get random values added (``dpgrad.forward_probe.perturbed``), every other
+        tensor whose first dimension is the batch's (B, or B * T tokens with ``shape``), the
+        targets, takes another sample's values on those rows (``copied``: values the batch
+        holds, whatever they encode)."""
+        if rows is None:
+            return self._losses(args, kwargs, shape)
+        batch = shape[0] if shape is not None else _first_dim(args, kwargs)
+        tokens = batch * shape[1] if shape is not None else None
+
+        def move(value, outputs: bool):
+            if not isinstance(value, torch.Tensor) or not value.dim():
+                return value
+            per = 1 if value.shape[0] == batch else shape[1] if value.shape[0] == tokens else None
+            if per is None:
+                return value
+            if outputs and value.is_floating_point():
+                return perturbed(value, rows.mask(value.device), 0, generator(value.device), samples_of=per)
+            return copied(value, rows, samples_of=per)
+
+        moved = tuple(move(a, i == 0) for i, a in enumerate(args))
+        return self._losses(moved, {k: move(v, k == "input" and not args) for k, v in kwargs.items()}, shape)
 
     def _per_sequence(self, token_losses: torch.Tensor, args, kwargs) -> torch.Tensor:
         if self.loss_reduction == "sum":

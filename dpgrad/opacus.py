@@ -326,6 +326,7 @@ def _wrap(
     clipping_groups=None,
     check_independence: bool = True,
     automatic_gamma: Optional[float] = None,
+    recheck_independence: Optional[int] = None,
 ):
     cls = _WRAPPERS[grad_sample_mode]
     # The wrapper's clipping: groups (per layer: one per parameter) or flat, automatic or not.
@@ -342,6 +343,7 @@ def _wrap(
             or module.loss_reduction != loss_reduction
             or module.force_functorch != (grad_sample_mode == "functorch")
             or module.check_independence != check_independence
+            or module.recheck_independence != recheck_independence
             or (ghost and (module.clipping != clipping or module._path.gamma != automatic_gamma
                            or (module.max_grad_norms or module.max_grad_norm) != max_grad_norm
                            or module.single_backward != single_backward))
@@ -356,7 +358,8 @@ def _wrap(
                 "plain module (wrapper.to_standard_module())"
             )
         return module
-    kwargs = dict(batch_first=batch_first, loss_reduction=loss_reduction, check_independence=check_independence)
+    kwargs = dict(batch_first=batch_first, loss_reduction=loss_reduction, check_independence=check_independence,
+                  recheck_independence=recheck_independence)
     if grad_sample_mode == "functorch":
         kwargs["force_functorch"] = True
     if cls is GradSampleModuleFastGradientClipping:
@@ -388,6 +391,7 @@ def make_private(
     single_backward: bool = False,
     physical_batch_size: Optional[int] = None,
     check_independence: bool = True,
+    recheck_independence: Optional[int] = None,
     **kwargs,
 ):
     """``PrivacyEngine.make_private`` with the model wrapped by dpgrad.
@@ -460,6 +464,8 @@ def make_private(
         check_independence: dpgrad's own keyword: verify on the first step of each layout that
             each sample's rows and loss are its own (``dpgrad.independence``); False gives up
             that check.
+        recheck_independence: dpgrad's own keyword: also probe every this many steps (forward
+            passes), whatever the layout; None (the default): new layouts only.
         wrap_model: False leaves the model as it is (its class, attributes and state_dict
             keys): the hooks object (``dpgrad.hooks``: ``GradSampleHooksFastGradientClipping``
             under "ghost", ``GradSampleHooks`` otherwise) is returned in the wrapper's place, and
@@ -607,6 +613,7 @@ def make_private(
         clipping_groups=clipping_groups,
         check_independence=check_independence,
         automatic_gamma=automatic_gamma,
+        recheck_independence=recheck_independence,
     )
     if not wrap_model:
         # The model left as it is: its hooks handed out in place of the wrapper (dpgrad.hooks).

@@ -211,6 +211,29 @@ def refusal(rank: int, world: int, case: str) -> str:
     return "no error"
 
 
+def uneven_batches(rank: int, world: int, single: bool, mixing: bool) -> list:
+    """Steps whose ranks hold different numbers of samples (Poisson batches: rank 0 one
+    sample, rank 1 three, then two each): what each step did, "ok" or its refusal's first
+    line. The independence check's passes are FSDP2's collectives: every rank runs as many."""
+    net = model("transformer")
+    if mixing:
+        center_block(net)
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(shard(net), max_grad_norm=C["transformer"],
+                                                          single_backward=single)
+    criterion = dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss(), "mean")
+    ids, seen = batches()[0], []
+    for sizes in [(1, 3), (2, 2)]:
+        start = sum(sizes[:rank])
+        try:
+            lm_step(wrapped, criterion, ids[start:start + sizes[rank]])
+            seen.append("ok")
+        except dpgrad.SampleMixingError as err:
+            seen.append(str(err).splitlines()[0])
+            break
+        wrapped.zero_grad()
+    return seen
+
+
 def held_gradients(rank: int, world: int) -> dict:
     """Single backward: at each reduce-scatter, the bytes of full (unsharded) clipped gradients
     handed to FSDP and whether FSDP had freed them when it returned; each parameter group's
@@ -280,7 +303,7 @@ def after_non_finite(rank: int, world: int, single: bool, sharded: bool = True) 
 
 
 SCENARIOS = {"after_non_finite": after_non_finite, "poisson_batches": poisson_batches, "held_gradients": held_gradients, "finish_groups": finish_groups, "clipped_gradients": clipped_gradients,
-             "noisy_step": noisy_step, "refusal": refusal}
+             "noisy_step": noisy_step, "refusal": refusal, "uneven_batches": uneven_batches}
 
 
 def one_process(name: str, **kwargs) -> Optional[dict]:

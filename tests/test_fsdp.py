@@ -64,6 +64,7 @@ def two():
     jobs += [("held_gradients", {})] + [("refusal", dict(case=c)) for c in REFUSALS]
     jobs += [("finish_groups", dict(single=s)) for s in MODES.values()]
     jobs += [("after_non_finite", dict(single=s)) for s in MODES.values()]
+    jobs += [("uneven_batches", dict(single=s, mixing=m)) for s in MODES.values() for m in (False, True)]
     if OPACUS:
         jobs += [("noisy_step", dict(kind=k, single=s)) for k in KINDS for s in MODES.values()]
         jobs += [("noisy_step", dict(kind="transformer", single=True, mode="ghost_fsdp")), ("poisson_batches", {})]
@@ -246,3 +247,19 @@ def test_ranks_seeded_alike_sample_independently(two):
 def test_what_cannot_be_exact_is_refused(two, case, words):
     for message in _results(two, "refusal", case=case):
         assert all(w in message for w in words), message
+
+
+@whole_matrix
+@pytest.mark.parametrize("single", list(MODES.values()), ids=list(MODES))
+def test_ranks_with_batches_of_different_sizes_probe_alike(two, single):
+    """The independence check under FSDP2 with one sample on rank 0 and three on rank 1: the
+    ranks run as many probe passes (FSDP2's collectives: no rank waits forever), a per-sample
+    model steps on, and a mix found on rank 1's batch stops both ranks at that step."""
+    for seen in _results(two, "uneven_batches", single=single, mixing=False):
+        assert seen == ["ok", "ok"], seen
+    first, second = _results(two, "uneven_batches", single=single, mixing=True)
+    assert first == ["samples are mixed: the independence probe of another rank's batch found it (this is rank 0; "
+                     "that rank's error names the layers or the loss). If the model and the loss are per-sample by "
+                     "construction, pass check_independence=False to the wrapper (or make_private / "
+                     "PrivacyArguments); that gives up this check. Nothing has reached p.grad from this pass."], first
+    assert len(second) == 1 and second[0].startswith("samples are mixed inside the model"), second

@@ -326,7 +326,10 @@ def _rms_norm_inputs_alive(model: nn.Module, forward) -> int:
     """How many inputs of the model's RMSNorms are still alive after ``forward()`` returns,
     what it returned (the outputs and their graph) kept."""
     refs = []
-    hooks = [m.register_forward_pre_hook(lambda m, args: refs.append(weakref.ref(args[0])))
+    # The forward pass's own calls (the independence check's forward probe runs the model
+    # again, without gradients, on the first step).
+    hooks = [m.register_forward_pre_hook(lambda m, args: refs.append(weakref.ref(args[0]))
+                                         if torch.is_grad_enabled() else None)
              for m in model.modules() if type(m).__name__ == "LlamaRMSNorm"]
     try:
         kept = forward()

@@ -9,9 +9,10 @@ auxiliary loss on an inner layer's output. Each is refused with the error text a
 (``GradSampleModule`` gets no per-sample losses: its checks are the model's), under per-block
 clipping and non-reentrant checkpointing too; ``check_independence=False`` gives the check up.
 What is per sample stays exact against float64 (B = 1, zero-weight padding rows, an output
-whose batch is on another dimension than the layers'). The probe runs once per layout, draws
-nothing from torch's generators, and touches no gradient. The Makefile runs this module on
-both backends.
+whose batch is on another dimension than the layers'). The probes run once per layout (a
+backward pass per probe set, and the forward probe's runs), draw nothing from torch's
+generators, and touch no gradient. The holes a single random probe left (first batches of 0
+or 1, partial mixing, mixing autograd cannot see, batches of one): test_independence_probes.
 """
 
 from __future__ import annotations
@@ -227,8 +228,8 @@ def test_an_output_in_which_no_tensor_is_found_is_refused(mode):
 
 @pytest.mark.parametrize("mode", GHOST)
 def test_a_new_layout_that_mixes_is_probed_through_the_loss(mode):
-    """After clean steps the probe of a new layout is the loss's, through the whole model
-    (one extra backward pass, not two)."""
+    """After clean steps the probes of a new layout are the loss's, through the whole model
+    (one set of probes, not two: a backward pass per probe set)."""
     torch.manual_seed(0)
     model = Mixer()
     wrapped = wrap(model, mode)
@@ -246,7 +247,8 @@ def test_a_new_layout_that_mixes_is_probed_through_the_loss(mode):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(independence.Probe, "__init__", counted)
         message = refused(wrapped, model, x, y, MODEL_WORDS + ["layer 'a' (Linear)"])
-    assert probes == [True], probes  # one probe, the loss's, reading the layers' backprops
+    # The loss's probes alone, reading the layers' backprops, one per probe set.
+    assert probes == [True] * independence.probe_count(B), probes
     assert "layer 'head'" not in message
     # The model fixed, the same wrapper takes the exact step.
     model.mix = None
@@ -341,32 +343,43 @@ def test_per_sample_models_stay_exact(mode, n):
 
 
 @pytest.mark.parametrize("mode", GHOST)
-def test_zero_weight_padding_rows_are_not_probed(mode):
-    """Padded rows weigh zero in the loss: the probe takes a sample that weighs something (a
-    padding row's zero gradient would show nothing), and the step is exact."""
+def test_zero_weight_padding_rows_leave_the_loss_to_be_probed(mode):
+    """Padded rows weigh zero in the loss: a batch whose losses all weigh zero but one probes
+    nothing of the loss (one sample has nobody to mix with), and the step is exact; the next
+    batch of the layout probes the loss again."""
     torch.manual_seed(0)
-    model = Mixer("center")
+    model = Mixer()
+    reference = Mixer()
+    reference.load_state_dict(model.state_dict())
     wrapped = wrap(model, mode)
     x, y = batch()
     weights = torch.tensor([1.0, 0.0, 0.0, 0.0])
-    model.mix = None
-    drawn = []
-    original = independence.Draws.samples
+    step(wrapped, model, x, y, lambda out, t, m: ce(out, t) * weights)
+    ref = per_sample_grads(reference, x[:1], y[:1], ce)
+    norm = torch.stack([g.flatten(1).square().sum(1) for g in ref.values()]).sum(0).sqrt()
+    coef = (C / (norm + 1e-6)).clamp(max=1.0)
+    for n, p in model.named_parameters():
+        assert_tensor_close(p.grad, torch.einsum("b,b...->...", coef, ref[n]), n, scale=C)
+    model.zero_grad(set_to_none=True)
+    probes = []
+    original = independence.Probe.__init__
 
-    def samples(self, candidates):
-        drawn.append(original(self, candidates))
-        return drawn[-1]
+    def counted(self, *args, **kwargs):
+        probes.append(1)
+        original(self, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(independence.Draws, "samples", samples)
-        step(wrapped, model, x, y, lambda out, t, m: ce(out, t) * weights)
-    assert drawn[-1] == [0], drawn  # the loss's probe: the only row that weighs
+        patch.setattr(independence.Probe, "__init__", counted)
+        step(wrapped, model, x, y)
+    assert len(probes) == independence.probe_count(B)  # the loss's, not the model's (checked)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_probes_once_per_layout_touching_nothing(mode):
-    """The first step probes; later steps of the layout do not. A probe draws no number from
-    torch's generators and leaves no gradient or per-sample state behind."""
+    """The first step probes (a backward pass per probe set, from the model's outputs, then
+    the forward probe's runs; the clipping wrapper's loss the same); later steps of the layout
+    do not. A probe draws no number from torch's generators and leaves no gradient, per-sample
+    state or module attribute behind."""
     torch.manual_seed(0)
     model = Mixer()
     wrapped = wrap(model, mode)
@@ -378,19 +391,24 @@ def test_probes_once_per_layout_touching_nothing(mode):
         probes.append(1)
         original(self, *args, **kwargs)
 
+    calls = []
+    model.register_forward_pre_hook(lambda m, args: calls.append(torch.is_grad_enabled()))
+    n = independence.probe_count(B)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(independence.Probe, "__init__", counted)
         state = torch.get_rng_state()
-        out = wrapped(x)  # the model's probe runs here
+        out = wrapped(x)  # the model's probes run here
         assert torch.equal(torch.get_rng_state(), state)
-        assert len(probes) == 1
+        assert len(probes) == n
+        assert calls == [True] + [False] * (n + 1)  # the forward probe: a reference run and one per set
+        assert model.hidden.requires_grad  # the forward pass's own (the probe's runs had no graph)
         assert all(p.grad is None and getattr(p, "grad_sample", None) is None for p in model.parameters())
         if mode == "gsm":
             ce(out, y).sum().backward()
         else:
             wrapped.clipped_backward(ce(out, y))
-        first = len(probes)  # the clipping wrapper's loss probe too
-        assert first == (1 if mode == "gsm" else 2)
+        first = len(probes)  # the clipping wrapper's loss probes too
+        assert first == (n if mode == "gsm" else 2 * n)
         for _ in range(3):
             wrapped.zero_grad()
             model.zero_grad()

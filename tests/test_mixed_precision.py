@@ -87,7 +87,9 @@ def _fp32_linear_inputs_alive(model: nn.Module, forward) -> tuple:
     refs = []
 
     def seen(m, args):
-        if args[0].dtype == torch.float32:
+        # The forward pass's own calls (the independence check's forward probe runs the model
+        # again, without gradients, on the first step).
+        if args[0].dtype == torch.float32 and torch.is_grad_enabled():
             refs.append(weakref.ref(args[0]))
 
     hooks = [m.register_forward_pre_hook(seen) for m in model.modules() if isinstance(m, nn.Linear)]

@@ -110,10 +110,11 @@ BACKEND_INDEPENDENT = {
     # noise drawn on rank 0 (test_distributed); the adaptive bound's rule and automatic
     # clipping's coefficients, (B,) vectors (test_adaptive_clipping, test_automatic_clipping);
     # the splitting and zero-weight padding of Poisson batches (test_fixed_batches); the
-    # guarantee's graph checks and independence probes, taken before any sampler runs
-    # (test_guarantee, test_independence).
+    # guarantee's graph checks and independence probes, taken before any sampler runs, and a
+    # batch of one, clipped from its plain gradient without one (test_guarantee,
+    # test_independence, test_independence_probes).
     "test_distributed.py", "test_adaptive_clipping.py", "test_automatic_clipping.py", "test_fixed_batches.py",
-    "test_guarantee.py", "test_independence.py",
+    "test_guarantee.py", "test_independence.py", "test_independence_probes.py",
 }
 
 

@@ -203,6 +203,7 @@ _SCRIPT = r"""
                      ["extra_ops_per_layer", "extra ops / layer", 1], ["syncs", "syncs", 0],
                      ["extra_syncs", "extra syncs", 0], ["first_step_probe_ops", "first step: probe ops", 0],
                      ["first_step_probe_syncs", "first step: probe syncs", 0],
+                     ["first_step_probe_time", "first step: probe time (ms)", 1],
                      ["cuda_syncs", "CUDA syncs", 0], ["launches", "launches", 0],
                      ["host_time", "host time (ms)", 2], ["host_time_per_layer", "host time / layer (ms)", 3],
                      ["step_time", "step time (ms)", 2], ["step_time_over_non_private", "step time / non-private", 2]];

@@ -69,6 +69,7 @@ UNITS = {
     # The first step's extra cost of the independence probe (check on against off).
     "first_step_probe_ops": "ops",
     "first_step_probe_syncs": "count",
+    "first_step_probe_time": "ms",
     # fsdp_memory: per rank.
     "state_memory": "bytes",
     "peak_memory_over_ddp": "ratio",
