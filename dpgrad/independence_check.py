@@ -256,9 +256,10 @@ class IndependenceCheck:
                 self._forward_probe_model(pending.call, batch)
             if noted is not None:
                 self._forward_probe_loss(losses, noted.recompute, noted.modules, batch)
-                self.probed.add(noted.key)
         if done:
             self.probed.add(key)
+            if noted is not None:
+                self.probed.add(noted.key)
             if pending is not None:
                 if pending.layout is not None:
                     self.probed.add(pending.layout)
