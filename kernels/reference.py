@@ -79,8 +79,12 @@ def batch_slices(batch: int, elements_per_sample: int) -> Iterator[slice]:
 def sq_norms(x: torch.Tensor, dim) -> torch.Tensor:
     """Squared norms of ``x`` over ``dim`` in one pass over it: one reduction, no squared copy
     of ``x`` written and read back (on a GPU that copy of a batch's per-sample gradients cost
-    about as much as the product that made them)."""
-    return torch.linalg.vector_norm(x, dim=dim).square()
+    about as much as the product that made them). The reduction accumulates in float64 (a
+    memory-bound pass, no slower for it): a sum of p * d squares in fp32 would lose more than the
+    products that made them (sqrt(p d) of fp32's unit, 5e-6 at p d = 7e5), in x's dtype or
+    fp32, whichever is wider."""
+    wide = torch.promote_types(x.dtype, torch.float32)
+    return torch.linalg.vector_norm(x, dim=dim, dtype=torch.float64).square().to(wide)
 
 
 _OUT_DTYPE_MATMUL: dict = {}
