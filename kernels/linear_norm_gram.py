@@ -28,8 +28,8 @@ CONFIGS = configs(
 )
 keep_only("_linear_gram_norm_kernel", linear_family, {
     "fp32": ["BK=32 BT=32 w8", "BK=32 BT=64 w8", "BK=64 BT=32 w8"],
-    "half": ["BK=32 BT=32 w4", "BK=32 BT=32 w8", "BK=64 BT=32 w4", "BK=64 BT=64 w8"],
-    "autocast": ["BK=32 BT=32 w4", "BK=64 BT=32 w4", "BK=64 BT=64 w8"],
+    "half": ["BK=32 BT=32 w4", "BK=32 BT=32 w8", "BK=64 BT=64 w8"],
+    "autocast": ["BK=32 BT=32 w4", "BK=64 BT=64 w8"],
 })
 _MIN_BT = min_block(CONFIGS, "BT")
 
