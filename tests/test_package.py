@@ -96,6 +96,7 @@ BACKEND_INDEPENDENT = {
     "test_kernel_compile.py",  # compiles the kernels for GPU targets in a process of its own
     "test_audit.py",  # audits through make_private, whose backends the second pass covers
     "test_reference_kernels.py",  # the eager reference alone
+    "test_precision.py",  # holds each backend's kernels to the error bound, both in one pass
     "test_host_overhead.py",  # counts eager operations whatever the backend
     "test_cli_report.py", "test_dashboard.py", "test_package.py", "test_tuning.py",
     "test_tuning_store.py",
