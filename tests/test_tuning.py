@@ -16,6 +16,7 @@ import torch.nn as nn
 from dpgrad import GradSampleModuleFastGradientClipping
 from dpgrad.kernels import reference
 from dpgrad.tuning import Tuner, bucket, store
+from dpgrad.tuning.tuner import MAX_ROUNDS, ROUNDS
 from dpgrad.tuning.candidates import applicable, shape_of
 
 
@@ -47,7 +48,7 @@ def test_fastest_correct_candidate_wins_and_is_stored(tune_on):
     calls = []
     tuner = Tuner(timer=fixed_timer({"eager-direct": 3.0, "eager-gram": 1.0}, calls))
     chosen = tuner.select("linear_norm", linear_inputs())
-    assert chosen.name == "eager-gram" and sorted(calls) == ["eager-direct", "eager-gram"]
+    assert chosen.name == "eager-gram" and sorted(calls) == ["eager-direct"] * ROUNDS + ["eager-gram"] * ROUNDS
     (decision,) = tuner._decisions.values()
     assert decision.source == "measured" and decision.timings_ms == {"eager-direct": 3.0, "eager-gram": 1.0}
     # A new process: read from the store, nothing timed again.
@@ -96,7 +97,7 @@ def test_an_ill_typed_stored_entry_is_retuned_not_fatal(tune_on, field, value):
     with pytest.warns(RuntimeWarning, match=f"dropped 1 malformed entries.*'{field}' is not"):
         chosen = Tuner(timer=fixed_timer({"eager-direct": 3.0, "eager-gram": 1.0}, calls)).select(
             "linear_norm", linear_inputs(seed=1))
-    assert chosen.name == "eager-gram" and sorted(calls) == ["eager-direct", "eager-gram"]
+    assert chosen.name == "eager-gram" and sorted(calls) == ["eager-direct"] * ROUNDS + ["eager-gram"] * ROUNDS
 
 
 def test_the_exact_shape_table_is_bounded(tune_on, monkeypatch):
@@ -110,7 +111,7 @@ def test_the_exact_shape_table_is_bounded(tune_on, monkeypatch):
     for T in range(9, 17):  # one bucket, T <= 16
         assert tuner.select("linear_norm", linear_inputs(T=T)).name == "eager-gram"
         assert len(tuner._chosen) <= 4
-    assert len(tuner._decisions) == 1 and sorted(calls) == ["eager-direct", "eager-gram"]
+    assert len(tuner._decisions) == 1 and sorted(calls) == ["eager-direct"] * ROUNDS + ["eager-gram"] * ROUNDS
 
 
 def test_modes(tune_on, monkeypatch):
@@ -130,7 +131,7 @@ def test_modes(tune_on, monkeypatch):
 
     monkeypatch.setenv("DPGRAD_TUNE", "on")
     Tuner(timer=fixed_timer({"eager-direct": 1.0, "eager-gram": 4.0}, calls)).select("linear_norm", inputs)
-    assert sorted(calls) == ["eager-direct", "eager-gram"]
+    assert sorted(calls) == ["eager-direct"] * ROUNDS + ["eager-gram"] * ROUNDS
     monkeypatch.setenv("DPGRAD_TUNE", "cached")
     from_store = Tuner(timer=fixed_timer({}, calls))
     assert from_store.select("linear_norm", inputs).name == "eager-direct"
@@ -147,9 +148,9 @@ def test_batch_and_tokens_are_bucketed_not_retuned_per_step(tune_on):
     tuner = Tuner(timer=fixed_timer({"eager-direct": 1.0, "eager-gram": 4.0}, calls))
     for B in (5, 6, 7, 8, 6, 5):  # Poisson sampling: B moves within the bucket (5..8]
         tuner.select("linear_norm", linear_inputs(B=B, T=6))
-    assert len(calls) == 2 and len(tuner._decisions) == 1
+    assert len(calls) == 2 * ROUNDS and len(tuner._decisions) == 1
     tuner.select("linear_norm", linear_inputs(B=9, T=6))
-    assert len(calls) == 4 and len(tuner._decisions) == 2
+    assert len(calls) == 4 * ROUNDS and len(tuner._decisions) == 2
 
 
 @pytest.mark.parametrize("B,T,d,p,expected", [
@@ -400,10 +401,12 @@ def test_a_warm_store_launches_the_stored_config_without_a_search(tune_on, monke
         dataclasses.replace(cand, config=None).run(A, G)
 
 
-def test_a_close_call_is_timed_again(tune_on):
-    """One noisy timing must not decide a choice for good: when the runner-up is within 3x of
-    the fastest, both run three more times and the medians decide (a real case: eager-direct
-    once timed at 13.7 ms against eager-gram's 5.1, then at 4.7 every time)."""
+def test_a_disturbed_timing_does_not_decide(tune_on):
+    """Candidates are timed in rounds, in a rotated order, and compared round by round: one
+    disturbed timing does not decide (a real case: eager-direct once timed at 13.7 ms against
+    eager-gram's 5.1, then at 4.7 every time). The disturbed round keeps the choice from
+    counting as stable until it is one round in six; the medians, their spread and the rounds
+    are stored."""
     calls = []
     first = {"eager-direct": 13.7}
 
@@ -416,37 +419,85 @@ def test_a_close_call_is_timed_again(tune_on):
     assert tuner.select("linear_norm", linear_inputs(B=4, T=16, d=64, p=64)).name == "eager-direct"
     (decision,) = tuner._decisions.values()
     assert decision.timings_ms == {"eager-direct": 4.7, "eager-gram": 5.1}
-    assert decision.spread["eager-direct"] == pytest.approx((13.7 - 4.7) / 4.7) and decision.spread["eager-gram"] == 0
-    assert sorted(calls) == ["eager-direct"] * 4 + ["eager-gram"] * 4
+    assert decision.stable and decision.rounds == 6
+    assert decision.window_ms == {"eager-direct": [4.7, 4.7], "eager-gram": [5.1, 5.1]}
+    # Round by round, the order rotated: direct, gram; gram, direct; ...
+    assert calls == ["eager-direct", "eager-gram", "eager-gram", "eager-direct"] * 3
     stored = store.TuneStore(store.device_name(torch.device("cpu")), tune_on).get(decision.key)
-    assert stored["choice"] == "eager-direct" and stored["spread"] == decision.spread
+    assert stored["choice"] == "eager-direct" and stored["spread"] == decision.spread and stored["rounds"] == 6
 
 
-def test_a_stored_close_call_never_timed_again_is_measured_anew(tune_on):
-    """An entry from before close calls were timed again (no spread) is not trusted for good."""
+def test_a_load_that_slows_one_round_falls_on_every_candidate_of_it(tune_on):
+    """Each round a like-for-like window: a load that triples every time in round two (as a
+    busy CPU may) changes no ratio, and eager-gram, 10% faster in every round, wins and is
+    stable."""
+    calls = []
+    base = {"eager-direct": 2.2, "eager-gram": 2.0}
+
+    def timer(fn, device, name=""):
+        fn()
+        calls.append(name)
+        return base[name] * (3.0 if 3 <= len(calls) <= 4 else 1.0)
+
+    tuner = Tuner(timer=timer)
+    assert tuner.select("linear_norm", linear_inputs(B=4, T=16, d=64, p=64)).name == "eager-gram"
+    (decision,) = tuner._decisions.values()
+    assert decision.stable and decision.rounds == ROUNDS
+    assert decision.timings_ms == {"eager-direct": 2.2, "eager-gram": 2.0}
+
+
+def test_a_choice_that_does_not_settle_serves_the_process_and_is_not_stored(tune_on):
+    """Winners that swap by 2x from round to round: timed up to MAX_ROUNDS, the choice serves
+    this process, nothing is stored, and the next process times it again."""
+    calls = []
+
+    def timer(fn, device, name=""):
+        fn()
+        calls.append(name)
+        slow = (len(calls) - 1) // 2 % 2  # round by round, each pair of calls
+        return {"eager-direct": 2.0 if slow else 1.0, "eager-gram": 1.0 if slow else 2.0}[name]
+
+    inputs = linear_inputs(B=4, T=16, d=64, p=64)
+    tuner = Tuner(timer=timer)
+    tuner.select("linear_norm", inputs)
+    (decision,) = tuner._decisions.values()
+    assert not decision.stable and decision.rounds == MAX_ROUNDS and len(calls) == 2 * MAX_ROUNDS
+    assert store.TuneStore(store.device_name(torch.device("cpu")), tune_on).get(decision.key) is None
+    calls.clear()
+    Tuner(timer=timer).select("linear_norm", inputs)
+    assert len(calls) == 2 * MAX_ROUNDS
+
+
+def test_an_entry_stored_before_timing_in_rounds_is_measured_anew(tune_on):
+    """An entry without rounds (one timing may have decided it) is not trusted for good."""
     inputs = linear_inputs(B=4, T=16, d=64, p=64)
     first = Tuner(timer=fixed_timer({"eager-direct": 1.0, "eager-gram": 5.0}, []))
     first.select("linear_norm", inputs)
     (key,) = first._decisions
     handle = store.TuneStore(store.device_name(torch.device("cpu")), tune_on)
-    handle.put(key, {**handle.get(key), "choice": "eager-gram", "timings_ms": {"eager-direct": 13.7, "eager-gram": 5.1},
-                     "spread": {}})
+    old = {k: v for k, v in handle.get(key).items() if k not in ("rounds", "window_ms")}
+    handle.put(key, {**old, "choice": "eager-gram", "timings_ms": {"eager-direct": 13.7, "eager-gram": 5.1}})
     calls = []
     again = Tuner(timer=fixed_timer({"eager-direct": 4.7, "eager-gram": 5.1}, calls))
     assert again.select("linear_norm", inputs).name == "eager-direct"
     assert next(iter(again._decisions.values())).source == "measured" and calls
 
 
-def test_a_timing_far_from_its_estimate_is_timed_again(tune_on):
-    """Not a close call (200 ms against 5), but 200 ms is 10x further from eager-direct's
-    cost-model estimate than eager-gram's time from its own: it is timed again, and wins."""
-    first = {"eager-direct": 200.0}
-
-    def timer(fn, device, name=""):
-        fn()
-        return first.pop(name) if name in first else {"eager-direct": 1.0, "eager-gram": 5.0}[name]
-
-    tuner = Tuner(timer=timer)
-    assert tuner.select("linear_norm", linear_inputs(B=4, T=16, d=64, p=64)).name == "eager-direct"
-    (decision,) = tuner._decisions.values()
-    assert decision.timings_ms == {"eager-direct": 1.0, "eager-gram": 5.0} and set(decision.spread) == {"eager-direct"}
+def test_a_stored_choice_found_far_off_is_timed_again_and_the_store_corrected(tune_on):
+    """The autotune report times each stored choice on its layer's inputs: one at more than
+    twice another candidate's stored time (eager-direct 20 ms here, eager-gram stored at 5) is
+    timed again in rounds, and the store takes the new choice."""
+    inputs = linear_inputs(B=4, T=16, d=64, p=64)
+    Tuner(timer=fixed_timer({"eager-direct": 1.0, "eager-gram": 5.0}, [])).select("linear_norm", inputs)
+    calls = []
+    later = Tuner(timer=fixed_timer({"eager-direct": 20.0, "eager-gram": 5.0}, calls))
+    with later.recording() as rec:
+        later.select("linear_norm", inputs)
+    (decision,) = later._decisions.values()
+    assert decision.choice == "eager-gram" and decision.source == "measured again"
+    assert decision.timings_ms == {"eager-direct": 20.0, "eager-gram": 5.0}
+    assert calls.count("eager-direct") == 1 + ROUNDS and calls.count("eager-gram") == ROUNDS
+    assert next(iter(rec.chosen_ms.values())) == 5.0
+    stored = store.TuneStore(store.device_name(torch.device("cpu")), tune_on).get(decision.key)
+    assert stored["choice"] == "eager-gram" and stored["rounds"] == ROUNDS
+    assert later.select("linear_norm", inputs).name == "eager-gram"  # the step's table was cleared

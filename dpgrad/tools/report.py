@@ -223,11 +223,12 @@ def _rows(layers, recorded, chosen_ms: Dict[tuple, float]) -> List[dict]:
             rows.append({**base, "B": None, "T": None, "kind": None, "choice": choice, "config": None,
                          "source": None, "timings_ms": {}, "skipped": {}, "estimates_ms": {}, "chosen_ms": None,
                          "chosen_timed_by": None, "opacus_ms": None, "opacus_note": None, "speedup": None,
-                         "extra_bytes": None, "timings_from": None})
+                         "extra_bytes": None, "timings_from": None, "window_ms": {}, "rounds": 0, "stable": True})
             continue
         for decision, opacus in by_layer[id(layer)]:
             ms = chosen_ms.get((id(layer), decision.kind))
-            timed_by = None if ms is None else "autotuner" if decision.source == "measured" else "report"
+            measured = decision.source in ("measured", "measured again")
+            timed_by = None if ms is None else "autotuner" if measured else "report"
             opacus_ms = opacus if isinstance(opacus, float) else None
             note = None if opacus_ms is not None else (opacus or "not timed (--no-opacus)")
             speedup = opacus_ms / ms if opacus_ms is not None and ms else None
@@ -236,10 +237,12 @@ def _rows(layers, recorded, chosen_ms: Dict[tuple, float]) -> List[dict]:
             rows.append({**base, "B": decision.shape.get("B"), "T": decision.shape.get("T"), "kind": decision.kind,
                          "choice": decision.choice, "config": decision.config, "source": decision.source,
                          "timings_ms": dict(decision.timings_ms), "skipped": dict(decision.skipped),
+                         "window_ms": {k: list(v) for k, v in decision.window_ms.items()},
+                         "rounds": decision.rounds, "stable": decision.stable,
                          "estimates_ms": dict(decision.estimates_ms), "chosen_ms": ms, "chosen_timed_by": timed_by,
                          "opacus_ms": opacus_ms, "opacus_note": note, "speedup": speedup,
                          "extra_bytes": decision.extra_bytes.get(decision.choice),
-                         "timings_from": ("this run" if decision.source == "measured" else
+                         "timings_from": ("this run" if measured else
                                           f"store, {decision.stored_at or 'undated'}" if decision.source == "store"
                                           else None)})
     return rows
@@ -274,7 +277,9 @@ def _candidates_cell(row: dict) -> str:
         if name == row["choice"] and row["chosen_ms"] is not None:
             parts.append(f"{name} {row['chosen_ms']:.3f}")  # timed in this run
         elif name in row["timings_ms"]:
-            parts.append(f"{name} {'stored ' if stored else ''}{row['timings_ms'][name]:.3f}")
+            window = row.get("window_ms", {}).get(name)
+            spread = f" ({window[0]:.3f}-{window[1]:.3f})" if window and window[1] > window[0] else ""
+            parts.append(f"{name} {'stored ' if stored else ''}{row['timings_ms'][name]:.3f}{spread}")
         elif name in row["skipped"]:
             parts.append(f"{name} {_short_reason(row['skipped'][name])}")
         else:
@@ -289,7 +294,14 @@ def _cells(row: dict) -> List[str]:
     opacus = f"{row['opacus_ms']:.3f}" if row["opacus_ms"] is not None else "-"
     speedup = f"{row['speedup']:.2f}x" if row["speedup"] is not None else f"n/a ({row['opacus_note']})"
     return [row["name"], row["type"], row["shape"], f"{row['B']}x{row['T']}", row["kind"], row["choice"], config,
-            _candidates_cell(row), opacus, speedup, _bytes(row["extra_bytes"]), row["source"]]
+            _candidates_cell(row), opacus, speedup, _bytes(row["extra_bytes"]), _source_cell(row)]
+
+
+def _source_cell(row: dict) -> str:
+    """The source, with the rounds of timing and whether the choice held over them."""
+    if not row.get("rounds"):
+        return row["source"]
+    return f"{row['source']}, {row['rounds']} rounds" + ("" if row.get("stable", True) else ", unstable: not stored")
 
 
 def _header_lines(report: dict) -> List[str]:
@@ -306,8 +318,11 @@ def _header_lines(report: dict) -> List[str]:
     return lines
 
 
-FOOTER = ("candidates: ms measured in this run, 'stored' ms from the tune store (the JSON says when), or why "
-          "not timed (pruned by the cost model, failed, wrong result); ~ marks a cost-model estimate. "
+FOOTER = ("candidates: ms measured in this run, 'stored' ms from the tune store (the JSON says when), the median "
+          "over rounds of timing with its p20-p80 in brackets, or why not timed (pruned by the cost model, failed, "
+          "wrong result); ~ marks a cost-model estimate. Candidates are timed in rounds, each once a round in a "
+          "rotated order, until the choice holds (source: the rounds); a stored choice timed here at over twice "
+          "another candidate's time is measured again. "
           "speedup = Opacus ms / chosen ms, both timed in this run on the same inputs. "
           "extra mem: cost-model estimate for the chosen candidate.")
 
@@ -317,7 +332,8 @@ FOOTER = ("candidates: ms measured in this run, 'stored' ms from the tune store 
 COMPACT = ["layer", "shape", "kind", "choice", "ms", "Opacus ms", "speedup", "source"]
 SHORT_KIND = {"linear_norm": "norm", "linear_grad_sample": "grad sample", "linear_clipped_sum": "clipped sum",
               "embedding_norm": "emb norm", "embedding_grad_sample": "emb grad sample", "conv_norm": "conv norm"}
-SHORT_SOURCE = {"measured": "tuned", "store": "stored", "cost model": "cost model", "only candidate": "only one",
+SHORT_SOURCE = {"measured": "tuned", "measured again": "retuned", "store": "stored", "cost model": "cost model",
+                "only candidate": "only one",
                 "cost model (no candidate passed)": "none passed", "eager after a failure": "fallback"}
 LAYER_WIDTH = 36
 
@@ -352,8 +368,9 @@ def format_table(report: dict, full: bool = False) -> str:
 
 
 COMPACT_FOOTER = ("ms: the chosen candidate's time in this run; speedup = Opacus ms / ms, on the same inputs. "
-                  "source: tuned in this run, stored (the tune store), cost model, only one candidate, none "
-                  "passed, fallback (after a failure). --full: every candidate's time, the config, the memory.")
+                  "source: tuned in this run, retuned (a stored choice found far off), stored (the tune store), "
+                  "cost model, only one candidate, none passed, fallback (after a failure). --full: every "
+                  "candidate's time with its spread, the rounds, the config, the memory.")
 
 
 def format_markdown(report: dict) -> str:

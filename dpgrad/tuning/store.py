@@ -131,6 +131,10 @@ _FIELDS = {
     "skipped": ("an object of strings", lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values())),
     "config": ("null or an object of integers", lambda v: v is None or isinstance(v, dict) and all(
         isinstance(x, int) for x in v.values())),
+    "window_ms": ("an object of [p20, p80] pairs of numbers", lambda v: isinstance(v, dict) and all(
+        isinstance(x, list) and len(x) == 2 and all(_number(y) for y in x) for x in v.values())),
+    "rounds": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "unstable": ("a boolean", lambda v: isinstance(v, bool)),
     "measured": ("null or a string", lambda v: v is None or isinstance(v, str)),
     "shape": ("an object", lambda v: isinstance(v, dict)),
 }

@@ -36,14 +36,20 @@ ENV_VAR = "DPGRAD_TUNE"
 MODES = ("off", "cached", "on")
 # Candidates predicted this many times slower than the best prediction are not timed.
 PRUNE_FACTOR = 8.0
-# A close call is timed again: when the runner-up took less than this factor of the fastest's
-# time, one noisy timing could have decided it. Each candidate within the factor then runs
-# RECHECK_RUNS more times and keeps the median of its runs, and their spread.
-RECHECK_FACTOR = 3.0
-RECHECK_RUNS = 3
-# A candidate whose time over its cost-model estimate is this many times the fastest
-# candidate's is timed again too, however slow it looked: one disturbed run can make it so.
-OUTLIER_FACTOR = 10.0
+# Candidates are timed in rounds, each round every candidate once, in an order rotated from
+# round to round, so that a load on the machine falls on all of them alike: the choice is the
+# candidate with the least median over the rounds of its time over the round's fastest (each
+# round a like-for-like window). At least ROUNDS rounds, and more, up to MAX_ROUNDS, until the
+# choice is stable: against every other candidate, its time over the other's, round by round,
+# at most 1 + TIE at the 80th percentile (one disturbed round in five is forgiven). Only a
+# stable choice is stored; an unstable one serves this process and is timed again in the next.
+ROUNDS = 3
+MAX_ROUNDS = 7
+TIE = 0.1
+# A stored choice that a later run (the autotune report) times at more than this factor of
+# another candidate's stored time, or this factor away from its own, is timed again, and the
+# store corrected.
+FAR_OFF = 2.0
 # Exact shapes whose chosen candidate a step looks up directly, at most (variable sequence
 # lengths would grow the table without end): beyond it the table starts again, and each shape
 # is found again from its bucketed key's decision, which is kept.
@@ -101,8 +107,11 @@ class Decision:
     skipped: Dict[str, str] = field(default_factory=dict)  # candidate -> why it was not timed
     config: Optional[Dict[str, object]] = None
     stored_at: Optional[str] = None  # source "store": when the stored timings were taken
-    # Candidates timed again (a close call): (slowest - fastest) / median of their runs.
+    # Each timed candidate's spread over the rounds: (p80 - p20) / median, and [p20, p80] in ms.
     spread: Dict[str, float] = field(default_factory=dict)
+    window_ms: Dict[str, List[float]] = field(default_factory=dict)
+    rounds: int = 0  # rounds of timing (source "measured", or stored with it)
+    stable: bool = True  # whether the choice held over the rounds (only a stable one is stored)
 
 
 @dataclass
@@ -264,26 +273,28 @@ class Tuner:
             decision.choice, decision.source = candidates[0].name, "only candidate"
             return decision
         stored = self._store(shape).get(key) if mode != "off" and not self.retune else None
-        # A stored close call that was never timed again (an older entry) is measured anew.
-        unchecked = stored is not None and mode == "on" and not stored.get("spread") and _close_call(
-            stored.get("timings_ms", {}))
-        if stored is not None and stored["choice"] in decision.estimates_ms and not unchecked:
+        # An entry stored before candidates were timed in rounds (one timing could decide it),
+        # or one whose re-timing did not settle, is measured anew.
+        untrusted = stored is not None and mode == "on" and len(stored.get("timings_ms", {})) > 1 and (
+            "rounds" not in stored or stored.get("unstable", False))
+        if stored is not None and stored["choice"] in decision.estimates_ms and not untrusted:
             decision.choice, decision.source = stored["choice"], "store"
             decision.timings_ms = dict(stored.get("timings_ms", {}))
             decision.skipped = dict(stored.get("skipped", {}))
             decision.config = stored.get("config")
             decision.stored_at = stored.get("measured")
             decision.spread = dict(stored.get("spread", {}))
+            decision.window_ms = {k: list(v) for k, v in stored.get("window_ms", {}).items()}
+            decision.rounds = stored.get("rounds", 0)
             return decision
         if mode != "on" or shape.B == 0:
             decision.choice, decision.source = by_estimate, "cost model"
             return decision
         self._measure(decision, shape, candidates, inputs, layer)
         if decision.timings_ms:
-            decision.choice = min(decision.timings_ms, key=decision.timings_ms.get)
             decision.source = "measured"
             decision.config = next(c for c in candidates if c.name == decision.choice).triton_config()
-            self._store(shape).put(key, _stored(decision))
+            self._keep(shape, decision, replacing=stored is not None)
         else:
             # Nothing ran correctly: the eager reference is the one answer known to be right.
             eager = [c for c in candidates if c.backend == "eager"] or candidates
@@ -295,8 +306,12 @@ class Tuner:
 
     def _measure(self, decision: Decision, shape: Shape, candidates: List[Candidate], inputs: tuple,
                  layer: Optional[torch.nn.Module] = None) -> None:
+        """Check each candidate the cost model keeps against the eager reference, then time
+        the correct ones in rounds (``ROUNDS``): sets the decision's timings, spread, rounds,
+        choice and whether it is stable."""
         best = min(decision.estimates_ms.values())
         expected = None
+        passed = []
         for cand in candidates:
             if decision.estimates_ms[cand.name] > PRUNE_FACTOR * best:
                 decision.skipped[cand.name] = "pruned by the cost model"
@@ -308,38 +323,66 @@ class Tuner:
                 if not _close(shape.kind, out, expected, shape.dtype):
                     decision.skipped[cand.name] = "wrong result against the eager reference"
                     continue
-                decision.timings_ms[cand.name] = self.timer(lambda cand=cand: cand.run(*inputs), shape.device,
-                                                            name=cand.name)
+                passed.append(cand)
             except Exception as exc:  # a candidate that cannot run here is skipped, not fatal
-                decision.skipped[cand.name] = f"failed: {type(exc).__name__}: {exc}"[:300]
-                warnings.warn(f"dpgrad: candidate {cand.name} for {shape.kind.replace('_', ' ')}"
-                              f"{backend.of_layer(layer)} failed on {_describe(shape)} ({backend.first_line(exc)}); "
-                              "tuning goes on without it", RuntimeWarning, stacklevel=2)
-        by_name = {c.name: c for c in candidates}
-        for name in self._suspects(decision):
-            runs = sorted([decision.timings_ms[name]] + [
-                self.timer(lambda c=by_name[name]: c.run(*inputs), shape.device, name=name)
-                for _ in range(RECHECK_RUNS)])
-            decision.timings_ms[name] = statistics.median(runs)
-            decision.spread[name] = (runs[-1] - runs[0]) / decision.timings_ms[name]
+                self._skip(decision, shape, cand, layer, exc)
+        decision.timings_ms, decision.spread, decision.window_ms = {}, {}, {}
+        times: Dict[str, List[float]] = {c.name: [] for c in passed}
+        rounds = 0
+        while passed:
+            shift = rounds % len(passed)
+            for cand in passed[shift:] + passed[:shift]:
+                try:
+                    times[cand.name].append(self.timer(lambda cand=cand: cand.run(*inputs), shape.device,
+                                                       name=cand.name))
+                except Exception as exc:
+                    self._skip(decision, shape, cand, layer, exc)
+            failed = [c for c in passed if len(times[c.name]) <= rounds]
+            passed = [c for c in passed if c not in failed]
+            for cand in failed:
+                del times[cand.name]
+            rounds += 1
+            if len(passed) < 2 or rounds >= MAX_ROUNDS or (rounds >= ROUNDS and _verdict(times)[1]):
+                break
+        if not times:
+            return
+        decision.choice, decision.stable = _verdict(times)
+        decision.rounds = rounds
+        for name, runs in times.items():
+            p20, median, p80 = _quantiles(runs)
+            decision.timings_ms[name] = median
+            decision.window_ms[name] = [p20, p80]
+            decision.spread[name] = (p80 - p20) / median if median > 0 else 0.0
+
+    def _keep(self, shape: Shape, decision: Decision, replacing: bool) -> None:
+        """Store a measured decision when its choice is stable; an unstable one only where it
+        replaces a stored entry, marked so that it is timed again."""
+        if decision.stable:
+            self._store(shape).put(decision.key, _stored(decision))
+        elif replacing:
+            self._store(shape).put(decision.key, {**_stored(decision), "unstable": True})
+
+    def _retime(self, decision: Decision, inputs: tuple, layer) -> None:
+        """Time a stored decision's candidates again on ``inputs`` (its choice was found far off)."""
+        shape = shape_of(decision.kind, inputs)
+        tensors = tuple(t for t in inputs if isinstance(t, torch.Tensor))
+        candidates = [c for c in applicable(decision.kind, shape, tensors) if c.name in decision.estimates_ms]
+        decision.skipped = {}
+        self._measure(decision, shape, candidates, inputs, layer)
+        if not decision.timings_ms:
+            return
+        decision.source = "measured again"
+        decision.config = next(c for c in candidates if c.name == decision.choice).triton_config()
+        decision.stored_at = None
+        self._keep(shape, decision, replacing=True)
+        self._chosen.clear()  # steps look the new choice up again
 
     @staticmethod
-    def _suspects(decision: Decision) -> List[str]:
-        """The timed candidates one noisy run could have misplaced: all within RECHECK_FACTOR
-        of the fastest when the call is close, and any whose time over its cost-model estimate
-        is OUTLIER_FACTOR times the fastest's."""
-        timings = decision.timings_ms
-        if len(timings) < 2:
-            return []
-        fastest = min(timings, key=timings.get)
-        close = _close_call(timings)
-
-        def over_estimate(name):
-            return timings[name] / max(decision.estimates_ms.get(name, 0.0), 1e-12)
-
-        return [name for name in timings
-                if (close and timings[name] < RECHECK_FACTOR * timings[fastest])
-                or over_estimate(name) >= OUTLIER_FACTOR * over_estimate(fastest)]
+    def _skip(decision: Decision, shape: Shape, cand: Candidate, layer, exc: Exception) -> None:
+        decision.skipped[cand.name] = f"failed: {type(exc).__name__}: {exc}"[:300]
+        warnings.warn(f"dpgrad: candidate {cand.name} for {shape.kind.replace('_', ' ')}"
+                      f"{backend.of_layer(layer)} failed on {_describe(shape)} ({backend.first_line(exc)}); "
+                      "tuning goes on without it", RuntimeWarning, stacklevel=3)
 
     def _store(self, shape: Shape) -> store.TuneStore:
         name = _device_name(shape.device)
@@ -370,16 +413,50 @@ class Tuner:
                 rec.chosen_ms[ident] = self.timer(run, inputs[1].device, name=chosen.name)
             except Exception as exc:
                 decision.skipped.setdefault(decision.choice, f"failed: {type(exc).__name__}: {exc}"[:300])
+            timed = rec.chosen_ms.get(ident)
+            if decision.source == "store" and timed is not None and _far_off(decision, timed) and tune_mode() == "on":
+                # A stored choice far off here: its candidates are timed again, and the store told.
+                self._retime(decision, inputs, layer)
+                if decision.choice in decision.timings_ms:
+                    rec.chosen_ms[ident] = decision.timings_ms[decision.choice]
         opacus_ms = _time_opacus(self.timer, decision.kind, layer, inputs) if rec.opacus else None
         rec.layers.append((layer, decision, opacus_ms))
         if rec.callback is not None:
             rec.callback(layer, decision)
 
 
-def _close_call(timings_ms: Dict[str, float]) -> bool:
-    """Whether the runner-up took less than RECHECK_FACTOR times the fastest's time."""
-    ranked = sorted(t for t in timings_ms.values() if t is not None)
-    return len(ranked) >= 2 and ranked[1] < RECHECK_FACTOR * ranked[0]
+def _verdict(times: Dict[str, List[float]]) -> tuple:
+    """(the choice, whether it is stable) from candidates' times in rounds (``times[name][r]``):
+    the least median time over the round's fastest, ties by the median time; stable when,
+    against every other candidate, the 80th percentile over the rounds of the choice's time
+    over the other's is at most 1 + TIE."""
+    rounds = min(len(t) for t in times.values())
+    fastest = [min(t[r] for t in times.values()) for r in range(rounds)]
+    relative = {name: statistics.median(t[r] / fastest[r] if fastest[r] > 0 else 1.0 for r in range(rounds))
+                for name, t in times.items()}
+    choice = min(times, key=lambda name: (relative[name], statistics.median(times[name])))
+    mine = times[choice]
+    stable = all(_quantiles([mine[r] / t[r] if t[r] > 0 else 1.0 for r in range(rounds)])[2] <= 1 + TIE
+                 for name, t in times.items() if name != choice)
+    return choice, stable
+
+
+def _far_off(decision: Decision, timed_ms: float) -> bool:
+    """Whether a stored choice timed at ``timed_ms`` now is far from what was stored: over
+    FAR_OFF times another candidate's stored time, or FAR_OFF times away from its own."""
+    others = [t for name, t in decision.timings_ms.items() if name != decision.choice]
+    own = decision.timings_ms.get(decision.choice)
+    return bool(others) and (timed_ms > FAR_OFF * min(others) or (
+        own is not None and own > 0 and not own / FAR_OFF <= timed_ms <= FAR_OFF * own))
+
+
+def _quantiles(runs: List[float]) -> tuple:
+    """(p20, median, p80) of a candidate's rounds."""
+    ranked = sorted(runs)
+    if len(ranked) == 1:
+        return ranked[0], ranked[0], ranked[0]
+    cut = statistics.quantiles(ranked, n=5, method="inclusive")
+    return cut[0], statistics.median(ranked), cut[3]
 
 
 def _fast_key(kind: str, inputs: tuple) -> tuple:
@@ -396,7 +473,8 @@ def _describe(shape: Shape) -> str:
 def _stored(decision: Decision) -> dict:
     """A decision as the tune store keeps it."""
     return {"choice": decision.choice, "timings_ms": decision.timings_ms, "skipped": decision.skipped,
-            "spread": decision.spread, "config": decision.config, "shape": decision.shape,
+            "spread": decision.spread, "window_ms": decision.window_ms, "rounds": decision.rounds,
+            "config": decision.config, "shape": decision.shape,
             "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
