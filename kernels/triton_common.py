@@ -71,10 +71,10 @@ PRUNE_RULES: Dict[str, List[Tuple[Callable[[Dict[str, Any], int, Dict[str, Optio
 
 
 def config_name(config: Dict[str, Any]) -> str:
-    """A config as the prune rules name it: its block sizes in order, then its warps
-    (``"BD=64 BP=64 BT=32 w8"``)."""
+    """A config as the prune rules name it: block sizes in order, warps, stages if not 3 (``"BT=64 w8 s4"``)."""
     blocks = " ".join(f"{k}={v}" for k, v in sorted(config.items()) if k not in ("num_warps", "num_stages"))
-    return f"{blocks} w{config['num_warps']}"
+    stages = config.get("num_stages", 3)
+    return f"{blocks} w{config['num_warps']}" + (f" s{stages}" if stages not in (None, 3) else "")
 
 
 def linear_family(pointers: Dict[str, Optional[str]]) -> str:
@@ -153,7 +153,7 @@ def prune_for(kernel: str) -> Dict[str, Callable]:
     """``triton.autotune``'s ``prune_configs_by`` for ``kernel``: the configs ``pruned`` keeps
     for the launch's GPU and tensors (all of them where it would keep none)."""
     def early_config_prune(configs, named_args, **kwargs):
-        capability, pointers = launch_types({**named_args, **kwargs})
+        capability, pointers = launch_facts({**named_args, **kwargs})
         kept = [c for c in configs if pruned(kernel, _config_dict(c), capability, pointers) is None]
         return kept or list(configs)
 
@@ -343,3 +343,119 @@ def _patch_language_once_per_launch() -> None:
 
 if INTERPRET:
     _patch_language_once_per_launch()
+
+
+# What follows is added at the end of the module, below the kernels' helpers (see above).
+def launch_facts(named: Dict[str, Any]) -> Tuple[int, Dict[str, Any]]:
+    """``launch_types``, with the GEMM skeleton's alignment flags (``A_ALIGN``...: constexprs
+    of its kernels, from ``relative``), which its families read (``skeleton_family``)."""
+    capability, pointers = launch_types(named)
+    pointers.update({k: v for k, v in named.items() if k.endswith("_ALIGN")})
+    return capability, pointers
+
+
+def parse_config(name: str) -> Dict[str, int]:
+    """The config ``config_name`` names: block sizes, ``num_warps`` and ``num_stages``."""
+    out: Dict[str, int] = {"num_stages": 3}
+    for part in name.split():
+        if "=" in part:
+            key, value = part.split("=")
+            out[key] = int(value)
+        elif part[0] in "ws" and part[1:].isdigit():
+            out["num_warps" if part[0] == "w" else "num_stages"] = int(part[1:])
+        else:
+            raise ValueError(f"{name!r}: {part!r} is not a block size, w<warps> or s<stages>")
+    return out
+
+
+def family_configs(kernel: str, family: Callable[[Dict[str, Optional[str]]], str],
+                   per_family: Dict[str, Sequence[str]], interpret: Dict[str, int]) -> List[triton.Config]:
+    """A kernel's configs named per family of launch dtypes (``config_name``, ``family``: e.g.
+    ``linear_family``): on a GPU the autotuner tries, for a launch, the configs of its family
+    only (``keep_only`` prunes the others); under the interpreter only ``interpret``."""
+    names = list(dict.fromkeys(n for listed in per_family.values() for n in listed))
+    keep_only(kernel, family, per_family, why="tried only on the launches of another dtype family")
+    if INTERPRET:
+        return [triton.Config(dict(interpret), num_warps=4)]
+    out = []
+    for name in names:
+        c = parse_config(name)
+        warps, stages = c.pop("num_warps"), c.pop("num_stages")
+        out.append(triton.Config(c, num_warps=warps, num_stages=stages))
+    return out
+
+
+_SMS: Dict[int, int] = {}
+
+
+def persistent_programs(device: torch.device, items: int) -> int:
+    """The programs of a persistent grid walking ``items`` work items: one per streaming
+    multiprocessor of the GPU (fewer items: one each); a few under the interpreter, so that
+    its programs walk several items as on a GPU."""
+    if device.type != "cuda":
+        return max(1, min(items, 3))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return max(1, min(items, _SMS[index]))
+
+
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def skeleton_family(pointers: Dict[str, Any]) -> str:
+    """A launch on the GEMM skeleton (gemm_tiles.py) as a family: ``linear_family``, with
+    " unaligned" where A's or G's rows do not all start on 16 bytes (``A_ALIGN``, ``G_ALIGN``:
+    ``relative``'s alignment in elements): their loads are neither vectorised nor asynchronous,
+    and their offsets take the registers wide tiles need."""
+    aligned = all(pointers.get(f"{x}_ALIGN", 1) * _BYTES.get(pointers.get(x) or "", 0) >= 16 for x in "AG")
+    return linear_family(pointers) + ("" if aligned else " unaligned")
+
+
+class Relative(NamedTuple):
+    """How a launch built on the GEMM skeleton (gemm_tiles.py) reads L tensors of one layout:
+    ``table``, each tensor's offset from the first in elements (int64, on their device; a
+    placeholder for one tensor), read by ``gemm_tiles.layer_base``; the ``strides`` they share;
+    ``on``, the kernel's ``grouped`` flag; ``align``, the largest power of two up to 16 bytes
+    (in elements) that divides every offset, the first tensor's address and the sample and
+    token strides, so that every row a tile reads starts on it. The kernel may assume it (a
+    constexpr): pointers derived from the kernel's own argument keep the alignment Triton
+    specialises it on, and with it the asynchronous copies a pointer read from a table loses;
+    and the autotuner tries narrower tiles where it is under 16 bytes (``skeleton_family``)."""
+
+    table: torch.Tensor
+    strides: Tuple[int, ...]
+    on: int
+    align: int
+
+
+def relative(tensors: Sequence[torch.Tensor]) -> Relative:
+    """What a skeleton launch needs to read ``tensors`` (one shape, dtype and set of strides;
+    raises ValueError otherwise) where they are. On a GPU the table goes through pinned memory
+    without waiting for the device."""
+    first = tensors[0]
+    size = first.element_size()
+    widest = max(1, 16 // size)
+
+    def aligned(values):
+        align = widest
+        while align > 1 and any(v % align for v in values):
+            align //= 2
+        return align
+
+    rows = aligned([first.data_ptr() // size if first.data_ptr() % size == 0 else 1, *first.stride()[:2]])
+    if len(tensors) == 1:
+        return Relative(placeholder(first.device, torch.int64), first.stride(), 0, rows)
+    if not same_layout(tensors):
+        raise ValueError("a grouped launch takes tensors of one shape, dtype and strides")
+    offsets = []
+    for t in tensors:
+        diff = t.data_ptr() - first.data_ptr()
+        if diff % size:
+            raise ValueError("a grouped launch takes tensors whose addresses differ by whole elements")
+        offsets.append(diff // size)
+    align = min(rows, aligned(offsets))
+    table = torch.tensor(offsets, dtype=torch.int64)
+    if first.device.type == "cuda":
+        table = table.pin_memory().to(first.device, non_blocking=True)
+    return Relative(table, first.stride(), 1, align)

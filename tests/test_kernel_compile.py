@@ -5,7 +5,7 @@ fp32-beside-half pairs, constexpr flags: a table the first test proves complete)
 config its autotuner may choose on the target, compiled for sm_80, sm_90 and (where the
 installed Triton can) sm_100: each compiles, spills no register, fits the target's shared
 memory, uses the tensor cores for its dots on half operands and never TF32 for fp32 ones, and
-computes every pointer offset in 64 bits. Compiles whose answer the results cache
+(the GEMM skeleton's kernels on aligned tensors) loads through asynchronous copies. Compiles whose answer the results cache
 (tests/data/kernel_compiles.json, keyed by the kernels' source, Triton's version, the target,
 the variant and the config) holds are not repeated; a changed kernel is compiled again here.
 Also: a spilling config and a variant that does not compile are caught (the check can fail),
@@ -126,6 +126,7 @@ def test_grids_within_cuda_limits_at_the_largest_bench_shapes(monkeypatch):
 
     for module in {sys.modules[f.__module__] for f in (K.linear_per_sample, K.linear_clipped_sum,
                                                        K.linear_weight_sq_norm_gram, K.linear_bias_grad_sample,
+                                                       K.linear_weight_sq_norm_direct,
                                                        K.embedding_sq_norm, K.norm_layer_grad_sample_grouped,
                                                        K.group_norm_grad_sample_grouped)}:
         monkeypatch.setattr(module, "launch", record)
@@ -137,6 +138,7 @@ def test_grids_within_cuda_limits_at_the_largest_bench_shapes(monkeypatch):
         K.linear_per_sample_grouped(As, Gs, grad=False, bias=True, norm=True)
         K.linear_clipped_sum_grouped(As, Gs, coef, bias=True)
         K.linear_weight_sq_norm_gram_grouped(As, Gs)
+        K.linear_weight_sq_norm_direct_grouped(As, Gs)
         K.linear_bias_grad_sample_grouped(Gs)
     for B, T, V, d in LARGEST_EMBEDDING:
         ids = torch.empty(B, T, dtype=torch.int64, device="meta")
@@ -151,6 +153,7 @@ def test_grids_within_cuda_limits_at_the_largest_bench_shapes(monkeypatch):
         K.group_norm_grad_sample_grouped(Xs, Xs, groups, 1e-5, weight=True, bias=True)
     kernels = {name for name, _ in grids}
     assert kernels >= {"_linear_per_sample_kernel", "_linear_clipped_sum_kernel", "_linear_gram_norm_kernel",
+                       "_linear_direct_norm_kernel",
                        "_token_sum_kernel", "_segment_sum_kernel", "_per_sample_total_kernel",
                        "_norm_layer_grad_sample_kernel", "_group_norm_grad_sample_kernel"}, kernels
     for name, blocks in grids:

@@ -325,10 +325,11 @@ def test_dtypes_outside_the_kernels_are_refused_with_advice():
 
 def test_autotune_keys_are_layer_dims_not_batch_or_tokens():
     """Poisson sampling changes B every step and T varies: neither may trigger retuning."""
-    from dpgrad.kernels import (embedding_segment_sum, linear_clipped_sum, linear_grad_sample, linear_norm_gram,
-                                linear_token_sum)
+    from dpgrad.kernels import (embedding_segment_sum, linear_clipped_sum, linear_grad_sample, linear_norm_direct,
+                                linear_norm_gram, linear_token_sum)
 
     kernels = [linear_grad_sample._linear_per_sample_kernel, linear_norm_gram._linear_gram_norm_kernel,
+               linear_norm_direct._linear_direct_norm_kernel,
                linear_clipped_sum._linear_clipped_sum_kernel, linear_token_sum._token_sum_kernel,
                embedding_segment_sum._segment_sum_kernel]
     for kernel in kernels:
@@ -696,3 +697,62 @@ def test_interpreter_patches_the_language_once_per_launch(monkeypatch):
         torch.testing.assert_close(out.weight_sq_norm.double(), want.weight_sq_norm, rtol=1e-5, atol=0)
         assert tl.core.is_builtin(tl.load), "the launch left triton.language patched"
     assert per_launch[8] == per_launch[200] > 0, per_launch
+
+
+# ----------------------------------------------------------------- offsets past 2^31 elements
+# The skeleton's kernels (gemm_tiles.py) take a 64-bit base per layer, sample and tile and 32-bit
+# offsets inside a tile; their launchers check from the sizes that no tile's offsets overflow.
+# Meta tensors give the strides of tensors far past 2^31 elements without memory.
+SKELETON_LAUNCHERS = {
+    "direct": lambda A, G: K.linear_weight_sq_norm_direct(A, G),
+    "gram": lambda A, G: K.linear_weight_sq_norm_gram(A, G),
+    "clipped sum": lambda A, G: K.linear_clipped_sum(A, G, torch.ones(A.shape[0], device=A.device), bias=True),
+}
+
+
+def _meta(shape, stride):
+    return torch.empty_strided(shape, stride, dtype=torch.bfloat16, device="meta")
+
+
+@pytest.mark.parametrize("name", SKELETON_LAUNCHERS)
+def test_a_tile_past_32_bit_offsets_is_refused_before_its_launch(name, monkeypatch):
+    """A token stride of 2^28 elements (a view of every 2^28-th row of a larger tensor): the
+    16 to 128 tokens of one tile span 4e9 elements or more, which 32-bit offsets cannot reach.
+    Refused with advice, and nothing launched."""
+    from dpgrad.kernels import gemm_tiles, linear_clipped_sum, linear_norm_direct, linear_norm_gram
+
+    for module in (linear_clipped_sum, linear_norm_direct, linear_norm_gram):
+        monkeypatch.setattr(module, "launch", lambda *a, **k: pytest.fail("launched"))
+    B, T, d, p = 2, 128, 64, 32
+    far = _meta((B, T, d), (T * 2**28, 2**28, 1))
+    near = _meta((B, T, p), (T * p, p, 1))
+    for A, G in ((far, near), (_meta((B, T, d), (T * d, d, 1)), _meta((B, T, p), (T * 2**28, 2**28, 1)))):
+        with pytest.raises(ValueError, match="past 32-bit offsets: make it contiguous"):
+            SKELETON_LAUNCHERS[name](A, G)
+    assert gemm_tiles.I32_MAX == 2**31 - 1
+
+
+@pytest.mark.parametrize("name", SKELETON_LAUNCHERS)
+def test_samples_past_2_31_elements_reach_the_kernel_as_64_bit_strides(name, monkeypatch):
+    """Samples of 2^16 tokens of 2^16 features (2^32 elements each): sample strides past 2^31
+    are no obstacle (the kernels compute each sample's base in 64 bits); they reach the launch
+    whole."""
+    from dpgrad.kernels import linear_clipped_sum, linear_norm_direct, linear_norm_gram
+
+    seen = []
+
+    def launch(kernel, grid, *args, **kwargs):
+        seen.append(args)
+
+    for module in (linear_clipped_sum, linear_norm_direct, linear_norm_gram):
+        monkeypatch.setattr(module, "launch", launch)
+    B, T, d, p = 3, 2**16, 2**16, 32
+    A = _meta((B, T, d), (T * d, d, 1))
+    G = _meta((B, T, p), (T * p, p, 1))
+    try:
+        SKELETON_LAUNCHERS[name](A, G)
+    except (NotImplementedError, RuntimeError):  # what follows the launch cannot run on meta tensors
+        pass
+    assert len(seen) == 1
+    ints = [a for a in seen[0] if isinstance(a, int)]
+    assert T * d in ints and T * p in ints and T * d > 2**31

@@ -11,8 +11,10 @@ its constexpr flags), with every config its autotuner may choose on the target (
 ``triton_common.pruned`` keeps; those it prunes are listed with the reason), for each
 target. For each compile: whether it compiled, registers, stack (spilled registers), shared
 memory against the target's per-block limit, whether its dots use the tensor cores (wgmma,
-mma, tcgen05) and whether any uses TF32, and whether every pointer offset is 64-bit (the
-TTIR's ``tt.addptr`` operands).
+mma, tcgen05) and whether any uses TF32, and its asynchronous copies to shared memory
+(``LDGSTS``: cp.async; ``UTMALDG``: TMA), read in the SASS, which the GEMM skeleton's kernels
+must use on aligned tensors. Offsets inside a tile may be 32-bit: each launcher checks from
+the sizes that they cannot overflow (``gemm_tiles.check_offsets``).
 
 A results cache keyed by the kernels' source (and Triton's version, the target, the variant
 and the config) spares the compiles whose answer is known: ``--update`` writes the new ones
@@ -46,7 +48,7 @@ TARGETS = {"sm_80": 80, "sm_90": 90, "sm_100": 100}
 MAX_SHARED = {80: 163 * 1024, 90: 227 * 1024, 100: 227 * 1024}
 CACHE = Path(__file__).resolve().parents[2] / "tests" / "data" / "kernel_compiles.json"
 TENSOR_CORES = re.compile(r"\b(wgmma|mma\.sync|tcgen05\.mma)")
-ADDPTR_I32 = re.compile(r"tt\.addptr [^\n]*: [^\n]*, (tensor<[^>]*xi32>|i32)\s*$", re.M)
+ASYNC_LOADS = re.compile(r"\b(LDGSTS|UTMALDG)\b")
 
 # Pairs of dtypes of a Linear's inputs and backprops (its launchers take one half dtype per
 # launch, beside fp32 in autocast's pairs); the first is A's, the second G's.
@@ -100,13 +102,18 @@ def _linear_variants() -> Iterator[Variant]:
                                  "W_SQ": "fp32", "BIAS_SQ": "fp32"}.items()),
                           (("WRITE_GRAD", grad), ("WITH_BIAS", bias), ("WITH_NORM", norm), ("UPCAST", False)),
                           _dots(a, g))
+        # The GEMM skeleton's kernels (gemm_tiles.py): tables of offsets, and how aligned they are.
+        skeleton = dict(A=a, G=g, A_OFFS="i64", G_OFFS="i64")
+        align = (("A_ALIGN", 1), ("G_ALIGN", 1))
         for bias, split in itertools.product((False, True), (False, True)):
             part = "fp32" if split else _out(a, g)  # a batch split sums fp32 partials
             yield Variant("linear_clipped_sum:_linear_clipped_sum_kernel", f"{a}/{g} bias={bias:d} partials={part}",
-                          tuple({**common, "COEF": "fp32", "W": part, "BIAS": part if bias else None}.items()),
-                          (("WITH_BIAS", bias), ("UPCAST", False)), _dots(a, g))
-        yield Variant("linear_norm_gram:_linear_gram_norm_kernel", f"{a}/{g}", tuple({**common, "SQ": "fp32"}.items()),
-                      (("UPCAST", False),), _dots(a, g))
+                          tuple({**skeleton, "COEF": "fp32", "W": part, "BIAS": part if bias else None}.items()),
+                          (("WITH_BIAS", bias), ("UPCAST", False), *align), _dots(a, g))
+        yield Variant("linear_norm_gram:_linear_gram_norm_kernel", f"{a}/{g}",
+                      tuple({**skeleton, "SQ": "fp32"}.items()), (("UPCAST", False), *align), _dots(a, g))
+        yield Variant("linear_norm_direct:_linear_direct_norm_kernel", f"{a}/{g}",
+                      tuple({**skeleton, "SQ": "fp32"}.items()), (("UPCAST", False), *align), _dots(a, g))
 
 
 def _token_sum_variants() -> Iterator[Variant]:
@@ -166,9 +173,19 @@ def variants() -> List[Variant]:
     # dict: a variant two launchers make alike (an fp32 layer's split and unsplit sums) once.
     plain = list(dict.fromkeys([*_linear_variants(), *_token_sum_variants(), *_embedding_variants(),
                                 *_norm_layer_variants(), *_group_norm_variants()]))
-    # And each as a launch on aligned, contiguous tensors compiles it (the common case on a GPU).
-    return plain + [dataclasses.replace(v, label=v.label + " aligned", aligned=True) for v in plain
-                    if v.kernel != "embedding_segment_sum:_per_sample_total_kernel"]
+    # And each as a launch on aligned, contiguous tensors compiles it (the common case on a GPU),
+    # the skeleton's tables of offsets aligned to 16 bytes too (``triton_common.relative``).
+    return plain + [dataclasses.replace(v, label=v.label + " aligned", aligned=True, flags=_aligned(v))
+                    for v in plain if v.kernel != "embedding_segment_sum:_per_sample_total_kernel"]
+
+
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def _aligned(variant: Variant) -> Tuple[Tuple[str, object], ...]:
+    """A variant's flags on aligned tensors: each ``X_ALIGN`` the elements of 16 bytes of X."""
+    pointers = dict(variant.pointers)
+    return tuple((k, 16 // _BYTES[pointers[k[:-6]]] if k.endswith("_ALIGN") else v) for k, v in variant.flags)
 
 
 def table_problems() -> List[str]:
@@ -200,7 +217,8 @@ def table_problems() -> List[str]:
         if hasattr(kernel, "configs"):
             from dpgrad.kernels.triton_common import PRUNE_RULES, config_name
 
-            names = {config_name({**c.kwargs, "num_warps": c.num_warps}) for c in kernel.configs}
+            names = {config_name({**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages})
+                     for c in kernel.configs}
             for rule, _ in PRUNE_RULES.get(jit_function(kernel).__name__, ()):
                 for family, kept in getattr(rule, "kept", {}).items():
                     for unknown in sorted(kept - names):
@@ -240,7 +258,8 @@ def launch_configs(variant: Variant, capability: int) -> List[Tuple[Dict[str, ob
     if not hasattr(kernel, "configs"):  # launched with blocks of its own
         return [({**dict(variant.blocks), "num_warps": variant.num_warps, "num_stages": 3}, None)]
     configs = [{**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages} for c in kernel.configs]
-    pointers = dict(variant.pointers)
+    # The skeleton's alignment flags, which its families read (``triton_common.skeleton_family``).
+    pointers = {**dict(variant.pointers), **{k: v for k, v in variant.flags if k.endswith("_ALIGN")}}
     return [(c, triton_common.pruned(jit_function(kernel).__name__, c, capability, pointers)) for c in configs]
 
 
@@ -318,6 +337,7 @@ def compile_one(variant: Variant, config: Dict[str, object], target: str) -> Dic
         f.flush()
         usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
                                text=True, check=True).stdout
+        sass = subprocess.run([_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True).stdout
     found = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", usage))
     ptx = compiled.asm["ptx"]
     return {
@@ -329,7 +349,8 @@ def compile_one(variant: Variant, config: Dict[str, object], target: str) -> Dic
         "shared": max(int(found.get("SHARED", 0)), int(getattr(compiled.metadata, "shared", 0) or 0)),
         "tensor_cores": bool(TENSOR_CORES.search(ptx)),
         "tf32": ".tf32" in ptx,
-        "offsets_i32": len(ADDPTR_I32.findall(compiled.asm["ttir"])),
+        # Asynchronous copies to shared memory: cp.async (Ampere on), TMA (Hopper on).
+        "async_loads": len(ASYNC_LOADS.findall(sass)),
     }
 
 
@@ -352,8 +373,11 @@ def problems(variant: Variant, target: str, result: Dict[str, object]) -> List[s
         found.append("its dots on half operands use no tensor-core instruction")
     if variant.dots == "fp32" and (result["tf32"] or result["tensor_cores"]):
         found.append("its fp32 dots use the tensor cores (TF32), not fp32")
-    if result["offsets_i32"]:
-        found.append(f"{result['offsets_i32']} pointer offsets are 32-bit")
+    # The GEMM skeleton's kernels (their alignment flags) on aligned tensors: the main loop's
+    # operands come through asynchronous copies (cp.async, TMA), which the pipelining needs.
+    skeleton = any(name.endswith("_ALIGN") for name, _ in variant.flags)
+    if skeleton and variant.aligned and result.get("async_loads") == 0:
+        found.append("its main loop loads without asynchronous copies (no LDGSTS or UTMALDG in the SASS)")
     return found
 
 

@@ -131,7 +131,7 @@ def _linear_norm(backend_name: str, algorithm: str, kernel: Optional[str]) -> Ca
 _K = "dpgrad.kernels."
 CANDIDATES: Dict[str, List[Candidate]] = {
     "linear_norm": [
-        _linear_norm("triton", "direct", _K + "linear_grad_sample:_linear_per_sample_kernel"),
+        _linear_norm("triton", "direct", _K + "linear_norm_direct:_linear_direct_norm_kernel"),
         _linear_norm("triton", "gram", _K + "linear_norm_gram:_linear_gram_norm_kernel"),
         _linear_norm("triton", "outer", _K + "linear_token_sum:_token_sum_kernel"),
         _linear_norm("eager", "direct", None),
@@ -161,7 +161,7 @@ CANDIDATES: Dict[str, List[Candidate]] = {
     ],
     "conv_norm": [
         Candidate("conv_norm", "triton-unfold-direct", "triton", "direct", "conv_weight_sq_norm_direct",
-                  _K + "linear_grad_sample:_linear_per_sample_kernel"),
+                  _K + "linear_norm_direct:_linear_direct_norm_kernel"),
         Candidate("conv_norm", "triton-unfold-gram", "triton", "gram", "conv_weight_sq_norm_gram",
                   _K + "linear_norm_gram:_linear_gram_norm_kernel"),
         Candidate("conv_norm", "eager-unfold-direct", "eager", "direct", "conv_weight_sq_norm_direct"),
