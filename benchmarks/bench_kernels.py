@@ -1,7 +1,7 @@
 """Kernel timings at GPT-2 and Llama layer shapes: dpgrad against Opacus 1.6's samplers and the GEMM.
 
-For every layer shape and T in {128, 512, 1024, 4096} (B = 4096 // T, so every call sees
-4096 tokens), in bf16:
+For every layer shape and T in {128, 512, 1024, 4096} (B = 8192 // T, so every call sees
+8192 tokens: GPT-2 small at B = 64, Llama-1B at B = 8 and T = 1024), in bf16:
 - ``linear_norm``: per-sample weight norms, dpgrad's direct and Gram forms, Opacus's
   ``compute_linear_norm_sample`` (two (B, T, T) Gram tensors), and the plain weight-gradient
   GEMM ``G^T A`` over the batch (the direct form's floor: both do 2*B*T*p*d flops);
@@ -9,16 +9,23 @@ For every layer shape and T in {128, 512, 1024, 4096} (B = 4096 // T, so every c
 - ``linear_grad_sample``: per-sample gradients with the norms fused in, against Opacus's
   ``compute_linear_grad_sample`` einsum alone and followed by the norms its optimizer takes;
 - ``linear_clipped_sum``: the single backward's clipped sum ``(c ⊙ G)^T A`` against the GEMM
-  (Opacus has no such step: it runs a second backward pass).
+  (Opacus has no such step: it runs a second backward pass);
+- ``roofline``: the device's limits as measured in the same run, a large GEMM's FLOP/s
+  (``cublas-gemm``, 8192^3) and a large copy's bytes/s (``copy``, 1 GiB). Each row's work, the
+  fewest FLOPs of its cheapest form and one read of its inputs (``benchmarks/conftest.py``,
+  ``kernel_work``), over these gives its fraction of the roofline; the Linear norms also run
+  cuBLAS doing the Gram form's work (``cublas-gram``: ``bmm(A, A^T)`` and ``bmm(G, G^T)``).
 On a GPU times are ``triton.testing.do_bench`` quantiles (L2 flushed between runs); dpgrad
 runs its Triton kernels, and its eager candidates run too (``dpgrad-eager-*``: the ones the
 autotuner chooses instead where they are faster; the tables take dpgrad's fastest). Quick mode (the default without CUDA) takes small layers at T in
 {32, 128} with 512 tokens per call, in fp32, and times with pytest-benchmark rounds; dpgrad
 runs its eager kernels there (so the ``dpgrad-eager-*`` rows are skipped). A call that needs more memory than the limit, runs out of it,
-or raises is recorded with the reason.
+or raises is recorded with the reason. ``DPGRAD_BENCH_SEQ_LENS=128,1024`` takes only those T.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -36,7 +43,9 @@ QUICK = results.quick_mode()
 DEV = "cuda" if CUDA else "cpu"
 DTYPE = torch.float32 if QUICK else torch.bfloat16
 SEQ_LENS = (32, 128) if QUICK else (128, 512, 1024, 4096)
-TOKENS_PER_CALL = 512 if QUICK else 4096
+if os.environ.get("DPGRAD_BENCH_SEQ_LENS"):  # e.g. "128,1024": fewer cases, for a short run
+    SEQ_LENS = tuple(int(t) for t in os.environ["DPGRAD_BENCH_SEQ_LENS"].split(","))
+TOKENS_PER_CALL = 512 if QUICK else 8192
 # Cases whose tensors would need more than this are recorded as skipped, not run.
 MEMORY_LIMIT = 60 * 2**30
 # (layer, d, p) and (layer, V, d)
@@ -44,7 +53,8 @@ LINEAR_LAYERS = (
     [("gpt2-like.c_attn", 64, 192), ("gpt2-like.lm_head", 64, 2048), ("llama-like.down_proj", 172, 64)]
     if QUICK
     else [("gpt2.attn.c_proj", 768, 768), ("gpt2.attn.c_attn", 768, 2304), ("gpt2.mlp.c_fc", 768, 3072),
-          ("gpt2.lm_head", 768, 50257), ("llama7b.mlp.up_proj", 4096, 11008),
+          ("gpt2.lm_head", 768, 50257), ("llama1b.attn.q_proj", 2048, 2048), ("llama1b.attn.k_proj", 2048, 512),
+          ("llama1b.mlp.up_proj", 2048, 8192), ("llama1b.mlp.down_proj", 8192, 2048), ("llama7b.mlp.up_proj", 4096, 11008),
           ("llama7b.mlp.down_proj", 11008, 4096), ("llama7b.attn.q_proj", 4096, 4096)]
 )
 EMBEDDINGS = (
@@ -53,7 +63,8 @@ EMBEDDINGS = (
     else [("gpt2.wte", 50257, 768), ("llama7b.embed_tokens", 32000, 4096), ("llama3-8b.embed_tokens", 128256, 4096)]
 )
 PROVIDERS = {
-    "linear_norm": ["dpgrad-direct", "dpgrad-gram", "dpgrad-eager-direct", "dpgrad-eager-gram", "opacus", "gemm"],
+    "linear_norm": ["dpgrad-direct", "dpgrad-gram", "dpgrad-eager-direct", "dpgrad-eager-gram", "opacus", "gemm",
+                    "cublas-gram"],
     "embedding_norm": ["dpgrad", "dpgrad-eager-sort", "opacus"],
     "linear_grad_sample": ["dpgrad", "dpgrad-eager-bmm", "opacus", "opacus-with-norm"],
     "linear_clipped_sum": ["dpgrad", "dpgrad-eager-gemm", "gemm"],
@@ -75,6 +86,11 @@ def _linear_inputs(d, p, T):
 
 def _gemm(A, G):
     return torch.matmul(G.reshape(-1, G.shape[-1]).T, A.reshape(-1, A.shape[-1]))
+
+
+def _gram_pair(A, G):
+    """cuBLAS doing the Gram form's work: both (B, T, T) Gram matrices, nothing reduced."""
+    return torch.bmm(A, A.transpose(1, 2)), torch.bmm(G, G.transpose(1, 2))
 
 
 def linear_call(kernel: str, provider: str, d: int, p: int, T: int):
@@ -101,6 +117,7 @@ def linear_call(kernel: str, provider: str, d: int, p: int, T: int):
         ("linear_norm", "dpgrad-eager-gram"): (inputs + 20 * B * T * T, lambda: eager.linear_weight_sq_norm_gram(A, G)),
         ("linear_norm", "opacus"): (inputs + 8 * B * T * T, lambda: compute_linear_norm_sample(layer, [A], G)),
         ("linear_norm", "gemm"): (inputs + 4 * p * d, lambda: _gemm(A, G)),
+        ("linear_norm", "cublas-gram"): (inputs + 4 * B * T * T, lambda: _gram_pair(A, G)),
         ("linear_grad_sample", "dpgrad"): (inputs + 2 * B * p * d,
                                            lambda: ops.linear_per_sample(A, G, bias=True, norm=True)),
         ("linear_grad_sample", "dpgrad-eager-bmm"): (inputs + 6 * B * p * d,
@@ -164,6 +181,32 @@ def _run(bench, need: int, call) -> None:
             torch.cuda.synchronize()
 
     bench.benchmark_fixture.pedantic(synchronised, rounds=5 if CUDA else 10, iterations=1, warmup_rounds=1)
+
+
+# The roofline, first (a run cut short at its time limit still has it): a large GEMM's FLOP/s
+# and a large copy's bytes/s, which every row's work is measured against.
+ROOFLINE_N = 1024 if QUICK else 8192
+ROOFLINE_BYTES = 2**26 if QUICK else 2**30
+
+
+def roofline_call(provider: str):
+    """(the row's shape, the call) for a roofline provider."""
+    if provider == "cublas-gemm":
+        x = torch.randn(ROOFLINE_N, ROOFLINE_N, device=DEV, dtype=DTYPE)
+        y = torch.randn(ROOFLINE_N, ROOFLINE_N, device=DEV, dtype=DTYPE)
+        work = dict(layer=f"gemm {ROOFLINE_N}^3", flops=2 * ROOFLINE_N**3, bytes=3 * ROOFLINE_N**2 * x.element_size())
+        return work, lambda: torch.mm(x, y)
+    src = torch.empty(ROOFLINE_BYTES, dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    return dict(layer=f"copy {ROOFLINE_BYTES // 2**20} MiB", flops=0, bytes=2 * ROOFLINE_BYTES), lambda: dst.copy_(src)
+
+
+@pytest.mark.parametrize("provider", ["cublas-gemm", "copy"])
+def test_roofline(bench, provider):
+    work, call = roofline_call(provider)
+    shape = dict(kernel="roofline", T=None, B=None, dtype=str(DTYPE).removeprefix("torch."), **work)
+    bench.describe("kernels", "roofline", shape, provider)
+    _run(bench, 0, call)
 
 
 LINEAR_CASES = [(name, d, p, T) for T in SEQ_LENS for name, d, p in LINEAR_LAYERS]

@@ -23,7 +23,7 @@ import os
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 
@@ -146,21 +146,76 @@ def _derive_dp_step(rows: List[dict]) -> None:
                                                            opacus["metrics"]["step_time"], t)
 
 
+_ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def kernel_work(shape: Dict[str, object]) -> Optional[Tuple[float, float]]:
+    """(FLOPs, bytes) the physical limit of a kernels row's work takes: the fewest FLOPs of its
+    cheapest form and one read of its inputs (and one write of its output). Per-sample Linear
+    norms: the direct form's ``2*B*T*d*p`` (the weight-gradient GEMM's) or the Gram form's
+    ``B*T^2*(d+p)`` (both Gram matrices, symmetric: half of ``2*B*T^2*(d+p)``), whichever is
+    fewer. Per-sample gradients and clipped sums: the GEMM's FLOPs, and their output written.
+    Embedding norms: reading the ids and G. None for a row of another kind."""
+    kernel, e = shape.get("kernel"), _ELEMENT_BYTES.get(str(shape.get("dtype")), 4)
+    if kernel == "roofline":
+        return float(shape["flops"]), float(shape["bytes"])
+    if kernel == "embedding_norm":
+        return 0.0, float(8 * shape["B"] * shape["T"] + e * shape["B"] * shape["T"] * shape["d"])
+    if kernel not in ("linear_norm", "linear_grad_sample", "linear_clipped_sum"):
+        return None
+    B, T, d, p = (int(shape[k]) for k in ("B", "T", "d", "p"))
+    read = e * B * T * (d + p)
+    gemm = 2.0 * B * T * d * p
+    if kernel == "linear_norm":
+        return min(gemm, float(B * T * T * (d + p))), float(read)
+    written = B * p * d if kernel == "linear_grad_sample" else p * d
+    return gemm, float(read + e * written)
+
+
+def _seconds(row: dict) -> float:
+    return row["metrics"]["time"]["p50"] / 1e3
+
+
 def _derive_kernels(rows: List[dict]) -> None:
-    """Speedup over Opacus's sampler and time over the plain GEMM, per kernel and shape."""
+    """Per kernel and shape: speedup over Opacus's sampler, time over the plain GEMM and (Linear
+    norms) over cuBLAS's Gram pair; every row's fraction of the roofline measured in the same
+    run (the ``roofline`` rows: a large GEMM's FLOP/s, a large copy's bytes/s), and dpgrad's
+    time over one read of its inputs at the copy's bytes/s."""
+    peak_flops = peak_bytes = None
+    for r in rows:
+        if r["shape"].get("kernel") == "roofline" and r["status"] == "ok":
+            flops, moved = kernel_work(r["shape"])
+            if flops:
+                peak_flops = flops / _seconds(r)
+                r["metrics"]["tensor_flops"] = results.metric("tensor_flops", peak_flops / 1e12)
+            else:
+                peak_bytes = moved / _seconds(r)
+                r["metrics"]["bandwidth"] = results.metric("bandwidth", peak_bytes / 1e9)
     for case in results.by_case(rows).values():
         # Per-sample gradients against Opacus's with the norms its optimizer then takes, as
         # dpgrad's kernel fuses them.
         opacus, gemm = case.get("opacus-with-norm") or case.get("opacus"), case.get("gemm")
+        gram = case.get("cublas-gram")
         for name, r in case.items():
-            if not name.startswith("dpgrad") or r["status"] != "ok":
+            if r["status"] != "ok" or r["shape"].get("kernel") == "roofline":
                 continue
             t = r["metrics"]["time"]["p50"]
+            work = kernel_work(r["shape"])
+            if work is not None and peak_flops and peak_bytes:
+                limit = max(work[0] / peak_flops, work[1] / peak_bytes)
+                r["metrics"]["roofline_fraction"] = results.metric("roofline_fraction", limit / (t / 1e3))
+            if not name.startswith("dpgrad"):
+                continue
+            if work is not None and peak_bytes:
+                r["metrics"]["time_over_read"] = results.metric("time_over_read", t / 1e3 / (work[1] / peak_bytes))
             if opacus is not None and opacus["status"] == "ok":
                 r["metrics"]["speedup_over_opacus"] = results.metric("speedup_over_opacus",
                                                                      opacus["metrics"]["time"]["p50"] / t)
             if gemm is not None and gemm["status"] == "ok":
                 r["metrics"]["time_over_gemm"] = results.metric("time_over_gemm", t / gemm["metrics"]["time"]["p50"])
+            if gram is not None and gram["status"] == "ok":
+                r["metrics"]["time_over_cublas_gram"] = results.metric("time_over_cublas_gram",
+                                                                       t / gram["metrics"]["time"]["p50"])
 
 
 def _derive_host_overhead(rows: List[dict]) -> None:

@@ -22,6 +22,14 @@
 #                                                   memory side by side
 #                                                   (each part at most LIMIT seconds, default 270)
 #   bash benchmarks/gpu_session.sh kernels          bench_kernels.py, full sizes
+#   bash benchmarks/gpu_session.sh kernels-compare BASE
+#                                                   the kernel table at commit BASE (dpgrad's own
+#                                                   kernels only), then at the checkout (every
+#                                                   provider, the roofline), T = 128 and 1024
+#                                                   (GPT-2 small at B = 64, Llama-1B at B = 8), on
+#                                                   the same machine in one call (at most 480 s):
+#                                                   results in $OUT/base and $OUT/head, times side
+#                                                   by side in $OUT/kernels-compare.log
 #   bash benchmarks/gpu_session.sh profile [ARGS]   profile_dp_step.py (default: GPT-2 small B=64
 #                                                   T=128 bf16, non-private, dpgrad single and
 #                                                   per-block, the 30 costliest of each kind)
@@ -38,12 +46,14 @@
 set -u -o pipefail
 part=${1:-}
 case $part in
-    check | step | compare | kernels | profile | llama) shift ;;
-    *) echo "usage: bash benchmarks/gpu_session.sh check | step CASE... | compare BASE CASE... | kernels | profile [ARGS] | llama" >&2
+    check | step | compare | kernels | kernels-compare | profile | llama) shift ;;
+    *) echo "usage: bash benchmarks/gpu_session.sh check | step CASE... | compare BASE CASE... | kernels" \
+            "| kernels-compare BASE | profile [ARGS] | llama" >&2
        exit 2 ;;
 esac
 [ "$part" != step ] || [ $# -gt 0 ] || { echo "step: name the cases, e.g. hf-gpt2-64-128" >&2; exit 2; }
 [ "$part" != compare ] || [ $# -gt 1 ] || { echo "compare: name a commit and the cases, e.g. f66cec7 hf-llama-1b-8-1024" >&2; exit 2; }
+[ "$part" != kernels-compare ] || [ $# -eq 1 ] || { echo "kernels-compare: name a commit, e.g. 8cfd8d3" >&2; exit 2; }
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -76,9 +86,10 @@ tests() {
         | tail -40 | tee -a "$OUT/check.log"
 }
 
-# pytest over a benchmark suite at full size, its results into $OUT; at most 570 s.
+# pytest over a benchmark suite at full size, its results into $OUT; at most 570 s (SIGINT at
+# the limit: pytest ends the session and writes the results of the cases that ran).
 bench() {
-    DPGRAD_RESULTS_DIR=${RESULTS:-$OUT} timeout "${LIMIT:-570}" $PY -m pytest -q -p no:cacheprovider --benchmark-enable \
+    DPGRAD_RESULTS_DIR=${RESULTS:-$OUT} timeout -s INT -k 20 "${LIMIT:-570}" $PY -m pytest -q -p no:cacheprovider --benchmark-enable \
         --benchmark-columns=median,rounds "$@" 2>&1 | tee -a "$OUT/$part.log"
 }
 
@@ -145,6 +156,25 @@ PYEOF
         ;;
     kernels)
         bench benchmarks/bench_kernels.py
+        ;;
+    kernels-compare)
+        base=$1
+        tree=$(mktemp -d)
+        git archive "$base" | tar -x -C "$tree" || { echo "kernels-compare: no commit $base here" >&2; exit 1; }
+        echo "kernels-compare: $base, then $(git describe --always --dirty)" | tee -a "$OUT/kernels-compare.log"
+        export DPGRAD_BENCH_SEQ_LENS=128,1024
+        $PY -m pip install -q --no-deps --no-build-isolation "$tree" >/dev/null 2>&1 \
+            || { echo "kernels-compare: pip could not install $base" >&2; exit 1; }
+        # The base's own Triton kernels at the head's 8192 tokens a call (benches before 2026-11-27
+        # took 4096); the comparison pairs equal shapes.
+        sed -i 's/^TOKENS_PER_CALL = 512 if QUICK else 4096$/TOKENS_PER_CALL = 512 if QUICK else 8192/' \
+            "$tree/benchmarks/bench_kernels.py"
+        (cd "$tree/benchmarks" && export DPGRAD_COMMIT=$(git rev-parse --short "$base") && RESULTS=$OUT/base \
+            LIMIT=${LIMIT_BASE:-170} bench bench_kernels.py -k "dpgrad and not eager")
+        $PY -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
+            || { echo "kernels-compare: pip could not install the checkout" >&2; exit 1; }
+        RESULTS=$OUT/head LIMIT=${LIMIT_HEAD:-290} bench benchmarks/bench_kernels.py
+        $PY benchmarks/compare_kernels.py "$OUT/base" "$OUT/head" 2>&1 | tee -a "$OUT/kernels-compare.log"
         ;;
     profile)
         [ $# -gt 0 ] || set -- --model hf-gpt2 --batch 64 --seq-len 128 --dtype bf16 \

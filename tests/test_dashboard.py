@@ -46,10 +46,16 @@ def sample_docs():
     included) and a CPU run without memory figures. Made up for the test, not measurements."""
     kshape = dict(kernel="linear_norm", layer="gpt2.lm_head", d=768, p=50257, T=1024, B=4, dtype="bfloat16")
     kernels = [
-        _row("linear_norm", kshape, "dpgrad-direct", time=2.0, speedup_over_opacus=3.0, time_over_gemm=1.2),
+        _row("linear_norm", kshape, "dpgrad-direct", time=2.0, speedup_over_opacus=3.0, time_over_gemm=1.2,
+             time_over_cublas_gram=0.67, time_over_read=25.0, roofline_fraction=0.42),
         _row("linear_norm", kshape, "dpgrad-gram", time=4.0, speedup_over_opacus=1.5, time_over_gemm=2.4),
         _row("linear_norm", kshape, "opacus", time=6.0),
         _row("linear_norm", kshape, "gemm", time=1.7),
+        _row("linear_norm", kshape, "cublas-gram", time=3.0),
+        _row("roofline", dict(kernel="roofline", layer="gemm 8192^3", T=None, B=None, dtype="bfloat16",
+                              flops=2 * 8192**3, bytes=3 * 2 * 8192**2), "cublas-gemm", time=1.5, tensor_flops=733.0),
+        _row("roofline", dict(kernel="roofline", layer="copy 1024 MiB", T=None, B=None, dtype="bfloat16", flops=0,
+                              bytes=2**31), "copy", time=0.5, bandwidth=4295.0),
         _row("embedding_norm", dict(kernel="embedding_norm", layer="gpt2.wte", V=50257, d=768, T=1024, B=4,
                                     dtype="bfloat16"), "dpgrad", time=0.2, speedup_over_opacus=5.0),
     ]
@@ -188,7 +194,9 @@ def test_cli_writes_page_records_and_tables(tmp_path, capsys):
     assert json.loads(rec.read_text()) == results.flat_records(results.load(paths))
     table = capsys.readouterr().out
     assert "| hf-gpt2 | 8 | 1024 | bf16 | 100.0 ms | refused | 120.0 ms | - | 0.83 | 1.05 |" in table
-    assert "| linear_norm | gpt2.lm_head | 1024 | 4 | 2.000 ms | 6.000 ms | 1.700 ms | 3.00 | 1.18 |" in table
+    assert ("| linear_norm | gpt2.lm_head | 1024 | 4 | 2.000 ms | 6.000 ms | 1.700 ms | 3.000 ms | 3.00 | 1.18 "
+            "| 0.67 | 25.00 | 42% |") in table
+    assert "Roofline measured in this run: 733 TFLOP/s (a large GEMM), 4295 GB/s (a large copy)." in table
     with pytest.raises(SystemExit):
         cli.main(["dashboard", *paths])  # nothing asked for
 
@@ -262,20 +270,20 @@ def test_dashboard_draws_every_chart_in_chromium(tmp_path):
     assert dom.returncode == 0, dom.stderr[-2000:]
     parsed = _Figures()
     parsed.feed(dom.stdout)
-    assert parsed.body.get("data-charts") == "6"  # three charts for each of the two machines
-    assert len(parsed.figures) == 6
+    assert parsed.body.get("data-charts") == "8"  # four charts for each of the two machines
+    assert len(parsed.figures) == 8
     empty = [f for f in parsed.figures if "data-empty" in f]
-    assert [f["id"] for f in empty] == ["speedup-1", "memory-1"], empty  # the CPU run has neither
+    assert [f["id"] for f in empty] == ["speedup-1", "roofline-1", "memory-1"], empty  # the CPU run has none
     drawn = {f["id"]: int(f["data-marks"]) for f in parsed.figures if "data-marks" in f}
-    # Kernels: 2 + 1 bars; DP steps over non-private: dpgrad-single (Opacus refused), and the
-    # CPU run's two; memory: non-private and dpgrad-single.
-    assert drawn == {"speedup-0": 3, "throughput-0": 1, "memory-0": 2, "throughput-1": 2}
+    # Kernels: 2 + 1 bars, and the one row with a roofline fraction; DP steps over non-private:
+    # dpgrad-single (Opacus refused), and the CPU run's two; memory: non-private and dpgrad-single.
+    assert drawn == {"speedup-0": 3, "roofline-0": 1, "throughput-0": 1, "memory-0": 2, "throughput-1": 2}
 
     shot = tmp_path / "shot.png"
     run = _run_chromium(tmp_path, page, f"--screenshot={shot}")
     assert run.returncode == 0 and shot.exists(), run.stderr[-2000:]
     console = [line for line in run.stderr.splitlines() if ":CONSOLE" in line]
-    assert any("dashboard: 6 charts drawn" in line for line in console), console
+    assert any("dashboard: 8 charts drawn" in line for line in console), console
     errors = [line for line in run.stderr.splitlines()
               if ":CONSOLE" in line and ("Uncaught" in line or "Error" in line)]
     assert not errors, errors
@@ -505,3 +513,52 @@ def test_fsdp_memory_table_shows_bytes_and_ratios_to_ddp_even_when_timing_is_fla
     assert "| tiny | 2 | ddp-dpgrad-single | 140.0 MB | 84.0 MB | - | - |" in table, table
     counts = re.search(r'<script type="application/json" id="counts">(.*?)</script>', dashboard.render([doc]))
     assert {"peak_memory", "peak_memory_over_ddp", "state_memory"} <= set(json.loads(counts.group(1)))
+
+
+def _bench_conftest():
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "conftest.py"
+    spec = importlib.util.spec_from_file_location("dpgrad_bench_conftest", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_kernel_rows_get_their_fraction_of_the_roofline_measured_in_the_same_run():
+    """bench_kernels' derived figures: the roofline rows give 1000 TFLOP/s and 2000 GB/s; a
+    Llama-1B q_proj at B=8, T=1024 in bf16 needs the symmetric Gram form's B*T^2*(d+p) = 3.4e10
+    flops (fewer than the direct form's 6.9e10): 34.4 us at that peak, more than reading its
+    6.7e7 bytes once takes (33.6 us). A kernel taking 68.7 us is at half the roofline."""
+    bench = _bench_conftest()
+    B, T, d, p = 8, 1024, 2048, 2048
+    shape = dict(kernel="linear_norm", layer="llama1b.attn.q_proj", d=d, p=p, T=T, B=B, dtype="bfloat16")
+    limit = B * T * T * (d + p) / 1e15
+    read = 2 * B * T * (d + p) / 2e12
+    rows = [
+        _row("roofline", dict(kernel="roofline", layer="gemm", T=None, B=None, dtype="bfloat16", flops=2e12,
+                              bytes=0), "cublas-gemm", time=2.0),
+        _row("roofline", dict(kernel="roofline", layer="copy", T=None, B=None, dtype="bfloat16", flops=0,
+                              bytes=2e9), "copy", time=1.0),
+        _row("linear_norm", shape, "dpgrad-gram", time=2 * limit * 1e3),
+        _row("linear_norm", shape, "cublas-gram", time=4 * limit * 1e3),
+        _row("linear_norm", shape, "gemm", time=limit * 1e3),
+    ]
+    bench._derive_kernels(rows)
+    gemm_peak, copy_peak, gram, cublas, _ = (r["metrics"] for r in rows)
+    assert gemm_peak["tensor_flops"]["p50"] == pytest.approx(1000)
+    assert copy_peak["bandwidth"]["p50"] == pytest.approx(2000)
+    assert limit > read
+    assert gram["roofline_fraction"]["p50"] == pytest.approx(0.5)
+    assert gram["time_over_cublas_gram"]["p50"] == pytest.approx(0.5)
+    assert gram["time_over_gemm"]["p50"] == pytest.approx(2.0)
+    assert gram["time_over_read"]["p50"] == pytest.approx(2 * limit / read)
+    assert cublas["roofline_fraction"]["p50"] == pytest.approx(0.25)
+    assert "time_over_cublas_gram" not in cublas  # dpgrad's rows only
+    # A clipped sum's work: the GEMM's flops, its inputs read and its output written.
+    flops, moved = bench.kernel_work(dict(shape, kernel="linear_clipped_sum"))
+    assert flops == 2 * B * T * d * p and moved == 2 * (B * T * (d + p) + p * d)
+    # Past T = 2dp / (d + p) = 2048 the direct form's flops are the fewer.
+    flops, _ = bench.kernel_work(dict(shape, T=8192, B=1))
+    assert flops == 2 * 8192 * d * p

@@ -134,18 +134,19 @@ _SCRIPT = r"""
 
   function rowsOf(docs, suite) { return docs.filter(d => d.suite === suite).flatMap(d => d.results); }
 
-  function speedups(figure, docs) {
+  // A kernels metric per kernel, layer shape and provider (times scale).
+  function kernelMetric(figure, docs, metric, scale, unit, ref) {
     const groups = [], series = [];
     for (const r of rowsOf(docs, "kernels")) {
-      const v = p50(r, "speedup_over_opacus");
-      if (v === null) continue;
+      const v = p50(r, metric);
+      if (v === null || r.shape.kernel === "roofline") continue;
       if (!series.includes(r.provider)) series.push(r.provider);
       const label = shapeKey(r.shape, ["kernel", "layer"]) + " | T=" + r.shape.T;
       let g = groups.find(g => g.label === label);
       if (!g) { g = {label: label, bars: []}; groups.push(g); }
-      g.bars.push({series: r.provider, value: v});
+      g.bars.push({series: r.provider, value: v * scale});
     }
-    return bars(figure, groups, series, "x", 1);
+    return bars(figure, groups, series, unit, ref);
   }
 
   function dpStep(figure, docs, metric, scale, unit, ref) {
@@ -284,13 +285,16 @@ _SCRIPT = r"""
     section.appendChild(about);
     root.appendChild(section);
     chart(section, "speedup-" + i, "Speedup over Opacus per layer shape (Opacus time / dpgrad time, medians)",
-          f => speedups(f, mine), "no kernel results for this machine");
+          f => kernelMetric(f, mine, "speedup_over_opacus", 1, "x", 1), "no kernel results for this machine");
+    chart(section, "roofline-" + i, "Fraction of the roofline per layer shape (the least time the work takes " +
+          "at the GEMM FLOP/s and copy bytes/s measured in the same run, over the time, medians)",
+          f => kernelMetric(f, mine, "roofline_fraction", 100, "%", 100), "no roofline figures for this machine");
     chart(section, "throughput-" + i, "Throughput of each DP step over the non-private step's, per model and T",
           f => dpStep(f, mine, "throughput_over_non_private", 1, "x", 1), "no DP-step results for this machine");
     chart(section, "memory-" + i, "Peak memory per step (GiB)",
           f => dpStep(f, mine, "peak_memory", 1 / 2 ** 30, "GiB", 0),
           "no peak-memory figures for this machine");
-    drawn += 3;
+    drawn += 4;
     if (rowsOf(mine, "audit").length) {
       chart(section, "audit-" + i, "Audited epsilon (one-run and f-DP bounds, 95%) against the accountant's, " +
             "dpgrad's training and the idealised Gaussian mechanism", f => audits(f, mine), "no audit results");

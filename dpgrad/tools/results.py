@@ -55,6 +55,12 @@ UNITS = {
     "peak_memory_over_non_private": "ratio",
     "speedup_over_opacus": "ratio",
     "time_over_gemm": "ratio",
+    # kernels: against cuBLAS's Gram pair, one read of the inputs, the roofline of the same run.
+    "time_over_cublas_gram": "ratio",
+    "time_over_read": "ratio",
+    "roofline_fraction": "ratio",
+    "tensor_flops": "TFLOP/s",
+    "bandwidth": "GB/s",
     # host_overhead: per step, counted once (the counts are deterministic).
     "ops": "ops",
     "syncs": "count",

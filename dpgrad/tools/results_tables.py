@@ -85,18 +85,38 @@ def _dp_step_table(results: List[dict]) -> List[str]:
 
 
 def _kernels_table(results: List[dict]) -> List[str]:
-    lines = ["| kernel | layer | T | B | dpgrad | Opacus | GEMM | speedup over Opacus | dpgrad / GEMM |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    """dpgrad's fastest row per kernel and shape against Opacus, the GEMM, cuBLAS's Gram pair
+    (Linear norms), one read of the inputs and the roofline measured in the same run."""
+    lines = []
+    peaks = {r["provider"]: r["metrics"] for r in results
+             if r["shape"].get("kernel") == "roofline" and r.get("status") == "ok"}
+    if peaks:
+        flops = peaks.get("cublas-gemm", {}).get("tensor_flops", {}).get("p50")
+        moved = peaks.get("copy", {}).get("bandwidth", {}).get("p50")
+        def rate(v, unit):  # a CPU's TFLOP/s are below 1
+            return _cell(v, ".0f" if v is not None and v >= 10 else ".3g", unit)
+
+        lines += [f"Roofline measured in this run: {rate(flops, ' TFLOP/s')} (a large GEMM), "
+                  f"{rate(moved, ' GB/s')} (a large copy).", ""]
+    lines += ["| kernel | layer | T | B | dpgrad | Opacus | GEMM | cuBLAS Gram | speedup over Opacus | dpgrad / GEMM "
+              "| dpgrad / cuBLAS Gram | dpgrad / one read | % of roofline |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (kernel, layer, T, B), rows in by_case(results, ("kernel", "layer", "T", "B")).items():
-        timed = [_p50(row, "time") for p, row in rows.items() if p.startswith("dpgrad")]
-        best = min((t for t in timed if t is not None), default=None)
+        if kernel == "roofline":
+            continue
+        timed = [(t, row) for p, row in rows.items() if p.startswith("dpgrad")
+                 for t in [_p50(row, "time")] if t is not None]
+        best, fastest = min(timed, key=lambda x: x[0], default=(None, None))
         # Per-sample gradients against Opacus's with the norms its optimizer then takes.
         opacus_ms = _p50(rows.get("opacus-with-norm") or rows.get("opacus"), "time")
-        gemm_ms = _p50(rows.get("gemm"), "time")
-        ms = [_cell(v, ".3f", " ms") for v in (best, opacus_ms, gemm_ms)]
+        gemm_ms, gram_ms = _p50(rows.get("gemm"), "time"), _p50(rows.get("cublas-gram"), "time")
+        ms = [_cell(v, ".3f", " ms") for v in (best, opacus_ms, gemm_ms, gram_ms)]
+        roofline = _p50(fastest, "roofline_fraction")
         lines.append(f"| {kernel} | {layer} | {T} | {B} | {' | '.join(ms)} | "
                      f"{_ratio(opacus_ms / best if best and opacus_ms else None)} | "
-                     f"{_ratio(best / gemm_ms if best and gemm_ms else None)} |")
+                     f"{_ratio(best / gemm_ms if best and gemm_ms else None)} | "
+                     f"{_ratio(best / gram_ms if best and gram_ms else None)} | "
+                     f"{_ratio(_p50(fastest, 'time_over_read'))} | {_cell(roofline, '.0%')} |")
     return lines
 
 
