@@ -165,9 +165,10 @@ PYEOF
         export DPGRAD_BENCH_SEQ_LENS=128,1024
         $PY -m pip install -q --no-deps --no-build-isolation "$tree" >/dev/null 2>&1 \
             || { echo "kernels-compare: pip could not install $base" >&2; exit 1; }
-        # The base's own Triton kernels at the head's 8192 tokens a call (benches before 2026-11-27
-        # took 4096); the comparison pairs equal shapes.
-        sed -i 's/^TOKENS_PER_CALL = 512 if QUICK else 4096$/TOKENS_PER_CALL = 512 if QUICK else 8192/' \
+        # The base's own Triton kernels at the head's 8192 tokens a call and T (benches before
+        # 2026-11-27 took 4096 tokens and every T); the comparison pairs equal shapes.
+        sed -i -e 's/^TOKENS_PER_CALL = 512 if QUICK else 4096$/TOKENS_PER_CALL = 512 if QUICK else 8192/' \
+            -e 's/^SEQ_LENS = (32, 128) if QUICK else (128, 512, 1024, 4096)$/SEQ_LENS = (128, 1024)/' \
             "$tree/benchmarks/bench_kernels.py"
         (cd "$tree/benchmarks" && export DPGRAD_COMMIT=$(git rev-parse --short "$base") && RESULTS=$OUT/base \
             LIMIT=${LIMIT_BASE:-170} bench bench_kernels.py -k "dpgrad and not eager")
