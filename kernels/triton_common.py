@@ -400,7 +400,8 @@ def persistent_programs(device: torch.device, items: int) -> int:
     return max(1, min(items, _SMS[index]))
 
 
-_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# Bytes per element of the Triton types the kernels take.
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def skeleton_family(pointers: Dict[str, Any]) -> str:
@@ -408,7 +409,7 @@ def skeleton_family(pointers: Dict[str, Any]) -> str:
     " unaligned" where A's or G's rows do not all start on 16 bytes (``A_ALIGN``, ``G_ALIGN``:
     ``relative``'s alignment in elements): their loads are neither vectorised nor asynchronous,
     and their offsets take the registers wide tiles need."""
-    aligned = all(pointers.get(f"{x}_ALIGN", 1) * _BYTES.get(pointers.get(x) or "", 0) >= 16 for x in "AG")
+    aligned = all(pointers.get(f"{x}_ALIGN", 1) * ELEMENT_BYTES.get(pointers.get(x) or "", 0) >= 16 for x in "AG")
     return linear_family(pointers) + ("" if aligned else " unaligned")
 
 

@@ -179,13 +179,12 @@ def variants() -> List[Variant]:
                     for v in plain if v.kernel != "embedding_segment_sum:_per_sample_total_kernel"]
 
 
-_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-
-
 def _aligned(variant: Variant) -> Tuple[Tuple[str, object], ...]:
     """A variant's flags on aligned tensors: each ``X_ALIGN`` the elements of 16 bytes of X."""
+    from dpgrad.kernels.triton_common import ELEMENT_BYTES
+
     pointers = dict(variant.pointers)
-    return tuple((k, 16 // _BYTES[pointers[k[:-6]]] if k.endswith("_ALIGN") else v) for k, v in variant.flags)
+    return tuple((k, 16 // ELEMENT_BYTES[pointers[k[:-6]]] if k.endswith("_ALIGN") else v) for k, v in variant.flags)
 
 
 def table_problems() -> List[str]:
