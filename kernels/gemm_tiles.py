@@ -11,7 +11,7 @@ cannot overflow before a launch; features contiguous (``unit_features``).
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, NamedTuple, Sequence
 
 import torch
 import triton
@@ -103,3 +103,31 @@ def triangle(q):
     j = tl.where(j * (j + 1) // 2 > q, j - 1, j)
     j = tl.where((j + 1) * (j + 2) // 2 <= q, j + 1, j)
     return q - j * (j + 1) // 2, j
+
+
+# Below the kernels' helpers, so that their line numbers (part of Triton's cache keys) stay.
+from .triton_common import Relative, check_dtypes, relative  # noqa: E402
+
+
+class Operands(NamedTuple):
+    """What a skeleton launcher reads its L layers from (``operands``): the first layer's A and
+    G, the tables of the layers' offsets (``triton_common.relative``, which hold the layers'
+    tensors, copies among them, until the launch), and the sizes."""
+
+    A: torch.Tensor
+    G: torch.Tensor
+    a: Relative
+    g: Relative
+    B: int
+    T: int
+    d: int
+    p: int
+
+
+def operands(name: str, As: Sequence[torch.Tensor], Gs: Sequence[torch.Tensor]) -> Operands:
+    """The launchers' common preparation of L layers' inputs [B, T, d] and backprops [B, T, p]:
+    features made contiguous (``unit_features``), dtypes checked, offset tables made."""
+    As, Gs = unit_features(As), unit_features(Gs)
+    check_dtypes(name, As[0], Gs[0])
+    B, T, d = As[0].shape
+    return Operands(As[0], Gs[0], relative(As), relative(Gs), B, T, d, Gs[0].shape[2])

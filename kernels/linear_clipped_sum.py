@@ -18,9 +18,9 @@ import triton
 import triton.language as tl
 
 from .gemm_tiles import GEMM_TILES, check_offsets, columns, grouped_tile, k_offsets, k_tile, layer_base
-from .gemm_tiles import unit_features
-from .triton_common import INTERPRET, cdiv, check_dtypes, dot_fp32, empty, family_configs, launch, prune_for
-from .triton_common import relative, skeleton_family
+from .gemm_tiles import operands
+from .triton_common import INTERPRET, cdiv, dot_fp32, empty, family_configs, launch, prune_for
+from .triton_common import skeleton_family
 
 # Two fp32 accumulators (the sum and a sample's) take registers that some of the skeleton's
 # tiles leave too few of (they spill on one of sm_80, sm_90, sm_100): narrower tiles or more warps.
@@ -140,13 +140,8 @@ def linear_clipped_sum_grouped(
     Returns:
         For each layer, (weight sum [p, d], bias sum [p] or None), in ``out_dtype``.
     """
-    As, Gs = unit_features(As), unit_features(Gs)
-    A, G = As[0], Gs[0]
-    check_dtypes("linear_clipped_sum", A, G)
-    ga, gg = relative(As), relative(Gs)
+    A, G, ga, gg, B, T, d, p = operands("linear_clipped_sum", As, Gs)
     L = len(As)
-    B, T, d = A.shape
-    p = G.shape[2]
     out_dtype = out_dtype or G.dtype
     device = A.device
     coef = coef.to(device=device, dtype=torch.float32)

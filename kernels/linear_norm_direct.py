@@ -16,9 +16,9 @@ import triton
 import triton.language as tl
 
 from .gemm_tiles import GEMM_TILES, check_offsets, columns, grouped_tile, k_offsets, k_tile, layer_base
-from .gemm_tiles import unit_features
-from .triton_common import INTERPRET, cdiv, check_dtypes, dot_fp32, family_configs, launch, min_block
-from .triton_common import persistent_programs, prune_for, relative, skeleton_family
+from .gemm_tiles import operands
+from .triton_common import INTERPRET, cdiv, dot_fp32, family_configs, launch, min_block
+from .triton_common import persistent_programs, prune_for, skeleton_family
 
 CONFIGS = family_configs("_linear_direct_norm_kernel", skeleton_family, GEMM_TILES,
                          interpret=dict(BM=32, BN=32, BK=16, GROUP=2))
@@ -92,12 +92,7 @@ def linear_weight_sq_norm_direct_grouped(As: Sequence[torch.Tensor], Gs: Sequenc
     Returns:
         [L * B] fp32, layer by layer.
     """
-    As, Gs = unit_features(As), unit_features(Gs)
-    A, G = As[0], Gs[0]
-    check_dtypes("linear_weight_sq_norm_direct", A, G)
-    ga, gg = relative(As), relative(Gs)
-    B, T, d = A.shape
-    p = G.shape[2]
+    A, G, ga, gg, B, T, d, p = operands("linear_weight_sq_norm_direct", As, Gs)
     LB = len(As) * B
     n_tiles_max = cdiv(p, _MIN[0]) * cdiv(d, _MIN[1])
     # Bigger tiles fill a prefix of each row; the rest must add zero.

@@ -17,10 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemm_tiles import check_offsets, layer_base, triangle, unit_features
-from .triton_common import INTERPRET, autocast_as, cdiv, check_dtypes, dot_fp32, family_configs, launch
+from .gemm_tiles import check_offsets, layer_base, operands, triangle
+from .triton_common import INTERPRET, autocast_as, cdiv, dot_fp32, family_configs, launch
 from .triton_common import skeleton_family
-from .triton_common import min_block, persistent_programs, prune_for, relative
+from .triton_common import min_block, persistent_programs, prune_for
 
 # 128-token tiles with the warps two fp32 accumulators need (8), 64 for short sequences; fp32's
 # dots run on the CUDA cores, whose operands take registers the tensor cores' do not.
@@ -120,12 +120,7 @@ def linear_weight_sq_norm_gram_grouped(As: Sequence[torch.Tensor], Gs: Sequence[
     Returns:
         [L * B] fp32, layer by layer.
     """
-    As, Gs = unit_features(As), unit_features(Gs)
-    A, G = As[0], Gs[0]
-    check_dtypes("linear_weight_sq_norm_gram", A, G)
-    ga, gg = relative(As), relative(Gs)
-    B, T, d = A.shape
-    p = G.shape[2]
+    A, G, ga, gg, B, T, d, p = operands("linear_weight_sq_norm_gram", As, Gs)
     LB = len(As) * B
     n_small = cdiv(T, _MIN_BT)
     n_pairs_max = n_small * (n_small + 1) // 2

@@ -422,12 +422,14 @@ class Relative(NamedTuple):
     token strides, so that every row a tile reads starts on it. The kernel may assume it (a
     constexpr): pointers derived from the kernel's own argument keep the alignment Triton
     specialises it on, and with it the asynchronous copies a pointer read from a table loses;
-    and the autotuner tries narrower tiles where it is under 16 bytes (``skeleton_family``)."""
+    and the autotuner tries narrower tiles where it is under 16 bytes (``skeleton_family``);
+    ``tensors``, the tensors themselves, held with their offsets until the launch."""
 
     table: torch.Tensor
     strides: Tuple[int, ...]
     on: int
     align: int
+    tensors: Tuple[torch.Tensor, ...]
 
 
 def relative(tensors: Sequence[torch.Tensor]) -> Relative:
@@ -446,7 +448,7 @@ def relative(tensors: Sequence[torch.Tensor]) -> Relative:
 
     rows = aligned([first.data_ptr() // size if first.data_ptr() % size == 0 else 1, *first.stride()[:2]])
     if len(tensors) == 1:
-        return Relative(placeholder(first.device, torch.int64), first.stride(), 0, rows)
+        return Relative(placeholder(first.device, torch.int64), first.stride(), 0, rows, tuple(tensors))
     if not same_layout(tensors):
         raise ValueError("a grouped launch takes tensors of one shape, dtype and strides")
     offsets = []
@@ -459,4 +461,4 @@ def relative(tensors: Sequence[torch.Tensor]) -> Relative:
     table = torch.tensor(offsets, dtype=torch.int64)
     if first.device.type == "cuda":
         table = table.pin_memory().to(first.device, non_blocking=True)
-    return Relative(table, first.stride(), 1, align)
+    return Relative(table, first.stride(), 1, align, tuple(tensors))
