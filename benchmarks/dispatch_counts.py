@@ -30,6 +30,8 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dpgrad
+from dpgrad.adaptive import DPLossFastGradientAdaptiveClipping
+from dpgrad.clipping_groups import even_split, per_block
 from bench_dp_step import LORA_TARGETS, BenchModel, _hf
 from dpgrad.tools.models import TinyTransformerConfig, synthetic_batch
 from dpgrad.tools.presets import DTYPES
@@ -38,6 +40,9 @@ aten = torch.ops.aten
 
 MODELS = ("hf-gpt2-2l", "hf-llama-2l-lora16")
 PROVIDERS = ("non-private", "dpgrad-double", "dpgrad-single")
+# How dpgrad's steps clip: one bound; one per parameter; one per transformer block
+# (``dpgrad.clipping_groups.per_block``); automatic; adaptive (on the expected batch size).
+CLIPPINGS = ("flat", "per_layer", "per_block", "automatic", "adaptive")
 # Quick mode's models are bench_dp_step's two-layer "-tiny" configs, as they are.
 TINY = {"hf-gpt2-2l": "hf-gpt2-tiny", "hf-llama-2l-lora16": "hf-llama-tiny-lora16"}
 # Steps run before anything is counted or timed: dpgrad's first step tunes its kernels for
@@ -185,9 +190,10 @@ class Step:
 
 
 def make_step(provider: str, built: BenchModel, batch: int, seq_len: int, device: torch.device,
-              check_independence: bool = True) -> Step:
+              check_independence: bool = True, clipping: str = "flat") -> Step:
     """``provider``'s step on a copy of ``built``'s weights and a fixed synthetic batch
-    (dpgrad's with its independence check on or off: ``check_independence``).
+    (dpgrad's with its independence check on or off: ``check_independence``, and clipped as
+    ``clipping`` says: one of ``CLIPPINGS``).
 
     Every provider runs the same plain SGD: a DP optimizer's clipping check and noise add the
     same few operations per parameter whoever computed the clipped gradient, so they would
@@ -211,11 +217,26 @@ def make_step(provider: str, built: BenchModel, batch: int, seq_len: int, device
 
         return Step(step)
 
+    if clipping not in CLIPPINGS:
+        raise ValueError(f"unknown clipping {clipping!r}: one of {', '.join(CLIPPINGS)}")
+    options = dict(max_grad_norm=1.0)
+    if clipping == "per_layer":
+        trained = [p for p in model.parameters() if p.requires_grad]
+        options = dict(clipping="per_layer", max_grad_norm=even_split(1.0, len(trained)))
+    elif clipping == "per_block":
+        blocks = len({per_block(name) for name, p in model.named_parameters() if p.requires_grad})
+        options = dict(clipping="groups", clipping_groups=per_block, max_grad_norm=even_split(1.0, blocks))
+    elif clipping == "automatic":
+        options = dict(clipping="automatic", max_grad_norm=1.0)
     wrapped = dpgrad.GradSampleModuleFastGradientClipping(
-        model, max_grad_norm=1.0, loss_reduction="mean", single_backward=provider == "dpgrad-single",
-        check_independence=check_independence,
+        model, loss_reduction="mean", single_backward=provider == "dpgrad-single",
+        check_independence=check_independence, **options,
     )
-    dp_criterion = dpgrad.DPLossFastGradientClipping(wrapped, optimizer, criterion, loss_reduction="mean")
+    if clipping == "adaptive":
+        dp_criterion = DPLossFastGradientAdaptiveClipping(wrapped, optimizer, criterion, loss_reduction="mean",
+                                                          initial_noise_multiplier=0.5, expected_batch_size=batch)
+    else:
+        dp_criterion = dpgrad.DPLossFastGradientClipping(wrapped, optimizer, criterion, loss_reduction="mean")
 
     def dp_step():
         optimizer.zero_grad(set_to_none=True)

@@ -22,7 +22,9 @@ own (Opacus multiplies them by B); the paths apply the factor B to (B,)-sized ve
 they can, never in a pass over a backprop.
 
 No device-to-host synchronisation on the way: whether the per-sample values are finite is one
-number computed on the device, which the host reads once per step (``FiniteCheck``).
+number computed on the device (``FiniteCheck``); a pass whose values are not finite has its
+clipped gradients replaced by zeros on the device, and the host reads the outcome without
+waiting, raising at the next forward pass (``FiniteReports``).
 """
 
 from __future__ import annotations
@@ -62,42 +64,116 @@ from dpgrad.samplers.groups import Record
 
 
 class FiniteCheck:
-    """Whether per-sample values (rows of (P, B) norms, or per-sample gradients) are all
-    finite: one float64 sum computed on the device, read on the host by ``wait``.
+    """Whether the per-sample values of one backward pass (rows of (P, B) norms, or per-sample
+    gradients) are all finite, decided on the device, with no host wait.
 
-    On a GPU the sum is copied to pinned host memory behind the work that made it and an event
-    marks the copy, so ``wait`` blocks only until that work is done, not the work queued after.
+    ``bad`` is a 0-d bool on the device (one float64 sum of the values, then whether it is inf
+    or NaN). ``withhold`` uses it to replace, on the device, the pass's clipped gradients by
+    zeros when it is set, so no inf or NaN reaches ``p.grad`` whatever the host knows. A copy of
+    it travels to host memory behind the work that made it (pinned, non-blocking, an event
+    marking it on a GPU): ``ready`` says, without waiting, whether it has arrived; ``report``
+    reads it and raises FloatingPointError naming the parameters when it was set; ``wait``
+    waits for it first.
     """
 
-    def __init__(self, values: List[torch.Tensor], names: Callable[[], List[Tuple[str, torch.Tensor]]], what: str):
+    def __init__(self, values: List[torch.Tensor], names: Callable[[], List[Tuple[str, torch.Tensor]]], what: str,
+                 reports: Optional["FiniteReports"] = None):
         total = torch.stack([v.sum(dtype=torch.float64) for v in values]).sum() if len(values) > 1 else \
             values[0].sum(dtype=torch.float64)
         self._names, self._what = names, what
+        self.bad = (total - total).isnan()  # inf - inf and NaN - NaN are NaN, finite - finite 0
+        # The host copy's memory: one ``reports`` has read before, else new.
+        self._reports = reports
+        self._host = reports.host_memory(self.bad.is_cuda) if reports is not None else \
+            torch.empty((), dtype=torch.bool, pin_memory=self.bad.is_cuda)
+        self._host.copy_(self.bad, non_blocking=True)
+        self.withheld = False  # whether ``withhold`` ran
         self._event = None
-        if total.is_cuda:
-            self._total = torch.empty((), dtype=torch.float64, pin_memory=True)
-            self._total.copy_(total, non_blocking=True)
+        if self.bad.is_cuda:
             self._event = torch.cuda.Event()
             self._event.record()
-        else:
-            self._total = total
+
+    def withhold(self, tensors) -> None:
+        """Zero ``tensors`` (in place, on the device) if the values were not finite: each
+        storage once, through the tensor a view was taken of (one operation for the sums of a
+        group of layers made by one product)."""
+        self.withheld = True
+        seen = set()
+        for t in tensors:
+            base = t if t._base is None else t._base
+            if id(base) not in seen:
+                seen.add(id(base))
+                base.masked_fill_(self.bad, 0)
+
+    def ready(self) -> bool:
+        """Whether the host copy has arrived (never waits)."""
+        return self._event is None or self._event.query()
 
     def wait(self) -> None:
-        """Raise FloatingPointError, naming the parameters, if a value was not finite."""
+        """``report``, once the host copy has arrived (the host waits for the values)."""
         if self._event is not None:
             self._event.synchronize()
-        if math.isfinite(self._total.item()):
+        self.report()
+
+    def report(self) -> None:
+        """Raise FloatingPointError, naming the parameters, if a value was not finite (read
+        from host memory: call once ``ready``); the message says whether the pass's clipped
+        gradients were withheld."""
+        if not bool(self._host.numpy()):
+            if self._reports is not None:
+                self._reports.free.setdefault(self._event is not None, []).append(self._host)
             return
         bad = [name for name, value in self._names() if not bool(torch.isfinite(value).all())]
         # Norms come from sums of squares in fp32: a finite gradient whose norm passes
         # sqrt(float32 max), about 1.8e19, has an infinite square.
         huge = (" or a per-sample gradient's norm above about 1.8e19, whose square overflows "
                 "float32") if "norms" in self._what else ""
+        kept = (" That backward pass added nothing to p.grad (its clipped gradients were replaced by "
+                "zeros on the device), so no parameter took inf or NaN from it." if self.withheld else "")
         raise FloatingPointError(
             f"non-finite per-sample {self._what} for parameters {bad}: the loss, the inputs or the "
-            f"weights hold inf or NaN (in reduced precision, an overflow){huge}. Fix the cause (loss "
-            "scaling, learning rate, inputs), or pass check_finite=False to skip this check."
+            f"weights hold inf or NaN (in reduced precision, an overflow){huge}.{kept} Fix the cause "
+            "(loss scaling, learning rate, inputs), or pass check_finite=False to skip this check."
         )
+
+
+class FiniteReports:
+    """The finite checks of a path's backward passes whose outcome the host has not read yet
+    (``FiniteCheck``, their clipped gradients withheld on the device when not finite): read,
+    and raised, at the next forward pass (``poll``) once they have arrived, which needs no wait;
+    by ``raise_pending`` (the wrapper's ``raise_if_not_finite``) at once, waiting for them."""
+
+    # Passes whose outcome may be in flight at once: beyond, the host waits for the oldest
+    # (a host more than this many passes ahead of the device).
+    IN_FLIGHT = 2
+
+    def __init__(self):
+        self._checks: List[FiniteCheck] = []
+        # Host memory of checks read and found finite, by whether it is pinned.
+        self.free: Dict[bool, List[torch.Tensor]] = {}
+
+    def host_memory(self, pinned: bool) -> torch.Tensor:
+        """A 0-d bool in host memory (pinned for a GPU's copy) for a check's outcome: one a
+        finite check was read from, or a new one (no allocation per step)."""
+        free = self.free.get(pinned)
+        return free.pop() if free else torch.empty((), dtype=torch.bool, pin_memory=pinned)
+
+    def add(self, check: FiniteCheck) -> None:
+        self._checks.append(check)
+
+    def poll(self) -> None:
+        """Report every check that has arrived, oldest first; wait for the oldest while more
+        than ``IN_FLIGHT`` are in flight."""
+        while self._checks and (self._checks[0].ready() or len(self._checks) > self.IN_FLIGHT):
+            self._checks.pop(0).wait()
+
+    def raise_pending(self) -> None:
+        """Report every check, waiting for those in flight."""
+        while self._checks:
+            self._checks.pop(0).wait()
+
+    def clear(self) -> None:
+        self._checks = []
 
 
 class PendingCalls(dict):
@@ -126,7 +202,7 @@ class BackwardPath:
     # model's layout, and autograd nodes (which cannot be copied).
     TRANSIENT = ("_forward_batch", "_forward_seen", "_pass_open", "_edges", "_verified", "_seen_version",
                  "_seen_layout", "_seen_flags", "_checked", "_unrecorded", "_pending", "_pass_forwards",
-                 "_probing", "independence")
+                 "_probing", "independence", "finite_reports")
     sharded = None  # the model's FSDP2 parameter groups (dpgrad.fsdp.ShardedParameters)
 
     def __init__(self, model: nn.Module, *, batch_first: bool, loss_reduction: str, check_finite: bool,
@@ -171,6 +247,7 @@ class BackwardPath:
         self._checked: set = set()  # the trainable parameters the guarantee's check covers
         self._probing: Optional[Probe] = None  # the independence probe in flight (its hooks record nothing)
         self.independence = IndependenceCheck(self)  # when the independence probes run
+        self.finite_reports = FiniteReports()  # finite checks the host has not read yet
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k not in self.TRANSIENT}
@@ -370,6 +447,7 @@ class BackwardPath:
             # A backward pass that raised (in any hook, not only ours) never reached its
             # end-of-pass callback; its partial per-sample state must not leak into this step.
             self._abort_pass()
+        self.finite_reports.poll()
         self._sync_with_model()
         self._check_probe()
         self._forward_batch = None

@@ -1,8 +1,8 @@
 """The clipped sums of a single-backward pass, and their hand-off to ``p.grad``.
 
 Once a pass's norms are known, each kept group of records gives the clipped sums of its
-parameters, ``sum_b c_b g_b``, letting go of its inputs as it is summed; the host waits for
-the norms' finite check only then, while the sums go on on the device, and hands them to
+parameters, ``sum_b c_b g_b``, letting go of its inputs as it is summed; the sums are withheld
+on the device (zeros) if the norms' finite check failed, with no host wait, and handed to
 ``p.grad`` through autograd's own accumulation in one backward call, so that ``p.grad`` is set
 or added to as by any backward pass, with no copy, and the hooks others put on parameters run
 (DistributedDataParallel reduces the gradients there). On a model sharded by FSDP2 the sums go
@@ -28,11 +28,11 @@ class ClippedSums:
         self.path = path
         self._constants: Dict[tuple, torch.Tensor] = {}
 
-    def hand_off(self, coef: Optional[torch.Tensor]) -> None:
+    def hand_off(self, coef: Optional[torch.Tensor], scaled: bool = False) -> None:
         """``p.grad += sum_b c_b g_b`` for every parameter the norm pass reached.
 
-        The sums are queued first; the host then waits for the norms' finite check (the sums
-        go on on the device meanwhile) and only then hands them to ``p.grad``, through
+        The sums are queued, zeroed on the device if the norms' finite check failed (the host
+        learns of it at the next forward pass), and handed to ``p.grad``, through
         autograd's own accumulation, in one backward call (``_ClippedGradients``): ``p.grad``
         is set or added to as by any backward pass, with no copy, and the hooks others put on
         parameters run (DistributedDataParallel reduces the gradients there).
@@ -45,13 +45,13 @@ class ClippedSums:
             )
         if path.sharded is not None:
             with torch.no_grad():
-                self.reduce_scatter(coef)
+                self.reduce_scatter(coef, scaled)
             return
         with torch.no_grad():
             # With clipping groups (no ``coef``) the sums were taken group by group (``GroupFlush``).
-            held = [path._group_flush.held if coef is None else self.of_kept(coef)]
+            held = [path._group_flush.held if coef is None else self.of_kept(coef, scaled)]
         path._group_flush.held = {}
-        path._wait_finite()
+        path._withhold_if_not_finite(held[0].values())
         self.to_grad(held)
 
     def to_grad(self, held: List[Dict[nn.Parameter, torch.Tensor]]) -> None:
@@ -71,22 +71,28 @@ class ClippedSums:
             found = self._constants[key] = torch.tensor(value, dtype=like.dtype, device=like.device)
         return found
 
-    def of_kept(self, coef: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
+    def of_kept(self, coef: torch.Tensor, scaled: bool = False) -> Dict[nn.Parameter, torch.Tensor]:
         """``sum_b c_b g_b`` of every parameter of the kept groups, freeing each group as it
         is summed. ``coef`` (B,): the clipping coefficients of the samples' own losses."""
         path = self.path
         groups, path._kept = [group for group, _ in path._kept], []
         sums: Dict[nn.Parameter, torch.Tensor] = {}
         with region("dpgrad.clipped_sums"):
-            self.sum_groups(groups, self.coefficients(coef), sums)
+            self.sum_groups(groups, self.coefficients(coef, scaled), sums)
         return sums
 
-    def coefficients(self, coef: torch.Tensor) -> Coefficients:
-        """``coef``: (B,), or (G, B) with clipping groups."""
+    def coefficients(self, coef: torch.Tensor, scaled: bool = False) -> Coefficients:
+        """``coef``: (B,), or (G, B) with clipping groups; ``scaled``: already times the batch
+        size under "mean" (``scale``)."""
         path = self.path
-        if path.loss_reduction == "mean":
+        if not scaled and path.loss_reduction == "mean":
             coef = coef * coef.shape[-1]  # the records' backprops are those of the mean
         return Coefficients(coef, path.clip_groups)
+
+    def scale(self, batch: int) -> float:
+        """What the coefficients of the samples' own losses are multiplied by for the clipped
+        sums: the batch size under "mean" (the records' backprops are those of the mean)."""
+        return float(batch) if self.path.loss_reduction == "mean" else 1.0
 
     def sum_groups(self, groups: List[Group], coefs: Coefficients, sums: Dict[nn.Parameter, torch.Tensor]) -> None:
         """Add the clipped sums of ``groups`` to ``sums``, emptying the list (each group lets go
@@ -99,24 +105,24 @@ class ClippedSums:
             for p, s in found:
                 sums[p] = s if p not in sums else sums[p] + s
 
-    def reduce_scatter(self, coef: torch.Tensor) -> None:
+    def reduce_scatter(self, coef: torch.Tensor, scaled: bool = False) -> None:
         """On a model sharded by FSDP2: the clipped sums of one FSDP2 parameter group at a time,
         each handed to FSDP's reduce-scatter before the next is computed (``dpgrad.fsdp``), so
-        that no more than one group's full gradients exist at once. The host waits for the
-        norms' finite check once the first group's sums are queued, before any reaches FSDP."""
+        that no more than one group's full gradients exist at once, each withheld on the device
+        (zeros) if the norms' finite check failed."""
         path = self.path
         by_shard: Dict[int, List[Group]] = {}
         for group, shard in path._kept:
             by_shard.setdefault(shard, []).append(group)
         path._kept = []
-        coefs = self.coefficients(coef)
+        coefs = self.coefficients(coef, scaled)
         with region("dpgrad.clipped_sums"):
             for shard in list(by_shard):
                 sums: Dict[nn.Parameter, torch.Tensor] = {}
                 self.sum_groups(by_shard.pop(shard), coefs, sums)
-                path._wait_finite()  # once: the check is gone after the first wait
+                path._withhold_if_not_finite(sums.values(), last=False)
                 path.sharded.reduce_scatter(shard, sums)
-        path._wait_finite()
+        path._withhold_if_not_finite(())
         path.sharded.finish_backward()
 
 

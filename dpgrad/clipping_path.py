@@ -34,7 +34,7 @@ from dpgrad import registry
 from dpgrad.autograd_graph import grad_keeping_graph, region
 from dpgrad.backward_pass import BackwardPath, FiniteCheck
 from dpgrad.clipped_sums import ClippedSums
-from dpgrad.coefficients import clipping_coefficients, reduce_losses
+from dpgrad.coefficients import clipping_coefficients
 from dpgrad.finish_plan import Planner
 from dpgrad.fsdp import ShardedParameters
 from dpgrad.guarantee import sequence_number
@@ -99,7 +99,7 @@ class ClippingPath(BackwardPath):
         self.pass_norm: Optional[torch.Tensor] = None  # (B,) total norm of the last pass
         self.group_norms: Optional[torch.Tensor] = None  # (G, B) with clipping groups
         # Clipping groups in single backward: each group clipped as soon as its records are all
-        # in, its sums held until the pass's norms are known to be finite.
+        # in, its sums held until the end of the pass (withheld there if a norm is not finite).
         self._group_flush = GroupFlush(self)
         self.records_peak = 0  # the most records held at once in the last pass
         self.planner = Planner(self)  # how a pass's records are grouped (``dpgrad.finish_plan``)
@@ -252,15 +252,30 @@ class ClippingPath(BackwardPath):
             p.grad_sample = None
         if self.check_finite:
             self._finite = FiniteCheck([self.pass_norm], lambda: [(self.param_name(p), n) for p, n in
-                                                                    zip(params, rows.unbind(0))], "gradient norms")
+                                                                    zip(params, rows.unbind(0))], "gradient norms",
+                                       self.finite_reports)
             if self._norm_pass is NormPass.PLAIN:
                 self._wait_finite()
 
     def _wait_finite(self) -> None:
+        """The host waits for this pass's finite check and raises if it failed (a plain
+        ``loss.backward()``, whose second pass is the caller's)."""
         check, self._finite = self._finite, None
         if check is not None:
             with region("dpgrad.wait_finite"):
                 check.wait()
+
+    def _withhold_if_not_finite(self, tensors, last: bool = True) -> None:
+        """Zero ``tensors`` (this pass's clipped gradients, before they reach ``p.grad`` or FSDP)
+        on the device if the pass's values were not finite; ``last``: the outcome is then
+        reported at the next forward pass (``FiniteReports``), with no host wait now."""
+        check = self._finite
+        if check is None:
+            return
+        check.withhold(tensors)
+        if last:
+            self._finite = None
+            self.finite_reports.add(check)
 
     def norm_sample(self) -> torch.Tensor:
         """Per-sample gradient norms over all trainable parameters, (B,)."""
@@ -366,7 +381,12 @@ class ClippingPath(BackwardPath):
             )
         if loss_per_sample.grad_fn is None:
             raise ValueError("the per-sample losses have no autograd graph (computed under torch.no_grad()?)")
-        reduced = reduce_losses(loss_per_sample, self.loss_reduction)
+        # The batch's loss as the sum of the samples' losses, whose backward under "mean" starts
+        # from 1/B (a constant made once per B): the backprops of the mean loss, as the
+        # non-private step has them, without the mean's own operations.
+        reduced = loss_per_sample.sum(0)
+        seed = self.sums._constant(1.0 / max(loss_per_sample.shape[0], 1), reduced) if self.loss_reduction == "mean" \
+            else None
         targets = self._edges.targets(reduced.grad_fn)
         if not targets:
             raise RuntimeError(
@@ -381,9 +401,9 @@ class ClippingPath(BackwardPath):
         try:
             try:
                 if self.single_backward:
-                    torch.autograd.grad(reduced, targets, allow_unused=True)
+                    torch.autograd.grad(reduced, targets, seed, allow_unused=True)
                 else:  # the second pass goes through the same graph
-                    grad_keeping_graph(reduced, targets, allow_unused=True)
+                    grad_keeping_graph(reduced, targets, seed, allow_unused=True)
             except RuntimeError as error:
                 if "use_reentrant=True" in str(error):
                     raise RuntimeError(REENTRANT_CHECKPOINT) from error
@@ -399,17 +419,36 @@ class ClippingPath(BackwardPath):
             if callable(max_grad_norm):  # the bound from the norms (adaptive clipping)
                 max_grad_norm = max_grad_norm(norms)
             # With clipping groups each group was clipped with its own coefficients (``GroupFlush``).
-            coef = clipping_coefficients(norms, max_grad_norm, self.gamma) if self.clip_groups is None else None
             if self.single_backward:
-                self.sums.hand_off(coef)
+                self.sums.hand_off(None if self.clip_groups is not None else clipping_coefficients(
+                    norms, max_grad_norm, self.gamma, self.sums.scale(norms.shape[0])), scaled=True)
             else:
-                self._wait_finite()
-                with self.hooks_off():
-                    (coef.to(loss_per_sample.device) * loss_per_sample).sum().backward()
+                coef = clipping_coefficients(norms, max_grad_norm, self.gamma) if self.clip_groups is None else None
+                self._second_pass(coef.to(loss_per_sample.device) * loss_per_sample)
         finally:
             self._norm_pass = NormPass.PLAIN
             self._kept, self._finite, self._group_flush.held = [], None, {}
         return norms
+
+    def _second_pass(self, weighted: torch.Tensor) -> None:
+        """Double backward's second pass: ``sum_b c_b grad(loss_b)`` (``weighted``: the losses
+        times their coefficients) to ``p.grad``, with the hooks off. The gradients are taken
+        with ``torch.autograd.grad`` and handed to ``p.grad`` as single backward hands its sums
+        (``ClippedSums.to_grad``), withheld on the device if the norms were not finite; on a
+        model sharded by FSDP2, whose reduce-scatter runs in the pass itself, the host waits
+        for the check first and the pass is a plain backward."""
+        if self.sharded is not None:
+            self._wait_finite()
+            with self.hooks_off():
+                weighted.sum().backward()
+            return
+        params = self.trainable_parameters
+        with self.hooks_off():
+            grads = torch.autograd.grad(weighted.sum(), params, allow_unused=True)
+        held = {p: g for p, g in zip(params, grads) if g is not None}
+        del grads
+        self._withhold_if_not_finite(held.values())
+        self.sums.to_grad([held])
 
     def _one_sample_is_plain(self) -> bool:
         """Whether a loss of one sample can be clipped from its plain gradient: a forward pass of
@@ -447,8 +486,9 @@ class ClippingPath(BackwardPath):
                 p.grad_sample = None
             self.pass_norm = torch.linalg.vector_norm(rows).view(1)
             if self.check_finite:
-                FiniteCheck([self.pass_norm], lambda: [(self.param_name(p), n) for p, n in zip(params, rows)],
-                            "gradient norms").wait()
+                self._finite = FiniteCheck([self.pass_norm], lambda: [(self.param_name(p), n) for p, n in
+                                                                      zip(params, rows)], "gradient norms",
+                                           self.finite_reports)
             groups = self.clip_groups
             if callable(max_grad_norm):  # the bound from the norm (adaptive clipping)
                 max_grad_norm = max_grad_norm(self.pass_norm)
@@ -459,6 +499,7 @@ class ClippingPath(BackwardPath):
                 coef = groups.coefficients(self.group_norms).view(-1)
                 coefs = list(coef.index_select(0, groups.rows(params, coef.device)).unbind(0))
             grads = scaled(grads, coefs)
+            self._withhold_if_not_finite(grads)
         held = [dict(zip(params, grads))]
         del grads, reached
         self.sums.to_grad(held)

@@ -40,14 +40,19 @@ def per_sample_bounds(bounds, max_grad_norm: float, loss_per_sample: torch.Tenso
     return host.to(torch.float32).to(loss_per_sample.device, non_blocking=True)
 
 
-def clipping_coefficients(norms: torch.Tensor, max_grad_norm, gamma: Optional[float] = None) -> torch.Tensor:
+def clipping_coefficients(norms: torch.Tensor, max_grad_norm, gamma: Optional[float] = None,
+                          scale: float = 1.0) -> torch.Tensor:
     """Opacus's per-sample clipping factors ``min(1, C / (norm + 1e-6))``, (B,); with ``gamma``,
     automatic clipping's ``C / (norm + gamma)`` (Bu et al. 2022: every sample's gradient scaled
     to just below C, ``C * norm / (norm + gamma)``). ``max_grad_norm`` a float or per-sample
-    bounds (B,)."""
-    if gamma is not None:
-        return max_grad_norm / (norms + gamma)
-    return (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+    bounds (B,). ``scale``: the factors times ``scale`` (the batch size, for backprops of a
+    mean loss), in the same operations."""
+    if isinstance(max_grad_norm, torch.Tensor) or scale == 1.0:
+        coef = max_grad_norm / (norms + (1e-6 if gamma is None else gamma))
+        coef = coef if gamma is not None else coef.clamp(max=1.0)
+        return coef if scale == 1.0 else coef * scale
+    coef = (norms + (1e-6 if gamma is None else gamma)).reciprocal_().mul_(max_grad_norm * scale)
+    return coef if gamma is not None else coef.clamp_(max=scale)
 
 
 def automatic_gamma(value) -> float:

@@ -85,8 +85,16 @@ class GradSamplePath(BackwardPath):
                         "forward/backward pass, or use BatchMemoryManager."
                     )
         if self.check_finite and grads:
-            FiniteCheck(list(grads.values()), lambda: [(self.param_name(p), g) for p, g in grads.items()],
-                        "gradients").wait()
+            # Not finite: the pass's per-sample gradients are replaced by zeros on the device (new
+            # tensors: a sampler's output may be a view of tensors autograd still holds), and the
+            # next forward pass raises.
+            named = list(grads.items())
+            check = FiniteCheck([g for _, g in named], lambda: [(self.param_name(p), g) for p, g in named],
+                                "gradients", self.finite_reports)
+            check.withheld = True
+            for p, gs in named:
+                grads[p] = gs.masked_fill(check.bad, 0)
+            self.finite_reports.add(check)
         for p, gs in grads.items():
             if p.grad_sample is None:
                 p.grad_sample = gs
@@ -119,8 +127,11 @@ class GradSampleModule(nn.Module):
         strict: raise on trainable layers with buffers (e.g. BatchNorm); with False such
             layers are skipped, with a warning, and get no per-sample gradients.
         force_functorch: compute every layer through torch.func, not the registered samplers.
-        check_finite: raise, naming the layer, when a per-sample gradient (or norm) is not
-            finite. dpgrad's own keyword; pass False to turn the check off.
+        check_finite: when a per-sample gradient (or norm) is not finite, replace the pass's
+            per-sample gradients (clipped gradients) by zeros on the device, so that nothing
+            reaches ``p.grad``, and raise FloatingPointError, naming the parameters, at the next
+            forward pass (or at ``raise_if_not_finite()``): no host wait in the step. dpgrad's
+            own keyword; pass False to turn the check off.
         check_independence: verify that each sample's rows are its own
             (``dpgrad.independence``): on the first forward pass of each layout with two
             samples or more, backward passes from sets of samples' outputs (about log2 B of
@@ -236,6 +247,13 @@ class GradSampleModule(nn.Module):
     def enable_hooks(self) -> None:
         """Turn the hooks back on."""
         self._path.hooks_enabled = True
+
+    def raise_if_not_finite(self) -> None:
+        """Raise FloatingPointError now if a backward pass since the last report had non-finite
+        per-sample values (``check_finite``), waiting for the device to tell: the next forward
+        pass raises anyway, once the outcome has reached the host, without waiting. Call it
+        after the last step of a run, or where a step must be known good."""
+        self._path.finite_reports.raise_pending()
 
     # ------------------------------------------------------------------ Opacus's methods
     def forbid_grad_accumulation(self) -> None:

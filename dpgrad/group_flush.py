@@ -13,8 +13,9 @@ forward pass and the loss set that mark, the backward pass frees the forward's a
 it goes, and the records fill that room without raising the peak. Once memory in use passes
 the mark, the complete groups are clipped, all at once; the rest at the end of the pass. On
 other devices, whose memory torch does not count, each group is clipped as soon as it is
-complete. The sums wait (on the device, in ``held``) for the pass's finite check before they
-reach ``p.grad``, as flat clipping's do.
+complete. The sums are held (in ``held``) until the end of the pass, when they are withheld
+on the device (zeros) if the pass's finite check failed and handed to ``p.grad``, as flat
+clipping's are.
 """
 
 from __future__ import annotations

@@ -545,7 +545,8 @@ def embedding_grad_sample(
         tok = tok.masked_fill(tok == padding_idx, num_embeddings)  # one spare row per sample
     rows = G if G.dim() == 3 else G.reshape(B, T, d)
     out = torch.zeros(B, num_embeddings + 1, d, dtype=G.dtype, device=G.device)
-    out.scatter_add_(1, tok.to(torch.int64).unsqueeze(-1).expand(B, T, d), rows)
+    # out[b, tok[b, t]] += rows[b, t]: sample b's rows by a (B, 1) index made once per B.
+    out.index_put_((_sample_rows(B, G.device), tok), rows, accumulate=True)
     return out[:, :num_embeddings]
 
 
@@ -628,3 +629,18 @@ def conv_clipped_sum(x: torch.Tensor, G: torch.Tensor, coef: torch.Tensor, geom:
     xa, Ga = _conv_operands(x, G)
     scaled = Ga * coef.to(device=Ga.device, dtype=Ga.dtype).view(-1, *([1] * (Ga.dim() - 1)))
     return conv_unfold.weight_gradient(xa, scaled, geom, weight_shape).to(out_dtype or G.dtype)
+
+
+_SAMPLE_ROWS: dict = {}
+
+
+def _sample_rows(B: int, device: torch.device) -> torch.Tensor:
+    """``arange(B)`` as a (B, 1) index on ``device``, made once per (B, device): the sample
+    index of every token of a (B, T) batch, broadcast."""
+    key = (B, device)
+    found = _SAMPLE_ROWS.get(key)
+    if found is None:
+        if len(_SAMPLE_ROWS) > 256:  # Poisson batch sizes: keep the cache small
+            _SAMPLE_ROWS.clear()
+        found = _SAMPLE_ROWS[key] = torch.arange(B, device=device).view(B, 1)
+    return found

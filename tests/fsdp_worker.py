@@ -282,8 +282,11 @@ def finish_groups(rank: int, world: int, single: bool) -> dict:
 
 
 def after_non_finite(rank: int, world: int, single: bool, sharded: bool = True) -> dict:
-    """A step whose losses are not finite raises, before any gradient reaches FSDP; the
-    next step's gathered gradient (and the error) are returned."""
+    """A step whose losses are not finite: its clipped gradients are withheld (zeros reach
+    FSDP, or nothing in double backward on a sharded model, where the host waits for the
+    check before the second pass, whose reduce-scatter FSDP runs) and it raises, at its
+    backward (``error``) or at the next forward pass (``next_error``); the next step's
+    gathered gradient is returned."""
     net = model("transformer")
     if sharded:
         shard(net)
@@ -291,14 +294,18 @@ def after_non_finite(rank: int, world: int, single: bool, sharded: bool = True) 
     criterion = dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss())
     ids = share(batches()[0], rank, world)
     logits = wrapped(ids[:, :-1]) * float("inf")
+    error = next_error = "no error"
     try:
         criterion(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), shape=logits.shape[:2]).backward()
-        error = "no error"
     except FloatingPointError as err:
         error = str(err)
-    untouched = all(p.grad is None for p in net.parameters())
-    lm_step(wrapped, criterion, ids)
-    return {"error": error, "untouched": untouched,
+    withheld = all(p.grad is None or not _full(p.grad).any() for p in net.parameters())
+    try:
+        lm_step(wrapped, criterion, ids)
+    except FloatingPointError as err:
+        next_error = str(err)
+        lm_step(wrapped, criterion, ids)
+    return {"error": error, "next_error": next_error, "withheld": withheld,
             "grads": {n: _full(p.grad) for n, p in net.named_parameters() if p.requires_grad}}
 
 

@@ -145,7 +145,7 @@ def test_clipping_turned_off_is_caught(monkeypatch):
     import dpgrad.clipping_path
     import dpgrad.fast_gradient_clipping
 
-    ones = lambda norms, max_grad_norm, gamma=None: torch.ones_like(norms)  # noqa: E731
+    ones = lambda norms, max_grad_norm, gamma=None, scale=1.0: torch.ones_like(norms) * scale  # noqa: E731
     monkeypatch.setattr(dpgrad.clipping_path, "clipping_coefficients", ones)
     monkeypatch.setattr(dpgrad.fast_gradient_clipping, "clipping_coefficients", ones)
     _fault_caught(dict(noise_multiplier=2.0, **SMALL))
@@ -218,7 +218,7 @@ def test_a_language_model_audits_like_the_idealised_mechanism_and_catches_clippi
     assert max(real.epsilon_one_run, real.epsilon_fdp) <= eps
     spread = max(fdp) - min(fdp)
     assert min(fdp) - spread / 3 - 0.05 <= real.epsilon_fdp <= max(fdp) + spread / 3 + 0.05, (real.epsilon_fdp, fdp)
-    ones = lambda norms, max_grad_norm, gamma=None: torch.ones_like(norms)  # noqa: E731
+    ones = lambda norms, max_grad_norm, gamma=None, scale=1.0: torch.ones_like(norms) * scale  # noqa: E731
     monkeypatch.setattr(dpgrad.clipping_path, "clipping_coefficients", ones)
     monkeypatch.setattr(dpgrad.fast_gradient_clipping, "clipping_coefficients", ones)
     _fault_caught(dict(noise_multiplier=2.0, **TINY), _tiny())
@@ -282,7 +282,7 @@ def test_the_audit_through_the_trainer_audits_like_the_idealised_mechanism_and_c
         black = audit(AuditConfig(noise_multiplier=1.0, path="trainer", **TINY), "dpgrad", _tiny(), mode="black-box")
         assert max(black.epsilon_one_run, black.epsilon_fdp) <= black.accountant_epsilon
     else:
-        ones = lambda norms, max_grad_norm, gamma=None: torch.ones_like(norms)  # noqa: E731
+        ones = lambda norms, max_grad_norm, gamma=None, scale=1.0: torch.ones_like(norms) * scale  # noqa: E731
         monkeypatch.setattr(dpgrad.clipping_path, "clipping_coefficients", ones)
         _fault_caught(dict(noise_multiplier=2.0, path="trainer", **TINY), _tiny())
 
@@ -313,7 +313,7 @@ def test_black_box_audits_below_its_epsilon_and_says_what_it_cannot_catch(monkey
     assert found.mechanism == "dpgrad black-box"
     assert 0 < max(found.epsilon_one_run, found.epsilon_fdp) <= found.accountant_epsilon
     correct = audit(AuditConfig(noise_multiplier=2.0, **linear), "dpgrad", mode="black-box")
-    ones = lambda norms, max_grad_norm, gamma=None: torch.ones_like(norms)  # noqa: E731
+    ones = lambda norms, max_grad_norm, gamma=None, scale=1.0: torch.ones_like(norms) * scale  # noqa: E731
     monkeypatch.setattr(dpgrad.clipping_path, "clipping_coefficients", ones)
     monkeypatch.setattr(dpgrad.fast_gradient_clipping, "clipping_coefficients", ones)
     broken = audit(AuditConfig(noise_multiplier=2.0, **linear), "dpgrad", mode="black-box")

@@ -548,12 +548,20 @@ def test_non_finite_per_sample_values(wrapper, bad):
     x, y = batch()
     x_bad = x.clone()
     x_bad[1, 0, 0] = bad
-    with pytest.raises(FloatingPointError) as err:
-        ce(wrapped(x_bad), y).sum().backward()
     # inf saturates the tanh after encoder.inp; nan runs through everything.
-    says(err, "'encoder.inp.weight'", "check_finite=False", *(["'head.bias'"] if bad != bad else []))
+    named = ("'encoder.inp.weight'", "check_finite=False", *(["'head.bias'"] if bad != bad else []))
     if cls is GSM:
-        assert all(p.grad_sample is None for p in model.parameters())
+        # Per-sample gradients are withheld (zeros) on the device; the next forward pass raises.
+        ce(wrapped(x_bad), y).sum().backward()
+        assert all(not p.grad_sample.any() for p in model.parameters())
+        with pytest.raises(FloatingPointError) as err:
+            wrapped(x)
+        says(err, *named, "added nothing")
+    else:
+        # A plain backward of the ghost wrapper (Opacus's first pass) waits for the check.
+        with pytest.raises(FloatingPointError) as err:
+            ce(wrapped(x_bad), y).sum().backward()
+        says(err, *named)
     assert_step_correct(wrapped, pristine, x, y)
 
     quiet = cls(cls.to_standard_module(wrapped), loss_reduction="sum", check_finite=False, **kwargs)
@@ -574,10 +582,65 @@ def test_finite_norms_whose_squares_overflow_say_so(single):
     model, _ = make()
     wrapped = FGC(model, loss_reduction="sum", single_backward=single)
     x, y = batch()
+    wrapped.clipped_backward(ce(wrapped(x), y) * 1e20)
+    assert all(not p.grad.any() for p in model.parameters())
     with pytest.raises(FloatingPointError) as err:
-        wrapped.clipped_backward(ce(wrapped(x), y) * 1e20)
-    says(err, "norm above about 1.8e19, whose square overflows float32", "check_finite=False")
-    assert all(p.grad is None for p in model.parameters())
+        wrapped.raise_if_not_finite()
+    says(err, "norm above about 1.8e19, whose square overflows float32", "check_finite=False",
+         "added nothing to p.grad")
+    wrapped.raise_if_not_finite()  # reported once
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+@pytest.mark.parametrize("single", [True, False])
+def test_a_non_finite_step_adds_nothing_and_the_next_forward_raises(single, clipping):
+    """No host wait in the step: the clipped gradients of a pass with a non-finite norm are
+    zeros on the device, so an optimizer step leaves the parameters finite (plain SGD: as they
+    were), and the next forward pass raises, naming the parameters, once; the step after it is
+    the reference's."""
+    model, pristine = make()
+    options = dict(max_grad_norm=1.0) if clipping == "flat" else dict(
+        clipping="per_layer", max_grad_norm=[0.5] * len(list(model.parameters())))
+    wrapped = FGC(model, loss_reduction="mean", single_backward=single, **options)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x, y = batch()
+    wrapped.clipped_backward(ce(wrapped(x), y) * torch.tensor([1.0, float("nan"), 1.0, 1.0]))
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    optimizer.step()
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    with pytest.raises(FloatingPointError) as err:
+        wrapped(x)
+    says(err, "non-finite per-sample gradient norms", "'head.weight'", "added nothing to p.grad")
+    wrapped.zero_grad(set_to_none=True)
+    wrapped.clipped_backward(ce(wrapped(x), y))  # reported once: this pass goes through
+    wrapped.raise_if_not_finite()
+    assert all(p.grad.isfinite().all() and p.grad.any() for p in model.parameters())
+
+
+def test_reports_in_flight_wait_only_beyond_the_bound(monkeypatch):
+    """On a GPU the next forward pass reads a check only once its copy has arrived: checks in
+    flight are left for later, up to ``FiniteReports.IN_FLIGHT``, beyond which the host waits
+    for the oldest; ``raise_if_not_finite`` waits for all."""
+    from dpgrad.backward_pass import FiniteCheck, FiniteReports
+
+    monkeypatch.setattr(FiniteCheck, "ready", lambda self: False)  # every copy still in flight
+    model, _ = make()
+    wrapped = FGC(model, loss_reduction="sum", single_backward=True)
+    x, y = batch()
+    nan = torch.tensor([1.0, float("nan"), 1.0, 1.0])
+    wrapped.clipped_backward(ce(wrapped(x), y) * nan)  # the bad pass
+    for _ in range(FiniteReports.IN_FLIGHT):
+        wrapped.clipped_backward(ce(wrapped(x), y))  # forward passes that find it in flight
+    with pytest.raises(FloatingPointError):
+        wrapped(x)  # IN_FLIGHT + 1 checks in flight: the host waits for the oldest, the bad one
+    wrapped.zero_grad()
+    wrapped.clipped_backward(ce(wrapped(x), y) * nan)
+    wrapped.clipped_backward(ce(wrapped(x), y))
+    with pytest.raises(FloatingPointError):
+        wrapped.raise_if_not_finite()
+    wrapped.raise_if_not_finite()
 
 
 # ---------------------------------------------------------------------------- arguments
