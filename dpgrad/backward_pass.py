@@ -84,8 +84,8 @@ class FiniteCheck:
         self.bad = (total - total).isnan()  # inf - inf and NaN - NaN are NaN, finite - finite 0
         # The host copy's memory: one ``reports`` has read before, else new.
         self._reports = reports
-        self._host = reports.host_memory(self.bad.is_cuda) if reports is not None else \
-            torch.empty((), dtype=torch.bool, pin_memory=self.bad.is_cuda)
+        self._host, self._array = reports.host_memory(self.bad.is_cuda) if reports is not None else \
+            FiniteReports.new_host_memory(self.bad.is_cuda)
         self._host.copy_(self.bad, non_blocking=True)
         self.withheld = False  # whether ``withhold`` ran
         self._event = None
@@ -119,9 +119,9 @@ class FiniteCheck:
         """Raise FloatingPointError, naming the parameters, if a value was not finite (read
         from host memory: call once ``ready``); the message says whether the pass's clipped
         gradients were withheld."""
-        if not bool(self._host.numpy()):
+        if not bool(self._array):
             if self._reports is not None:
-                self._reports.free.setdefault(self._event is not None, []).append(self._host)
+                self._reports.free.setdefault(self._event is not None, []).append((self._host, self._array))
             return
         bad = [name for name, value in self._names() if not bool(torch.isfinite(value).all())]
         # Norms come from sums of squares in fp32: a finite gradient whose norm passes
@@ -149,14 +149,20 @@ class FiniteReports:
 
     def __init__(self):
         self._checks: List[FiniteCheck] = []
-        # Host memory of checks read and found finite, by whether it is pinned.
-        self.free: Dict[bool, List[torch.Tensor]] = {}
+        # Host memory of checks read and found finite (with its NumPy view), by whether it is pinned.
+        self.free: Dict[bool, List[tuple]] = {}
 
-    def host_memory(self, pinned: bool) -> torch.Tensor:
-        """A 0-d bool in host memory (pinned for a GPU's copy) for a check's outcome: one a
-        finite check was read from, or a new one (no allocation per step)."""
+    def host_memory(self, pinned: bool) -> Tuple[torch.Tensor, "numpy.ndarray"]:
+        """A 0-d bool in host memory (pinned for a GPU's copy) for a check's outcome, and a
+        NumPy view of it to read it through: one a finite check was read from, or a new one (no
+        allocation, and no operation to read it, per step)."""
         free = self.free.get(pinned)
-        return free.pop() if free else torch.empty((), dtype=torch.bool, pin_memory=pinned)
+        return free.pop() if free else self.new_host_memory(pinned)
+
+    @staticmethod
+    def new_host_memory(pinned: bool) -> Tuple[torch.Tensor, "numpy.ndarray"]:
+        host = torch.empty((), dtype=torch.bool, pin_memory=pinned)
+        return host, host.numpy()
 
     def add(self, check: FiniteCheck) -> None:
         self._checks.append(check)

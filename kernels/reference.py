@@ -461,17 +461,16 @@ def outer_sum_inner(L1: torch.Tensor, R1: torch.Tensor, L2: torch.Tensor, R2: to
 
 def _embedding_positions(ids: torch.Tensor, G: torch.Tensor, num_embeddings: int, padding_idx: Optional[int]):
     """Flat (B*T,) token ids with padding positions moved to row ``num_embeddings`` (one past
-    the table: an output row that is then dropped), the sample of each position, and the
-    backprop rows (B*T, d). No position is removed, so no output size depends on the data
-    (no host synchronisation on a GPU)."""
+    the table: an output row that is then dropped), and the backprop rows (B*T, d). No
+    position is removed, so no output size depends on the data (no host synchronisation on a
+    GPU)."""
     B = ids.shape[0]
     # Not reshape(B, -1): that is ambiguous for an empty batch.
     T = math.prod(ids.shape[1:])
     tok = ids.reshape(B * T).to(torch.int64)
     if padding_idx is not None:
         tok = tok.masked_fill(tok == padding_idx, num_embeddings)
-    sample = torch.arange(B * T, device=ids.device) // max(T, 1)
-    return tok, sample, G.reshape(B * T, G.shape[-1])
+    return tok, G.reshape(B * T, G.shape[-1])
 
 
 def embedding_sq_norm(
@@ -486,18 +485,25 @@ def embedding_sq_norm(
     """
     acc = accumulation_dtype(G)
     B = ids.shape[0]
-    tok, sample, rows = _embedding_positions(ids, G, num_embeddings, padding_idx)
+    tok, rows = _embedding_positions(ids, G, num_embeddings, padding_idx)
     n = tok.numel()
     if n == 0:
         return torch.zeros(B, dtype=acc, device=G.device)
-    # Padding sorts into segments of its own, beyond every sample's: index B of the output.
-    key = torch.where(tok == num_embeddings, B * (num_embeddings + 1), sample * (num_embeddings + 1) + tok)
+    # (sample, token) as one key; the sample of each position and its key's offset are made
+    # once per shape.
+    sample = _cached(("sample", B, n, G.device), lambda: torch.arange(n, device=G.device) // (n // B))
+    offset = _cached(("offset", B, n, num_embeddings, G.device), lambda: sample * (num_embeddings + 1))
+    key = offset + tok
+    if padding_idx is not None:
+        # Padding sorts into segments of its own, beyond every sample's: index B of the output.
+        key = key.masked_fill(tok == num_embeddings, B * (num_embeddings + 1))
     sorted_key, order = torch.sort(key)
     starts = torch.ones(n, dtype=torch.int64, device=G.device)
     starts[1:] = sorted_key[1:] != sorted_key[:-1]
     segment = torch.empty_like(order).scatter_(0, order, torch.cumsum(starts, 0) - 1)
     summed = torch.zeros(n, rows.shape[-1], dtype=acc, device=G.device).index_add_(0, segment, rows.to(acc))
-    owner = torch.zeros(n, dtype=torch.int64, device=G.device).scatter_(0, segment, key // (num_embeddings + 1))
+    owner = torch.zeros(n, dtype=torch.int64, device=G.device).scatter_(
+        0, segment, sample if padding_idx is None else key // (num_embeddings + 1))
     out = torch.zeros(B + 1, dtype=acc, device=G.device).index_add_(0, owner, summed.square().sum(1))
     return out[:B]
 
@@ -546,7 +552,8 @@ def embedding_grad_sample(
     rows = G if G.dim() == 3 else G.reshape(B, T, d)
     out = torch.zeros(B, num_embeddings + 1, d, dtype=G.dtype, device=G.device)
     # out[b, tok[b, t]] += rows[b, t]: sample b's rows by a (B, 1) index made once per B.
-    out.index_put_((_sample_rows(B, G.device), tok), rows, accumulate=True)
+    rows_of = _cached(("rows", B, G.device), lambda: torch.arange(B, device=G.device).view(B, 1))
+    out.index_put_((rows_of, tok), rows, accumulate=True)
     return out[:, :num_embeddings]
 
 
@@ -564,11 +571,12 @@ def embedding_clipped_sum(
     returned in ``out_dtype`` (default G's dtype). ``padding_idx`` rows get nothing.
     """
     acc = accumulation_dtype(G)
-    tok, sample, rows = _embedding_positions(ids, G, num_embeddings, padding_idx)
+    tok, rows = _embedding_positions(ids, G, num_embeddings, padding_idx)
+    B, T, d = ids.shape[0], math.prod(ids.shape[1:]), G.shape[-1]
     # A spare row takes the padding positions.
-    out = torch.zeros(num_embeddings + 1, G.shape[-1], dtype=acc, device=G.device)
-    scale = coef.to(device=G.device, dtype=acc)[sample]
-    out.index_add_(0, tok, rows.to(acc) * scale[:, None])
+    out = torch.zeros(num_embeddings + 1, d, dtype=acc, device=G.device)
+    scaled = rows.to(acc).view(B, T, d) * coef.to(device=G.device, dtype=acc).view(B, 1, 1)
+    out.index_add_(0, tok, scaled.view(-1, d))
     return out[:num_embeddings].to(out_dtype or G.dtype)
 
 
@@ -631,16 +639,15 @@ def conv_clipped_sum(x: torch.Tensor, G: torch.Tensor, coef: torch.Tensor, geom:
     return conv_unfold.weight_gradient(xa, scaled, geom, weight_shape).to(out_dtype or G.dtype)
 
 
-_SAMPLE_ROWS: dict = {}
+_CACHED: dict = {}
 
 
-def _sample_rows(B: int, device: torch.device) -> torch.Tensor:
-    """``arange(B)`` as a (B, 1) index on ``device``, made once per (B, device): the sample
-    index of every token of a (B, T) batch, broadcast."""
-    key = (B, device)
-    found = _SAMPLE_ROWS.get(key)
+def _cached(key: tuple, make):
+    """An index tensor that depends on shapes alone (``key``), made once: a position's sample,
+    for instance, rather than an ``arange`` and a division at every call."""
+    found = _CACHED.get(key)
     if found is None:
-        if len(_SAMPLE_ROWS) > 256:  # Poisson batch sizes: keep the cache small
-            _SAMPLE_ROWS.clear()
-        found = _SAMPLE_ROWS[key] = torch.arange(B, device=device).view(B, 1)
+        if len(_CACHED) > 256:  # Poisson batch sizes: keep the cache small
+            _CACHED.clear()
+        found = _CACHED[key] = make()
     return found
