@@ -128,6 +128,20 @@ class Coefficients:
         return self._form(("layer_rows", *map(id, params), accumulation_dtype(x), x.device),
                           lambda: self.rows(params, x).view(len(params), -1))
 
+    def shared(self, params: Sequence[nn.Parameter], others: Sequence[nn.Parameter]) -> bool:
+        """Whether ``params[i]`` and ``others[i]`` take the same coefficients for every i (in
+        one clipping group each, or no groups)."""
+        return self._groups is None or all(
+            self._groups.group_of(p) == self._groups.group_of(q) for p, q in zip(params, others))
+
+    def sample_rows(self, params: Sequence[nn.Parameter], x: torch.Tensor) -> torch.Tensor:
+        """(L*B, 1, 1): ``layer_rows`` with a row per (parameter, sample), to scale L stacked
+        batches of backprops (L*B, T, p) in one product (without clipping groups made once per
+        pass for each L, whatever the parameters)."""
+        key = ("sample_rows", len(params)) if self._groups is None else ("sample_rows", *map(id, params))
+        return self._form((*key, accumulation_dtype(x), x.device),
+                          lambda: self.layer_rows(params, x).reshape(-1, 1, 1))
+
     def each(self, params: Sequence[nn.Parameter], x: torch.Tensor) -> Sequence[torch.Tensor]:
         """``layer_rows`` as L tensors (B,) (without clipping groups, ``like(x)`` L times)."""
         if self._groups is None:

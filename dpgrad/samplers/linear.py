@@ -253,30 +253,38 @@ class LinearGroup(Group):
         bias_sums = self._take_bias_sums()
         self._inputs = []
         out = []
+        biases = [layer.bias for layer in layers] if bias else []
         if weight:
             weights = [layer.weight for layer in layers]
-            out += zip(weights, self._weight_sums(inputs, coef, weights))
-        if bias:
-            out += clipped_sums_of([layer.bias for layer in layers], coef, bias_sums)
+            weight_sums, bias_from_weights = self._weight_sums(inputs, coef, weights, biases)
+            out += zip(weights, weight_sums)
+            if bias_from_weights is not None:
+                out += zip(biases, bias_from_weights)
+                biases = []
+        if biases:
+            out += clipped_sums_of(biases, coef, bias_sums)
         self._bias_sums = None
         return out
 
-    def _weight_sums(self, inputs, coef, weights) -> List[torch.Tensor]:
+    def _weight_sums(self, inputs, coef, weights, biases) -> Tuple[List[torch.Tensor], Optional[List[torch.Tensor]]]:
         """The clipped sums of the layers' ``weights``, each with its own clipping group's
-        coefficients (layers of one shape in several groups are summed together too)."""
+        coefficients (layers of one shape in several groups are summed together too), and of
+        their ``biases`` where they come from the same scaled backprops (else None)."""
         layers = self._layers
         transposed = _transposed(layers[0])
         dtype = layers[0].weight.dtype
         if len(inputs) == 1 and len(layers) > 1:  # stacked: one batched product
             A, G = inputs[0]
-            L, T, d, p = len(layers), A.shape[1], A.shape[2], G.shape[2]
+            L, d, p = len(layers), A.shape[2], G.shape[2]
             acc = accumulation_dtype(A, G)
             A3 = reference.autocast_rounded(A.view(L, -1, d), G, acc)
-            # Each layer's samples scaled by its row of coefficients, on each of their T positions.
-            rows = coef.layer_rows(weights, G)[..., None, None]
-            scaled = (reference.autocast_rounded(G.view(L, -1, T, p), A, acc) * rows).view(L, -1, p)
+            # Each layer's samples scaled by its row of coefficients, on each of their positions.
+            scaled = (reference.autocast_rounded(G, A, acc) * coef.sample_rows(weights, G)).view(L, -1, p)
             sums = torch.bmm(A3.mT, scaled) if transposed else torch.bmm(scaled.mT, A3)
-            return sums.to(dtype).unbind(0)
+            # The biases' sums from the same scaled backprops, where they share the coefficients.
+            bias_sums = scaled.sum(1).to(biases[0].dtype).unbind(0) if biases and coef.shared(weights, biases) \
+                else None
+            return sums.to(dtype).unbind(0), bias_sums
         G0 = inputs[0][1]
         factors = coef.layer_rows(weights, G0)  # (L, B) fp32, as the kernels take them
         each = coef.each(weights, G0)
@@ -293,7 +301,7 @@ class LinearGroup(Group):
 
         return self._run("linear_clipped_sum", cand, [(A, G, f) for (A, G), f in zip(inputs, each)],
                          lambda chosen: [w for w, _ in chosen.grouped()(lefts, rights, factors, out_dtype=dtype)],
-                         by_layer)
+                         by_layer), None
 
 
 @register_grad_sample_group(LAYERS)
@@ -341,6 +349,6 @@ class LinearGradSampleGroup(LinearGroup):
         self._inputs = []  # what the clipped sums need is in the gradients now
         return self._params(), rows
 
-    def _weight_sums(self, inputs, coef, weights):
+    def _weight_sums(self, inputs, coef, weights, biases):
         w, self._grads = self._grads, None
-        return [s for _, s in clipped_sums_of(weights, coef, w)]
+        return [s for _, s in clipped_sums_of(weights, coef, w)], None
