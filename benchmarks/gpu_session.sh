@@ -21,6 +21,9 @@
 #                                                   $OUT/head, and their step times and peak
 #                                                   memory side by side
 #                                                   (each part at most LIMIT seconds, default 270)
+#   bash benchmarks/gpu_session.sh host             bench_host_overhead.py, full sizes: operations,
+#                                                   host waits, CUDA's sync reports and kernel
+#                                                   launches of a step, against the non-private step
 #   bash benchmarks/gpu_session.sh kernels          bench_kernels.py, full sizes
 #   bash benchmarks/gpu_session.sh kernels-compare BASE
 #                                                   the kernel table at commit BASE (dpgrad's own
@@ -46,9 +49,9 @@
 set -u -o pipefail
 part=${1:-}
 case $part in
-    check | step | compare | kernels | kernels-compare | profile | llama) shift ;;
-    *) echo "usage: bash benchmarks/gpu_session.sh check | step CASE... | compare BASE CASE... | kernels" \
-            "| kernels-compare BASE | profile [ARGS] | llama" >&2
+    check | step | compare | host | kernels | kernels-compare | profile | llama) shift ;;
+    *) echo "usage: bash benchmarks/gpu_session.sh check | step CASE... | compare BASE CASE... | host" \
+            "| kernels | kernels-compare BASE | profile [ARGS] | llama" >&2
        exit 2 ;;
 esac
 [ "$part" != step ] || [ $# -gt 0 ] || { echo "step: name the cases, e.g. hf-gpt2-64-128" >&2; exit 2; }
@@ -117,6 +120,9 @@ case $part in
         ;;
     step)
         bench benchmarks/bench_dp_step.py -k "$(step_expr "$@")"
+        ;;
+    host)
+        bench benchmarks/bench_host_overhead.py
         ;;
     compare)
         base=$1
