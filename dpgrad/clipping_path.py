@@ -354,7 +354,7 @@ class ClippingPath(BackwardPath):
             for i in range(len(uses)):
                 for j in range(i + 1, len(uses)):
                     # torch's own kernels on every backend (triton_ops re-exports reference's).
-                    sq = sq + 2 * reference.outer_sum_inner(*uses[i], *uses[j]).to(sq.dtype)
+                    sq = torch.add(sq, reference.outer_sum_inner(*uses[i], *uses[j]).to(sq.dtype), alpha=2)
             # Rounding can take the square of an exact zero (opposite uses) slightly below it.
             combined.append(sq.clamp_min(0).sqrt())
             out_params.append(p)

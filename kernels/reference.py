@@ -448,14 +448,20 @@ def outer_sum_inner(L1: torch.Tensor, R1: torch.Tensor, L2: torch.Tensor, R2: to
     """
     acc = accumulation_dtype(*(t for t in (L1, R1, L2, R2) if t.is_floating_point()))
     B, T1, T2 = R1.shape[0], R1.shape[1], R2.shape[1]
-    out = torch.zeros(B, dtype=acc, device=R1.device)
-    for s in batch_slices(B, 3 * T1 * T2):
+
+    def inner(l1, r1, l2, r2):
         # Each factor as the matmul of its own use took it (autocast: through its partner's dtype).
-        r1, r2 = autocast_rounded(R1[s], L1, acc), autocast_rounded(R2[s], L2, acc)
-        l1 = autocast_rounded(L1[s], R1, acc) if L1.is_floating_point() else L1[s]
-        l2 = autocast_rounded(L2[s], R2, acc) if L2.is_floating_point() else L2[s]
-        right = torch.bmm(r1, r2.transpose(1, 2))
-        out[s] = (_left_gram(l1, l2, acc) * right).sum(dim=(1, 2))
+        r1, r2 = autocast_rounded(r1, L1, acc), autocast_rounded(r2, L2, acc)
+        l1 = autocast_rounded(l1, R1, acc) if l1.is_floating_point() else l1
+        l2 = autocast_rounded(l2, R2, acc) if l2.is_floating_point() else l2
+        return (_left_gram(l1, l2, acc) * torch.bmm(r1, r2.transpose(1, 2))).sum(dim=(1, 2))
+
+    slices = list(batch_slices(B, 3 * T1 * T2))
+    if len(slices) == 1:  # the whole batch at once: no output to fill slice by slice
+        return inner(L1, R1, L2, R2)
+    out = torch.zeros(B, dtype=acc, device=R1.device)
+    for s in slices:
+        out[s] = inner(L1[s], R1[s], L2[s], R2[s])
     return out
 
 
