@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import weakref
 from functools import partial
 from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
@@ -105,6 +104,12 @@ class FiniteCheck:
                 seen.add(id(base))
                 base.masked_fill_(self.bad, 0)
 
+    def zeroed(self, tensors) -> List[torch.Tensor]:
+        """``tensors`` as new tensors, zeros if the values were not finite (for values a view
+        of which autograd may still hold, which ``withhold`` would change in place)."""
+        self.withheld = True
+        return [t.masked_fill(self.bad, 0) for t in tensors]
+
     def ready(self) -> bool:
         """Whether the host copy has arrived (never waits)."""
         return self._event is None or self._event.query()
@@ -177,9 +182,6 @@ class FiniteReports:
         """Report every check, waiting for those in flight."""
         while self._checks:
             self._checks.pop(0).wait()
-
-    def clear(self) -> None:
-        self._checks = []
 
 
 class PendingCalls(dict):

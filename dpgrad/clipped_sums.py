@@ -28,8 +28,9 @@ class ClippedSums:
         self.path = path
         self._constants: Dict[tuple, torch.Tensor] = {}
 
-    def hand_off(self, coef: Optional[torch.Tensor], scaled: bool = False) -> None:
-        """``p.grad += sum_b c_b g_b`` for every parameter the norm pass reached.
+    def hand_off(self, coef: Optional[torch.Tensor]) -> None:
+        """``p.grad += sum_b c_b g_b`` for every parameter the norm pass reached; ``coef`` (B,):
+        the coefficients for the records' backprops (``scale``), None with clipping groups.
 
         The sums are queued, zeroed on the device if the norms' finite check failed (the host
         learns of it at the next forward pass), and handed to ``p.grad``, through
@@ -45,11 +46,11 @@ class ClippedSums:
             )
         if path.sharded is not None:
             with torch.no_grad():
-                self.reduce_scatter(coef, scaled)
+                self.reduce_scatter(coef)
             return
         with torch.no_grad():
             # With clipping groups (no ``coef``) the sums were taken group by group (``GroupFlush``).
-            held = [path._group_flush.held if coef is None else self.of_kept(coef, scaled)]
+            held = [path._group_flush.held if coef is None else self.of_kept(coef)]
         path._group_flush.held = {}
         path._withhold_if_not_finite(held[0].values())
         self.to_grad(held)
@@ -61,9 +62,9 @@ class ClippedSums:
         params = list(held[0])
         if params:
             out = _ClippedGradients.apply(held.pop, params, *params)
-            out.backward(self._constant(1.0, out))
+            out.backward(self.constant(1.0, out))
 
-    def _constant(self, value: float, like: torch.Tensor) -> torch.Tensor:
+    def constant(self, value: float, like: torch.Tensor) -> torch.Tensor:
         """``value`` as a 0-d tensor like ``like``, made once (not an operation every step)."""
         key = (value, like.dtype, like.device)
         found = self._constants.get(key)
@@ -71,21 +72,21 @@ class ClippedSums:
             found = self._constants[key] = torch.tensor(value, dtype=like.dtype, device=like.device)
         return found
 
-    def of_kept(self, coef: torch.Tensor, scaled: bool = False) -> Dict[nn.Parameter, torch.Tensor]:
+    def of_kept(self, coef: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
         """``sum_b c_b g_b`` of every parameter of the kept groups, freeing each group as it
-        is summed. ``coef`` (B,): the clipping coefficients of the samples' own losses."""
+        is summed. ``coef`` (B,): as ``hand_off`` takes them."""
         path = self.path
         groups, path._kept = [group for group, _ in path._kept], []
         sums: Dict[nn.Parameter, torch.Tensor] = {}
         with region("dpgrad.clipped_sums"):
-            self.sum_groups(groups, self.coefficients(coef, scaled), sums)
+            self.sum_groups(groups, Coefficients(coef, path.clip_groups), sums)
         return sums
 
-    def coefficients(self, coef: torch.Tensor, scaled: bool = False) -> Coefficients:
-        """``coef``: (B,), or (G, B) with clipping groups; ``scaled``: already times the batch
-        size under "mean" (``scale``)."""
+    def coefficients(self, coef: torch.Tensor) -> Coefficients:
+        """The coefficients of the samples' own losses, ``coef``: (B,), or (G, B) with clipping
+        groups, for the records' backprops."""
         path = self.path
-        if not scaled and path.loss_reduction == "mean":
+        if path.loss_reduction == "mean":
             coef = coef * coef.shape[-1]  # the records' backprops are those of the mean
         return Coefficients(coef, path.clip_groups)
 
@@ -105,7 +106,7 @@ class ClippedSums:
             for p, s in found:
                 sums[p] = s if p not in sums else sums[p] + s
 
-    def reduce_scatter(self, coef: torch.Tensor, scaled: bool = False) -> None:
+    def reduce_scatter(self, coef: torch.Tensor) -> None:
         """On a model sharded by FSDP2: the clipped sums of one FSDP2 parameter group at a time,
         each handed to FSDP's reduce-scatter before the next is computed (``dpgrad.fsdp``), so
         that no more than one group's full gradients exist at once, each withheld on the device
@@ -115,7 +116,7 @@ class ClippedSums:
         for group, shard in path._kept:
             by_shard.setdefault(shard, []).append(group)
         path._kept = []
-        coefs = self.coefficients(coef, scaled)
+        coefs = Coefficients(coef, path.clip_groups)
         with region("dpgrad.clipped_sums"):
             for shard in list(by_shard):
                 sums: Dict[nn.Parameter, torch.Tensor] = {}

@@ -385,7 +385,7 @@ class ClippingPath(BackwardPath):
         # from 1/B (a constant made once per B): the backprops of the mean loss, as the
         # non-private step has them, without the mean's own operations.
         reduced = loss_per_sample.sum(0)
-        seed = self.sums._constant(1.0 / max(loss_per_sample.shape[0], 1), reduced) if self.loss_reduction == "mean" \
+        seed = self.sums.constant(1.0 / max(loss_per_sample.shape[0], 1), reduced) if self.loss_reduction == "mean" \
             else None
         targets = self._edges.targets(reduced.grad_fn)
         if not targets:
@@ -421,7 +421,7 @@ class ClippingPath(BackwardPath):
             # With clipping groups each group was clipped with its own coefficients (``GroupFlush``).
             if self.single_backward:
                 self.sums.hand_off(None if self.clip_groups is not None else clipping_coefficients(
-                    norms, max_grad_norm, self.gamma, self.sums.scale(norms.shape[0])), scaled=True)
+                    norms, max_grad_norm, self.gamma, self.sums.scale(norms.shape[0])))
             else:
                 coef = clipping_coefficients(norms, max_grad_norm, self.gamma) if self.clip_groups is None else None
                 self._second_pass(coef.to(loss_per_sample.device) * loss_per_sample)

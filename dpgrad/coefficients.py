@@ -47,11 +47,13 @@ def clipping_coefficients(norms: torch.Tensor, max_grad_norm, gamma: Optional[fl
     to just below C, ``C * norm / (norm + gamma)``). ``max_grad_norm`` a float or per-sample
     bounds (B,). ``scale``: the factors times ``scale`` (the batch size, for backprops of a
     mean loss), in the same operations."""
-    if isinstance(max_grad_norm, torch.Tensor) or scale == 1.0:
-        coef = max_grad_norm / (norms + (1e-6 if gamma is None else gamma))
+    eps = 1e-6 if gamma is None else gamma
+    if isinstance(max_grad_norm, torch.Tensor):  # bounds on the device: one division
+        coef = max_grad_norm / (norms + eps)
         coef = coef if gamma is not None else coef.clamp(max=1.0)
         return coef if scale == 1.0 else coef * scale
-    coef = (norms + (1e-6 if gamma is None else gamma)).reciprocal_().mul_(max_grad_norm * scale)
+    # A number: the reciprocal times C * scale (what ``C / x`` dispatches), in place.
+    coef = (norms + eps).reciprocal_().mul_(max_grad_norm * scale)
     return coef if gamma is not None else coef.clamp_(max=scale)
 
 

@@ -91,9 +91,7 @@ class GradSamplePath(BackwardPath):
             named = list(grads.items())
             check = FiniteCheck([g for _, g in named], lambda: [(self.param_name(p), g) for p, g in named],
                                 "gradients", self.finite_reports)
-            check.withheld = True
-            for p, gs in named:
-                grads[p] = gs.masked_fill(check.bad, 0)
+            grads.update(zip(grads, check.zeroed(grads.values())))
             self.finite_reports.add(check)
         for p, gs in grads.items():
             if p.grad_sample is None:
