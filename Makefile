@@ -21,7 +21,7 @@ DASHBOARD := build/dashboard
 # The test modules that go through the samplers, run a second time on the Triton kernels.
 BACKEND_TESTS := test_reference_models.py test_single_backward.py test_opacus_suite.py \
 	test_hf_models.py test_opacus_training_step.py test_errors.py test_opacus_integration.py \
-	test_mixed_precision.py test_gpu_dp_step.py test_dp_optimizer.py test_fsdp.py test_clipping_groups.py \
+	test_mixed_precision.py test_gpu_dp_step.py test_gpu_graphs.py test_dp_optimizer.py test_fsdp.py test_clipping_groups.py \
 	test_no_wrap.py test_conv.py test_vision_models.py
 
 # gpt2-small in bf16 on a CUDA GPU, the tiny preset in fp32 (eager fallback) otherwise; then

@@ -43,6 +43,7 @@ from __future__ import annotations
 import copy
 import gc
 import os
+import time
 from dataclasses import dataclass
 from contextlib import nullcontext
 from typing import Callable, Dict, Tuple
@@ -88,6 +89,11 @@ CHECKPOINTED = ("non-private", "dpgrad-double", "dpgrad-single", "dpgrad-single-
 # bound split evenly (1.0 in all).
 PROVIDERS = ["non-private", "opacus-hooks", "torch-func", "opacus-ghost", "dpgrad-double", "dpgrad-single",
              "dpgrad-single-per-block", "dpgrad-single-per-layer"]
+# On a GPU, the non-private step and dpgrad's single backward also each captured in one CUDA
+# graph and replayed (torch.cuda.graph; dpgrad.graphed_step): their ratios are to each other.
+GRAPHED = ["non-private-graph", "dpgrad-single-graph"]
+if CUDA:
+    PROVIDERS += GRAPHED
 ROUNDS = 15 if CUDA else 10
 # The weights' dtype of each case's dtype, and the dtype autocast runs the forward pass in.
 WEIGHTS = {"amp": "fp32"}
@@ -194,9 +200,19 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+# The time to warm up and capture each graphed case's step (ms), by case.
+_capture_ms: Dict[tuple, float] = {}
+
+
 def make_step(provider: str, name: str, batch: int, seq_len: int, dtype: str) -> Callable[[], None]:
     """The step of ``provider``; raises what the provider raises on this model (Opacus refuses
     tied weights under ghost clipping)."""
+    if provider in GRAPHED:
+        start = time.perf_counter()
+        step = _graphed_step(provider, name, batch, seq_len, dtype)
+        _sync()
+        _capture_ms[(provider, name, batch, seq_len, dtype)] = (time.perf_counter() - start) * 1e3
+        return step
     built = _model(name, dtype)
     model = copy.deepcopy(built.module)
     vocab = built.vocab_size
@@ -250,7 +266,30 @@ def make_step(provider: str, name: str, batch: int, seq_len: int, dtype: str) ->
         loss.backward()
         optimizer.step()
 
+    step.wrapped, step.optimizer = wrapped, optimizer
     return step
+
+
+def _graphed_step(provider: str, name: str, batch: int, seq_len: int, dtype: str) -> Callable[[], None]:
+    """The step of ``provider`` without "-graph", captured in a CUDA graph after its warm-up
+    steps, as its replay."""
+    eager = make_step(provider[:-len("-graph")], name, batch, seq_len, dtype)
+    if provider == "dpgrad-single-graph":
+        graphed = dpgrad.graphed_step(eager, module=eager.wrapped, optimizer=eager.optimizer, warmup=2)
+        for _ in range(3):  # two eager steps, then the capture (and its first replay)
+            graphed()
+        return graphed
+    stream = torch.cuda.Stream()  # torch's recipe: warm up on a side stream, then capture
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            eager()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        eager()
+    graph.replay()
+    return graph.replay
 
 
 def _batch(built: BenchModel, batch: int, seq_len: int, dtype: str) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -373,6 +412,8 @@ def _try_step(bench, case) -> None:
         torch.cuda.reset_peak_memory_stats()
         synced_step()
         bench.metrics["peak_memory"] = results.metric("peak_memory", torch.cuda.max_memory_allocated() - before)
+        if case in _capture_ms:
+            bench.metrics["capture_time"] = results.metric("capture_time", _capture_ms[case])
     else:
         bench.metrics["peak_memory"] = results.metric("peak_memory", results.peak_allocated(synced_step))
     if not bench.benchmark_fixture.disabled:

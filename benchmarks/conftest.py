@@ -121,11 +121,12 @@ def bench(benchmark, request):
 def _derive_dp_step(rows: List[dict]) -> None:
     """Throughput, and ratios to the non-private step and to Opacus ghost of the same case."""
     for case in results.by_case(rows).values():
-        base, opacus = case.get("non-private"), case.get("opacus-ghost")
+        opacus = case.get("opacus-ghost")
         for r in case.values():
             m = r["metrics"]
             if r["status"] != "ok":
                 continue
+            base = results.baseline(case, r["provider"])
             t = m["step_time"]
             # A vision model's seq_len is its image side: its throughput is in images.
             vision = str(r["shape"]["model"]).startswith(VISION_MODELS)

@@ -24,6 +24,11 @@
 #   bash benchmarks/gpu_session.sh host             bench_host_overhead.py, full sizes: operations,
 #                                                   host waits, CUDA's sync reports and kernel
 #                                                   launches of a step, against the non-private step
+#   bash benchmarks/gpu_session.sh graph            the captured DP step: its GPU tests
+#                                                   (tests/test_gpu_graphs.py), then bench_dp_step
+#                                                   for GPT-2 small B=64 T=128, WideResNet-16-4
+#                                                   B=256 and ViT-B/16 B=32, the non-private step
+#                                                   and dpgrad single, each eager and graphed
 #   bash benchmarks/gpu_session.sh kernels          bench_kernels.py, full sizes
 #   bash benchmarks/gpu_session.sh kernels-compare BASE
 #                                                   the kernel table at commit BASE (dpgrad's own
@@ -49,9 +54,9 @@
 set -u -o pipefail
 part=${1:-}
 case $part in
-    check | step | compare | host | kernels | kernels-compare | profile | llama) shift ;;
+    check | step | compare | host | graph | kernels | kernels-compare | profile | llama) shift ;;
     *) echo "usage: bash benchmarks/gpu_session.sh check | step CASE... | compare BASE CASE... | host" \
-            "| kernels | kernels-compare BASE | profile [ARGS] | llama" >&2
+            "| graph | kernels | kernels-compare BASE | profile [ARGS] | llama" >&2
        exit 2 ;;
 esac
 [ "$part" != step ] || [ $# -gt 0 ] || { echo "step: name the cases, e.g. hf-gpt2-64-128" >&2; exit 2; }
@@ -123,6 +128,12 @@ case $part in
         ;;
     host)
         bench benchmarks/bench_host_overhead.py
+        ;;
+    graph)
+        tests graph-tests 150 tests/test_gpu_graphs.py
+        export PROVIDERS=${PROVIDERS:-"non-private dpgrad-single non-private-graph dpgrad-single-graph"}
+        DPGRAD_BENCH_REPEATS=${DPGRAD_BENCH_REPEATS:-2} LIMIT=${LIMIT:-400} \
+            bench benchmarks/bench_dp_step.py -k "$(step_expr hf-gpt2-64-128 wrn-16-4-256 vit-b16-32)"
         ;;
     compare)
         base=$1

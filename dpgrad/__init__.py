@@ -13,6 +13,7 @@ from . import samplers  # noqa: F401  (registers the built-in samplers)
 from .adaptive import DPLossFastGradientAdaptiveClipping, DPTensorFastGradientAdaptiveClipping
 from .fast_gradient_clipping import GradSampleModuleFastGradientClipping, GradSampleModuleFastGradientClippingFSDP
 from .grad_sample_module import GradSampleModule
+from .graphs import GraphedStep, graphed_step
 from .guarantee import UnclippedGradientError
 from .hooks import GradSampleHooks, GradSampleHooksFastGradientClipping
 from .independence import SampleMixingError
@@ -41,8 +42,10 @@ __all__ = [
     "GradSampleModule",
     "GradSampleModuleFastGradientClipping",
     "GradSampleModuleFastGradientClippingFSDP",
+    "GraphedStep",
     "SampleMixingError",
     "UnclippedGradientError",
+    "graphed_step",
     "register_clipped_sum_sampler",
     "register_grad_sampler",
     "register_norm_sampler",

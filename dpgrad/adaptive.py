@@ -127,14 +127,14 @@ class DPTensorFastGradientAdaptiveClipping(DPTensorFastGradientClipping):
     def __init__(self, module, optimizer, loss_per_sample: torch.Tensor, loss_reduction: str = "mean",
                  target_unclipped_quantile: float = 0.5, min_clipbound: float = 1, max_clipbound: float = 1e8,
                  clipbound_learning_rate: float = 0.2, initial_noise_multiplier: float = 1.0,
-                 rule: Optional[AdaptiveBound] = None, samples: Optional[int] = None):
-        super().__init__(module, optimizer, loss_per_sample, loss_reduction, samples)
+                 rule: Optional[AdaptiveBound] = None, weights: Optional[torch.Tensor] = None):
+        super().__init__(module, optimizer, loss_per_sample, loss_reduction, weights)
         self.rule = rule or AdaptiveBound(target_unclipped_quantile, min_clipbound, max_clipbound,
                                           clipbound_learning_rate, initial_noise_multiplier)
 
     def _with(self, loss_per_sample: torch.Tensor) -> "DPTensorFastGradientAdaptiveClipping":
         return DPTensorFastGradientAdaptiveClipping(self.module, self.optimizer, loss_per_sample,
-                                                    self.loss_reduction, rule=self.rule, samples=self.samples)
+                                                    self.loss_reduction, rule=self.rule, weights=self.weights)
 
     def backward(self) -> None:
         wrapper = clipping_wrapper(self.module)
@@ -216,7 +216,7 @@ class DPLossFastGradientAdaptiveClipping(DPLossFastGradientClipping):
     def __call__(self, *args, **kwargs) -> DPTensorFastGradientAdaptiveClipping:
         plain = super().__call__(*args, **kwargs)
         return DPTensorFastGradientAdaptiveClipping(self.module, self.optimizer, plain.loss_per_sample,
-                                                    self.loss_reduction, rule=self.rule, samples=plain.samples)
+                                                    self.loss_reduction, rule=self.rule, weights=plain.weights)
 
 
 __all__ = ["AdaptiveBound", "DPLossFastGradientAdaptiveClipping", "DPTensorFastGradientAdaptiveClipping"]

@@ -81,13 +81,20 @@ class FiniteCheck:
             values[0].sum(dtype=torch.float64)
         self._names, self._what = names, what
         self.bad = (total - total).isnan()  # inf - inf and NaN - NaN are NaN, finite - finite 0
-        # The host copy's memory: one ``reports`` has read before, else new.
         self._reports = reports
+        self.withheld = False  # whether ``withhold`` ran
+        self._event = None
+        # In a step being captured in a CUDA graph (``dpgrad.graphs``): counted on the device,
+        # read by the graphed step after its replays; no host copy (the graph would replay it
+        # into the same host memory behind the host's back).
+        self.counted = FiniteReports.device_count is not None
+        if self.counted:
+            FiniteReports.device_count.add_(self.bad)
+            return
+        # The host copy's memory: one ``reports`` has read before, else new.
         self._host, self._array = reports.host_memory(self.bad.is_cuda) if reports is not None else \
             FiniteReports.new_host_memory(self.bad.is_cuda)
         self._host.copy_(self.bad, non_blocking=True)
-        self.withheld = False  # whether ``withhold`` ran
-        self._event = None
         if self.bad.is_cuda:
             self._event = torch.cuda.Event()
             self._event.record()
@@ -116,6 +123,12 @@ class FiniteCheck:
 
     def wait(self) -> None:
         """``report``, once the host copy has arrived (the host waits for the values)."""
+        if self.counted:
+            raise RuntimeError(
+                "a plain loss.backward() through the ghost-clipping wrapper cannot be captured in a "
+                "CUDA graph: its finite check makes the host wait for the device before the second "
+                "pass. Use the loss wrapper (the criterion make_private returns, or "
+                "dpgrad.DPLossFastGradientClipping), whose backward() needs no wait.")
         if self._event is not None:
             self._event.synchronize()
         self.report()
@@ -152,6 +165,10 @@ class FiniteReports:
     # (a host more than this many passes ahead of the device).
     IN_FLIGHT = 2
 
+    # While a step is captured in a CUDA graph (``dpgrad.graphs``): the device counter of
+    # passes that were not finite, which every finite check made then adds to.
+    device_count: Optional[torch.Tensor] = None
+
     def __init__(self):
         self._checks: List[FiniteCheck] = []
         # Host memory of checks read and found finite (with its NumPy view), by whether it is pinned.
@@ -170,11 +187,15 @@ class FiniteReports:
         return host, host.numpy()
 
     def add(self, check: FiniteCheck) -> None:
-        self._checks.append(check)
+        if not check.counted:
+            self._checks.append(check)
 
     def poll(self) -> None:
         """Report every check that has arrived, oldest first; wait for the oldest while more
-        than ``IN_FLIGHT`` are in flight."""
+        than ``IN_FLIGHT`` are in flight (not while a step is captured: the graphed step
+        reports what came before)."""
+        if FiniteReports.device_count is not None:
+            return
         while self._checks and (self._checks[0].ready() or len(self._checks) > self.IN_FLIGHT):
             self._checks.pop(0).wait()
 

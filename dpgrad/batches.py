@@ -99,7 +99,12 @@ class FixedShapeBatches:
             persistent_workers=data_loader.persistent_workers,
         )
         self.samples = 0
-        self._weights: Dict[Tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
+        # One weights tensor per device and dtype, rewritten in place when the number of sampled
+        # samples changes (a step captured in a CUDA graph reads it where it was at capture),
+        # from masks made once for each number.
+        self._weights: Dict[Tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self._masks: Dict[Tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
+        self._written: Dict[Tuple[torch.device, torch.dtype], int] = {}
 
     def __iter__(self):
         self._plan.clear()
@@ -107,6 +112,8 @@ class FixedShapeBatches:
             # The sampler runs ahead of the batches (workers prefetch): its plan is read in order.
             self.samples, last = self._plan.popleft()
             self.optimizer.signal_skip_step(do_skip=not last)
+            for key in self._weights:
+                self._write(key)
             yield batch
 
     def __len__(self) -> int:
@@ -114,10 +121,21 @@ class FixedShapeBatches:
 
     def weights(self, like: torch.Tensor) -> torch.Tensor:
         """The loss weights of the batch last yielded, (size,), on ``like``'s device and in its
-        dtype (made once for each number of sampled samples)."""
-        key = (self.samples, like.device, like.dtype)
-        found = self._weights.get(key)
-        if found is None:
-            found = self._weights[key] = (torch.arange(self.size) < self.samples).to(device=like.device,
-                                                                                   dtype=like.dtype)
-        return found
+        dtype: the same tensor for every batch, rewritten when the batch is yielded."""
+        key = (like.device, like.dtype)
+        if key not in self._weights:
+            self._weights[key] = torch.empty(self.size, device=like.device, dtype=like.dtype)
+            self._write(key)
+        return self._weights[key]
+
+    def _write(self, key: Tuple[torch.device, torch.dtype]) -> None:
+        """Bring the weights on ``key``'s device and dtype to the number of sampled samples."""
+        if self._written.get(key) == self.samples:
+            return
+        device, dtype = key
+        mask = self._masks.get((self.samples, device, dtype))
+        if mask is None:
+            mask = self._masks[(self.samples, device, dtype)] = (torch.arange(self.size) < self.samples).to(
+                device=device, dtype=dtype)
+        self._weights[key].copy_(mask, non_blocking=True)
+        self._written[key] = self.samples

@@ -92,12 +92,12 @@ class DPTensorFastGradientClipping:
     """
 
     def __init__(self, module, optimizer, loss_per_sample: torch.Tensor, loss_reduction: str = "mean",
-                 samples: Optional[int] = None):
+                 weights: Optional[torch.Tensor] = None):
         self.module = module
         self.optimizer = optimizer
         self.loss_per_sample = loss_per_sample
         self.loss_reduction = loss_reduction
-        self.samples = samples  # sampled samples in a padded batch (their losses come first)
+        self.weights = weights  # a padded batch's loss weights (1: sampled, 0: padding)
 
     def _reduced(self) -> torch.Tensor:
         return reduce_losses(self.loss_per_sample, self.loss_reduction)
@@ -105,8 +105,9 @@ class DPTensorFastGradientClipping:
     def detach(self) -> torch.Tensor:
         """The reduced loss (mean or sum over samples; in a padded batch, over its sampled
         samples), detached."""
-        if self.samples is not None and self.loss_reduction == "mean":
-            return self.loss_per_sample.detach().sum() / max(self.samples, 1)
+        if self.weights is not None and self.loss_reduction == "mean":
+            # On the device (what a step captured in a CUDA graph returns follows each batch).
+            return self.loss_per_sample.detach().sum() / self.weights.sum().clamp(min=1)
         return self._reduced().detach()
 
     def item(self) -> float:
@@ -114,7 +115,7 @@ class DPTensorFastGradientClipping:
 
     def _with(self, loss_per_sample: torch.Tensor) -> "DPTensorFastGradientClipping":
         return DPTensorFastGradientClipping(self.module, self.optimizer, loss_per_sample, self.loss_reduction,
-                                            self.samples)
+                                            self.weights)
 
     def _other(self, other):
         if isinstance(other, DPTensorFastGradientClipping):
@@ -229,7 +230,7 @@ class DPLossFastGradientClipping:
             # For the loss's forward probe (dpgrad.forward_probe), run where it is due.
             modules = [self.criterion] if isinstance(self.criterion, torch.nn.Module) else []
             wrapper._path.note_loss(loss_per_sample, partial(self._moved, args, kwargs, shape), modules)
-        samples = None
+        weights = None
         if self.batches is not None:
             if loss_per_sample.shape != (self.batches.size,):
                 raise ValueError(
@@ -237,10 +238,10 @@ class DPLossFastGradientClipping:
                     "samples: give one loss per sample (for a loss per token, pass shape=)"
                 )
             # A padded sample's loss weighs exactly zero: it adds nothing to the gradient.
-            loss_per_sample = loss_per_sample * self.batches.weights(loss_per_sample)
-            samples = self.batches.samples
+            weights = self.batches.weights(loss_per_sample)
+            loss_per_sample = loss_per_sample * weights
         return DPTensorFastGradientClipping(self.module, self.optimizer, loss_per_sample, self.loss_reduction,
-                                            samples)
+                                            weights)
 
     def _losses(self, args, kwargs, shape) -> torch.Tensor:
         """The criterion's per-sample losses (per sequence, with ``shape``)."""

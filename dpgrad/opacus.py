@@ -368,6 +368,34 @@ def _wrap(
     return cls(module, **kwargs)
 
 
+def _check_capturable(privacy_engine, optimizer, *, grad_sample_mode: str, adaptive: bool, distributed: bool,
+                      poisson_sampling: bool, physical_batch_size: Optional[int],
+                      recheck_independence: Optional[int]) -> None:
+    """``make_private(cuda_graph=True)``: refuse what ``dpgrad.graphed_step`` cannot replay, and
+    make the optimizer capturable where it has the setting."""
+    refusals = []
+    if poisson_sampling and physical_batch_size is None:
+        refusals.append("Poisson batches differ in size and a graph replays one shape: pass physical_batch_size "
+                        "(each batch padded to it with samples whose loss weighs zero)")
+    if grad_sample_mode != "ghost":
+        refusals.append(f"grad_sample_mode={grad_sample_mode!r}: the graphed step is ghost clipping's "
+                        "(grad_sample_mode='ghost')")
+    if adaptive:
+        refusals.append("adaptive clipping makes a new bound tensor at every step, which a replay would not see")
+    if recheck_independence is not None:
+        refusals.append("recheck_independence probes the model from Python, which a replay does not run")
+    if privacy_engine.secure_mode:
+        refusals.append("secure_mode's noise generator cannot be replayed by a CUDA graph")
+    if distributed:
+        refusals.append("distributed training (DDP, FSDP2) is not captured yet")
+    if refusals:
+        raise ValueError("cuda_graph=True: " + "; ".join(refusals))
+    for group in optimizer.param_groups:
+        # On a CPU, where there is no graph to capture, the optimizer is left as it is.
+        if "capturable" in group and all(p.is_cuda for p in group["params"]):
+            group["capturable"] = True
+
+
 def make_private(
     privacy_engine,
     *,
@@ -392,6 +420,7 @@ def make_private(
     physical_batch_size: Optional[int] = None,
     check_independence: bool = True,
     recheck_independence: Optional[int] = None,
+    cuda_graph: bool = False,
     **kwargs,
 ):
     """``PrivacyEngine.make_private`` with the model wrapped by dpgrad.
@@ -466,6 +495,12 @@ def make_private(
             that check.
         recheck_independence: dpgrad's own keyword: also probe every this many steps (forward
             passes), whatever the layout; None (the default): new layouts only.
+        cuda_graph: dpgrad's own keyword: True prepares the step for ``dpgrad.graphed_step``
+            (one CUDA graph for the whole step): what a graph cannot replay is refused now
+            (Poisson sampling without ``physical_batch_size``, adaptive clipping,
+            ``recheck_independence``, ``secure_mode``, distributed training) and an optimizer
+            that has the setting (Adam, AdamW, ...) of a model on a CUDA device is made
+            ``capturable``.
         wrap_model: False leaves the model as it is (its class, attributes and state_dict
             keys): the hooks object (``dpgrad.hooks``: ``GradSampleHooksFastGradientClipping``
             under "ghost", ``GradSampleHooks`` otherwise) is returned in the wrapper's place, and
@@ -592,6 +627,10 @@ def make_private(
                 "needs poisson_sampling=True and grad_sample_mode='ghost', in one process (with "
                 "several, ranks would split their shares into different numbers of batches)"
             )
+    if cuda_graph:
+        _check_capturable(privacy_engine, optimizer, grad_sample_mode=grad_sample_mode, adaptive=adaptive,
+                          distributed=distribution is not None, poisson_sampling=poisson_sampling,
+                          physical_batch_size=physical_batch_size, recheck_independence=recheck_independence)
     if noise_generator is not None and privacy_engine.secure_mode:
         raise ValueError("Passing seed is prohibited in secure mode")
     distributed = distribution is not None

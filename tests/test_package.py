@@ -98,6 +98,7 @@ BACKEND_INDEPENDENT = {
     "test_reference_kernels.py",  # the eager reference alone
     "test_precision.py",  # holds each backend's kernels to the error bound, both in one pass
     "test_host_overhead.py",  # counts eager operations whatever the backend
+    "test_graphs.py",  # what a graphed step does around the step, whose backends the second pass covers
     "test_cli_report.py", "test_dashboard.py", "test_package.py", "test_tuning.py",
     "test_tuning_store.py",
     # The Trainer's sampling, accounting and losses around the wrapper, whose backends the

@@ -47,6 +47,7 @@ UNITS = {
     "epsilon_one_run": "epsilon",
     "epsilon_fdp": "epsilon",
     "step_time": "ms",
+    "capture_time": "ms",
     "time": "ms",
     "throughput": "tokens/s",
     "image_throughput": "images/s",
@@ -103,18 +104,23 @@ def flag_rows(rows: List[dict]) -> None:
             if t and t["p50"] > 0 and (t["p80"] - t["p20"]) / t["p50"] > WIDE_SPREAD:
                 flags.append(f"wide spread: p20 to p80 of its time is {(t['p80'] - t['p20']) / t['p50']:.0%} "
                              "of the median")
-            if r["provider"] != "non-private":
+            if not r["provider"].startswith("non-private"):
                 faster = metrics.get("throughput_over_non_private", {}).get("p50", 0) > 1 or \
                     metrics.get("step_time_over_non_private", {}).get("p50", 1) < 1
                 if faster:
                     flags.append(IMPOSSIBLE)
         r["flags"] = flags
     for case in by_case(rows).values():  # a ratio to a flagged baseline is no figure either
-        base = case.get("non-private")
-        if base is not None and base["flags"]:
-            for name, r in case.items():
-                if name != "non-private" and r.get("status") == "ok":
-                    r["flags"].append("its non-private baseline is flagged")
+        for name, r in case.items():
+            base = baseline(case, name)
+            if base is not None and base is not r and base["flags"] and r.get("status") == "ok":
+                r["flags"].append("its non-private baseline is flagged")
+
+
+def baseline(case: Dict[str, dict], provider: str) -> Optional[dict]:
+    """The row a provider's ratios are to in a case of the DP step: the non-private step, or for
+    a step captured in a CUDA graph ("-graph"), the non-private step captured likewise."""
+    return case.get("non-private-graph" if provider.endswith("-graph") else "non-private")
 
 
 def warm_up(run, min_rounds: int = 2, max_rounds: int = 10, tolerance: float = 0.1) -> int:
