@@ -90,8 +90,9 @@ CHECKPOINTED = ("non-private", "dpgrad-double", "dpgrad-single", "dpgrad-single-
 PROVIDERS = ["non-private", "opacus-hooks", "torch-func", "opacus-ghost", "dpgrad-double", "dpgrad-single",
              "dpgrad-single-per-block", "dpgrad-single-per-layer"]
 # On a GPU, the non-private step and dpgrad's single backward also each captured in one CUDA
-# graph and replayed (torch.cuda.graph; dpgrad.graphed_step): their ratios are to each other.
-GRAPHED = ["non-private-graph", "dpgrad-single-graph"]
+# graph and replayed (torch.cuda.graph; dpgrad.graphed_step), and each under torch.compile:
+# their ratios are to each other.
+GRAPHED = ["non-private-graph", "dpgrad-single-graph", "non-private-compile", "dpgrad-single-compile"]
 if CUDA:
     PROVIDERS += GRAPHED
 ROUNDS = 15 if CUDA else 10
@@ -200,7 +201,7 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-# The time to warm up and capture each graphed case's step (ms), by case.
+# The time to warm up and capture (or compile) each such case's step (ms), by case.
 _capture_ms: Dict[tuple, float] = {}
 
 
@@ -271,9 +272,14 @@ def make_step(provider: str, name: str, batch: int, seq_len: int, dtype: str) ->
 
 
 def _graphed_step(provider: str, name: str, batch: int, seq_len: int, dtype: str) -> Callable[[], None]:
-    """The step of ``provider`` without "-graph", captured in a CUDA graph after its warm-up
-    steps, as its replay."""
-    eager = make_step(provider[:-len("-graph")], name, batch, seq_len, dtype)
+    """The step of ``provider`` without "-graph" ("-compile"), captured in a CUDA graph after
+    its warm-up steps, as its replay (under torch.compile, compiled by its first steps)."""
+    eager = make_step(provider.rsplit("-", 1)[0], name, batch, seq_len, dtype)
+    if provider.endswith("-compile"):
+        compiled = torch.compile(eager)
+        for _ in range(3):
+            compiled()
+        return compiled
     if provider == "dpgrad-single-graph":
         graphed = dpgrad.graphed_step(eager, module=eager.wrapped, optimizer=eager.optimizer, warmup=2)
         for _ in range(3):  # two eager steps, then the capture (and its first replay)

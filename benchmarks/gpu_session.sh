@@ -29,6 +29,8 @@
 #                                                   for GPT-2 small B=64 T=128, WideResNet-16-4
 #                                                   B=256 and ViT-B/16 B=32, the non-private step
 #                                                   and dpgrad single, each eager and graphed
+#                                                   (PROVIDERS="non-private-compile
+#                                                   dpgrad-single-compile": under torch.compile)
 #   bash benchmarks/gpu_session.sh kernels          bench_kernels.py, full sizes
 #   bash benchmarks/gpu_session.sh kernels-compare BASE
 #                                                   the kernel table at commit BASE (dpgrad's own

@@ -36,6 +36,7 @@ from typing import Optional
 
 import torch
 
+from dpgrad.autograd_graph import eager_when_compiled
 from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping
 from dpgrad.loss import DPLossFastGradientClipping, DPTensorFastGradientClipping, clipping_wrapper
 
@@ -136,6 +137,7 @@ class DPTensorFastGradientAdaptiveClipping(DPTensorFastGradientClipping):
         return DPTensorFastGradientAdaptiveClipping(self.module, self.optimizer, loss_per_sample,
                                                     self.loss_reduction, rule=self.rule, weights=self.weights)
 
+    @eager_when_compiled
     def backward(self) -> None:
         wrapper = clipping_wrapper(self.module)
         if not isinstance(wrapper, GradSampleModuleFastGradientClipping):
@@ -213,6 +215,7 @@ class DPLossFastGradientAdaptiveClipping(DPLossFastGradientClipping):
     clipbound_learning_rate = property(lambda self: self.rule.clipbound_learning_rate)
     initial_noise_multiplier = property(lambda self: self.rule.initial_noise_multiplier)
 
+    @eager_when_compiled
     def __call__(self, *args, **kwargs) -> DPTensorFastGradientAdaptiveClipping:
         plain = super().__call__(*args, **kwargs)
         return DPTensorFastGradientAdaptiveClipping(self.module, self.optimizer, plain.loss_per_sample,

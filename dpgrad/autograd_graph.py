@@ -21,6 +21,7 @@ hooks record anyway.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import deque
 from typing import Dict, List, Optional
 
@@ -41,6 +42,22 @@ DONATED_BUFFERS = (
     "single_backward=True, check_independence=False also does, giving up that check. Nothing has "
     "reached p.grad from this pass."
 )
+
+
+def eager_when_compiled(fn):
+    """``fn``, run eagerly inside ``torch.compile`` (``torch.compiler.disable``): dpgrad's hooks,
+    loss and noise, which read autograd's nodes or must draw as the eager step draws. The
+    disabled function is made at the first call, so importing dpgrad does not import torch's
+    compiler (nor Triton through it)."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        disabled = run.__dict__.get("_disabled")
+        if disabled is None:
+            disabled = run._disabled = torch.compiler.disable(fn)
+        return disabled(*args, **kwargs)
+
+    return run
 
 
 def region(name: str):

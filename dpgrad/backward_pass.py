@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 
 from dpgrad import registry
-from dpgrad.autograd_graph import ForwardEdges, region
+from dpgrad.autograd_graph import ForwardEdges, eager_when_compiled, region
 from dpgrad.backend import name_layers
 from dpgrad.fsdp import sharded_modules
 from dpgrad.guarantee import (
@@ -462,6 +462,7 @@ class BackwardPath:
         return self.GRAD_SAMPLERS[type(layer)]
 
     # ------------------------------------------------------------------ forward
+    @eager_when_compiled
     def _on_model_call(self, module: nn.Module, args, kwargs) -> None:
         if self.inert or self.independence.rerunning:
             return None  # a copy of the model alone, or a forward probe's run (dpgrad.forward_probe)
@@ -495,6 +496,7 @@ class BackwardPath:
                 "nothing reads. Shard or change the model first, then wrap it."
             )
 
+    @eager_when_compiled
     def _on_layer_call(self, layer: nn.Module, inputs, output) -> Optional[torch.Tensor]:
         if self.independence.rerunning:  # a forward probe's run: the outputs changed on its rows
             perturb = self.independence.perturb
@@ -556,6 +558,7 @@ class BackwardPath:
         for p in params:
             p._forward_counter = getattr(p, "_forward_counter", 0) + 1
 
+    @eager_when_compiled
     def _on_model_output(self, module: nn.Module, args, output) -> None:
         if not (self.inert or self.independence.rerunning):
             self.end_forward(output)

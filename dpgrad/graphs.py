@@ -31,6 +31,11 @@ tensor every step), ``recheck_independence``, distributed training, optimizer se
 changed after the capture (a float learning rate is part of the graph: give the optimizer a
 tensor learning rate, or call ``reset()`` to capture again), and a model that is not on a
 CUDA device.
+
+The whole step also runs under ``torch.compile``: dpgrad's hooks, its loss wrapper and
+backward, and its optimizer's noise run eagerly (``torch.compiler.disable``; the hooks read
+autograd's nodes, which a compiled graph does not have), so the graph breaks at their calls
+and nowhere inside them, and what lies between is compiled.
 """
 
 from __future__ import annotations

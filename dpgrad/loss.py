@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from dpgrad.autograd_graph import eager_when_compiled
 from dpgrad.coefficients import clipping_bound, reduce_losses
 from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping
 from dpgrad.forward_probe import copied, perturbed
@@ -157,6 +158,7 @@ class DPTensorFastGradientClipping:
     def __str__(self) -> str:
         return f"DPTensorFastGradientClipping({self.item():.4f})"
 
+    @eager_when_compiled
     def backward(self) -> None:
         """Add ``sum_b c_b * grad(loss_b)`` to ``p.grad`` (see the module docstring)."""
         wrapper = clipping_wrapper(self.module)
@@ -216,6 +218,7 @@ class DPLossFastGradientClipping:
         self.loss_reduction = loss_reduction
         self.batches = batches
 
+    @eager_when_compiled
     def __call__(self, *args, shape=None, **kwargs) -> DPTensorFastGradientClipping:
         """The criterion's per-sample losses, wrapped.
 

@@ -37,6 +37,7 @@ from opacus.utils.adaptive_clipping import PrivacyEngineAdaptiveClipping as _Opa
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
 from dpgrad import registry
+from dpgrad.autograd_graph import eager_when_compiled
 from dpgrad.batches import FixedShapeBatches, rank_generator
 from dpgrad.coefficients import clipping_bound
 from dpgrad.fast_gradient_clipping import (GradSampleModuleFastGradientClipping,
@@ -171,6 +172,7 @@ class DPOptimizerFastGradientClipping(_OpacusDPOptimizerFastGradientClipping):
         if summed:
             torch._foreach_add_(summed, grads)
 
+    @eager_when_compiled
     def pre_step(self, closure=None) -> bool:
         stepped = super().pre_step(closure)
         if not stepped:

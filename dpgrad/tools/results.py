@@ -119,8 +119,12 @@ def flag_rows(rows: List[dict]) -> None:
 
 def baseline(case: Dict[str, dict], provider: str) -> Optional[dict]:
     """The row a provider's ratios are to in a case of the DP step: the non-private step, or for
-    a step captured in a CUDA graph ("-graph"), the non-private step captured likewise."""
-    return case.get("non-private-graph" if provider.endswith("-graph") else "non-private")
+    a step captured in a CUDA graph ("-graph") or compiled ("-compile"), the non-private step
+    run likewise."""
+    for how in ("-graph", "-compile"):
+        if provider.endswith(how):
+            return case.get("non-private" + how)
+    return case.get("non-private")
 
 
 def warm_up(run, min_rounds: int = 2, max_rounds: int = 10, tolerance: float = 0.1) -> int:
