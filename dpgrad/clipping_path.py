@@ -39,7 +39,7 @@ from dpgrad.finish_plan import Planner
 from dpgrad.fsdp import ShardedParameters
 from dpgrad.guarantee import sequence_number
 from dpgrad.kernels import reference
-from dpgrad.group_flush import GroupFlush
+from dpgrad.group_flush import EarlyNorms, GroupFlush
 from dpgrad.samplers.groups import Group, Record
 
 REENTRANT_CHECKPOINT = (
@@ -78,7 +78,7 @@ class ClippingPath(BackwardPath):
                  "uses below are not in the per-sample norms, so one sample could move the summed "
                  "gradient by more than max_grad_norm. Nothing has reached p.grad from this pass.")
     TRANSIENT = BackwardPath.TRANSIENT + ("_records", "_norm_pass", "_kept", "_finite", "pass_norm", "group_norms",
-                                          "_group_flush", "records_peak", "planner", "_row_indices", "sums")
+                                          "_group_flush", "_early", "records_peak", "planner", "_row_indices", "sums")
 
     def __init__(self, model: nn.Module, *, ghost: bool, single_backward: bool, clip_groups=None,
                  gamma: Optional[float] = None, **settings):
@@ -101,6 +101,7 @@ class ClippingPath(BackwardPath):
         # Clipping groups in single backward: each group clipped as soon as its records are all
         # in, its sums held until the end of the pass (withheld there if a norm is not finite).
         self._group_flush = GroupFlush(self)
+        self._early = EarlyNorms(self)
         self.records_peak = 0  # the most records held at once in the last pass
         self.planner = Planner(self)  # how a pass's records are grouped (``dpgrad.finish_plan``)
         self._row_indices: Dict[tuple, torch.Tensor] = {}
@@ -207,9 +208,12 @@ class ClippingPath(BackwardPath):
                 f"DPLossFastGradientClipping {opacus}."
             )
         self._records.append(record)
-        self.records_peak = max(self.records_peak, len(self._records) + len(self._group_flush.ready))
+        self.records_peak = max(self.records_peak, len(self._records) + len(self._group_flush.ready)
+                                + len(self._early.ready))
         if self._norm_pass is NormPass.KEEP_FOR_CLIPPING and self.clip_groups is not None:
             self._group_flush.after(record)
+        elif self.clip_groups is None and self.sharded is None:
+            self._early.after(record, keep_groups=self._norm_pass is NormPass.KEEP_FOR_CLIPPING)
 
     def _open_pass(self) -> None:
         # Norms belong to one backward pass: a parameter this pass does not reach has a zero
@@ -222,6 +226,7 @@ class ClippingPath(BackwardPath):
     def _clear_pass(self) -> None:
         self._records = []
         self._group_flush.clear()
+        self._early.clear()
         super()._clear_pass()
 
     def finish(self) -> None:
@@ -235,9 +240,14 @@ class ClippingPath(BackwardPath):
                 return
             params, rows = found
         else:
-            records = [self.batch_front(rec) for rec in self._records]
+            ready, served = self._early.take()
+            records = [self.batch_front(rec) for rec in ready + self._records]
             self._records = []
             params, rows, groups = self._norm_rows(records)
+            if served:  # norms taken early in the pass (``EarlyNorms``), then these
+                params = [p for ps, _, _ in served for p in ps] + params
+                rows = torch.cat([r for _, r, _ in served] + ([rows] if rows is not None else []))
+                groups = [g for _, _, gs in served for g in gs] + groups
             if self._norm_pass is NormPass.KEEP_FOR_CLIPPING:
                 self._kept = groups
             if rows is None:
@@ -302,14 +312,16 @@ class ClippingPath(BackwardPath):
         return stacked.norm(2, dim=0)
 
     # ------------------------------------------------------------------ the norms
-    def _norm_rows(self, records: List[Record]) -> Tuple[List[nn.Parameter], Optional[torch.Tensor], list]:
+    def _norm_rows(self, records: List[Record], memory_bound: bool = False
+                   ) -> Tuple[List[nn.Parameter], Optional[torch.Tensor], list]:
         """The pass's parameters (each once), their per-sample gradient norms (P, B), and the
         groups made (with their FSDP2 group), by the pass's plan (``Planner.plan``): each
         group's norms, then, for a parameter used by several records, the norm of its summed
-        gradient."""
+        gradient. ``memory_bound``: records served early to free memory (``EarlyNorms``), a
+        layer clipped from its per-sample gradients wherever they are smaller than its record."""
         if not records:
             return [], None, []
-        plan = self.planner.plan(records)
+        plan = self.planner.plan(records, memory_bound)
         groups = [(planned.make([records[i] for i in planned.indices]), planned.shard) for planned in plan.groups]
         params, pieces = [], []
         for group, _ in groups:

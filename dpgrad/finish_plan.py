@@ -77,19 +77,19 @@ class Planner:
         self._layer_groups: Dict[nn.Module, tuple] = {}  # a layer's clipping groups
         self._group_layers: Optional[Dict[int, List[nn.Module]]] = None  # a clipping group's layers
 
-    def plan(self, records: List[Record]) -> FinishPlan:
+    def plan(self, records: List[Record], memory_bound: bool = False) -> FinishPlan:
         """How the pass's records are grouped, planned once for a pass of the same layers,
         shapes, dtypes and trainable parameters (a training loop's every step): see ``_plan``."""
-        key = (registry.version, len(self.path.shared), self.path.ghost, self.path.single_backward,
+        key = (registry.version, len(self.path.shared), self.path.ghost, self.path.single_backward, memory_bound,
                *(record_key(rec.layer, self.path._own_params[rec.layer], rec) for rec in records))
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= MAX_PLANS:  # Poisson batches: one plan per batch size seen
                 self._plans.clear()
-            plan = self._plans[key] = self._plan(records)
+            plan = self._plans[key] = self._plan(records, memory_bound)
         return plan
 
-    def _plan(self, records: List[Record]) -> FinishPlan:
+    def _plan(self, records: List[Record], memory_bound: bool = False) -> FinishPlan:
         """A record is clipped from its per-sample gradients when its layer has no norm
         sampler or when they are small (``small_grad_sample``), else from its norm ("ghost").
         A parameter used by several records gets the norm of its summed gradient: from the
@@ -100,7 +100,7 @@ class Planner:
         for i, rec in enumerate(records):
             for p in self.path.layer_params(rec.layer):
                 uses.setdefault(p, []).append(i)
-            ghost.append(self.path.uses_norm_sampler(rec.layer) and not self.small_grad_sample(rec))
+            ghost.append(self.path.uses_norm_sampler(rec.layer) and not self.small_grad_sample(rec, memory_bound))
         shared_uses = set()
         for p, at in uses.items():
             if len(at) < 2:
@@ -161,17 +161,19 @@ class Planner:
             parts.setdefault(self.path.sharded.group_of[records[i].layer], []).append(i)
         return list(parts.items())
 
-    def small_grad_sample(self, record: Record) -> bool:
+    def small_grad_sample(self, record: Record, memory_bound: bool = False) -> bool:
         """Whether a layer's per-sample gradients (fp32) take a small fraction of the memory of
         the inputs and backprops book-keeping would keep for it, or are tiny: then its norms and
         clipped sums come from them, with fewer flops and less memory (a LoRA adapter's are far
-        smaller than its inputs)."""
+        smaller than its inputs). ``memory_bound`` (records served early because memory is
+        short): whenever they take less memory than the record."""
         layer = record.layer
         if layer in self.path.functorch_layers or type(layer) not in self.path.GRAD_SAMPLERS:
             return False
         elements = record.backprops.shape[0] * sum(p.numel() for p in self.path.layer_params(layer))
         kept = record_bytes(record)
-        return elements <= TINY_GRAD_SAMPLE_ELEMENTS or 4 * elements <= GRAD_SAMPLE_MEMORY_FRACTION * kept
+        fraction = 1.0 if memory_bound else GRAD_SAMPLE_MEMORY_FRACTION
+        return elements <= TINY_GRAD_SAMPLE_ELEMENTS or 4 * elements <= fraction * kept
 
     def clip_key(self) -> Optional[Callable[[nn.Module], tuple]]:
         """With clipping groups: what records batched into one group must share, their layers'

@@ -40,16 +40,12 @@ class GroupFlush:
         self.held: Dict[nn.Parameter, torch.Tensor] = {}
         self.flushed: List[Tuple[List[nn.Parameter], torch.Tensor]] = []  # (params, norm rows)
         self.ready: List[Record] = []  # the records of complete groups, not clipped yet
-        # The most memory each device has held, read at the pass's first record there (None
-        # where not counted).
-        self._marks: Dict[torch.device, Optional[int]] = {}
-        # What the records set aside may grow by before memory in use is read again: the room
-        # below the mark at the last reading, less the bytes set aside since.
-        self._room: Dict[torch.device, int] = {}
+        self.mark = MemoryMark()
 
     def clear(self) -> None:
         """Forget a pass (ended, or abandoned by an error)."""
-        self.flushed, self.ready, self._marks, self._room = [], [], {}, {}
+        self.flushed, self.ready = [], []
+        self.mark.clear()
 
     @staticmethod
     def memory_in_use(device: torch.device, peak: bool = False) -> Optional[int]:
@@ -64,22 +60,10 @@ class GroupFlush:
 
     def _due(self, record: Record, now: List[Record]) -> bool:
         """Whether the complete groups are to be clipped now that ``now`` (``record``'s and
-        others) are set aside: memory in use on ``record``'s device has passed the pass's mark
-        there (or is not counted). It is read only once the records set aside since the last
-        reading hold more than the room that reading found (one host call per reading)."""
-        device = record.backprops.device
-        mark = self._marks.get(device)
-        if mark is None:
-            return True
-        room = self._room.get(device, 0) - sum(record_bytes(rec) for rec in now)
-        if room >= 0:
-            self._room[device] = room
-            return False
-        used = self.memory_in_use(device)
-        if used is None:  # no longer counted (statistics unavailable): clip now
-            return True
-        self._room[device] = max(0, mark - used)
-        return used > mark
+        others) are set aside: memory in use has passed the pass's mark (``MemoryMark``), or
+        is not counted."""
+        due = self.mark.passed(record.backprops.device, now)
+        return due is None or due
 
     def after(self, record: Record) -> None:
         """Set aside (``ready``) the kept records whose clipping groups are complete now that
@@ -88,8 +72,7 @@ class GroupFlush:
         shares a group with them (a group's norm takes all of its records at once); and clip
         all that are set aside if memory in use has passed the pass's mark (``_due``)."""
         path = self.path
-        if record.backprops.device not in self._marks:
-            self._marks[record.backprops.device] = self.memory_in_use(record.backprops.device, peak=True)
+        self.mark.note(record.backprops.device)
         complete: Dict[int, bool] = {}
 
         def done(g: int) -> bool:
@@ -146,4 +129,115 @@ class GroupFlush:
         return params, torch.cat([r for _, r in flushed]) if len(flushed) > 1 else flushed[0][1]
 
 
-__all__ = ["GroupFlush"]
+class MemoryMark:
+    """The most memory a device has held, read at a pass's first record there, and whether
+    memory in use has passed it since: what records set aside may take before they are
+    served early (``GroupFlush``, ``EarlyNorms``)."""
+
+    def __init__(self):
+        # The mark of each device (None where its memory is not counted).
+        self._marks: Dict[torch.device, Optional[int]] = {}
+        # What the records set aside may grow by before memory in use is read again: the room
+        # below the mark at the last reading, less the bytes set aside since.
+        self._room: Dict[torch.device, int] = {}
+
+    def clear(self) -> None:
+        self._marks, self._room = {}, {}
+
+    def note(self, device: torch.device) -> None:
+        """Read ``device``'s mark at the pass's first record there."""
+        if device not in self._marks:
+            self._marks[device] = GroupFlush.memory_in_use(device, peak=True)
+
+    def counted(self, device: torch.device) -> bool:
+        return self._marks.get(device) is not None
+
+    def passed(self, device: torch.device, now: List[Record]) -> Optional[bool]:
+        """Whether memory in use on ``device`` has passed its mark now that ``now`` are set
+        aside; None where it is not counted. It is read only once the records set aside since
+        the last reading hold more than the room that reading found (one host call per
+        reading)."""
+        mark = self._marks.get(device)
+        if mark is None:
+            return None
+        room = self._room.get(device, 0) - sum(record_bytes(rec) for rec in now)
+        if room >= 0:
+            self._room[device] = room
+            return False
+        used = GroupFlush.memory_in_use(device)
+        if used is None:  # no longer counted (statistics unavailable)
+            return None
+        self._room[device] = max(0, mark - used)
+        return used > mark
+
+
+class EarlyNorms:
+    """Flat clipping: the records whose norms (and, in single backward, per-sample gradients)
+    can be taken before the end of the pass, served there once memory is short, so that the
+    pass lets go of their inputs and backprops early.
+
+    A record is set aside (``ready``) once its layer has no other call of a forward pass, kept or
+    still to be recorded, and none of its parameters is used by another layer or shared: in a pass for the
+    norms alone (double backward's first pass, a plain backward) any such record; in single
+    backward one whose per-sample gradients take less memory than its inputs and backprops
+    (``Planner.small_grad_sample(memory_bound=True)``: a normalisation layer, a LoRA adapter, a
+    convolution of few channels over many positions), which then holds them in place of its
+    inputs. Set-aside records are served together (``path._norm_rows``: batched by
+    shape as at the end of the pass) when memory in use on a CUDA device passes the most it
+    had held when the pass began (``MemoryMark``), and at the end of the pass otherwise: on a
+    device whose memory torch does not count, at the end (batching kept, as before)."""
+
+    def __init__(self, path):
+        self.path = path
+        self.ready: List[Record] = []
+        self.served: List[Tuple[List[nn.Parameter], torch.Tensor, list]] = []  # (params, rows, groups)
+        self.mark = MemoryMark()
+
+    def clear(self) -> None:
+        self.ready, self.served = [], []
+        self.mark.clear()
+
+    def _eligible(self, record: Record, keep_groups: bool) -> bool:
+        path, layer = self.path, record.layer
+        if any(calls.get(layer) for calls in path._unrecorded.values()) or \
+                any(rec.layer is layer for rec in path._records[:-1]):
+            return False  # another call of the layer: their gradients are summed before the norm
+        params = path.layer_params(layer)
+        if any(p in path.shared or len(path._owners.get(p, ())) > 1 for p in params):
+            return False
+        # In single backward, a record the plan clips from its per-sample gradients.
+        return not keep_groups or not path.uses_norm_sampler(layer) or \
+            path.planner.small_grad_sample(record, memory_bound=True)
+
+    def after(self, record: Record, keep_groups: bool) -> None:
+        """``record`` is in (the last of ``path._records``): set it aside if it is eligible,
+        and serve what is set aside if memory in use has passed the mark. ``keep_groups``: the
+        groups made are kept for the clipped sums (single backward)."""
+        device = record.backprops.device
+        self.mark.note(device)
+        if not self.mark.counted(device) or not self._eligible(record, keep_groups):
+            return  # where memory is not counted, the records stay in the pass's order
+        self.path._records.pop()
+        self.ready.append(record)
+        if self.mark.passed(device, [record]):
+            self.serve(keep_groups)
+
+    def serve(self, keep_groups: bool) -> None:
+        """The norms of the records set aside; their inputs and backprops are let go of."""
+        path = self.path
+        records, self.ready = [path.batch_front(rec) for rec in self.ready], []
+        with torch.no_grad(), region("dpgrad.early_norms"):
+            params, rows, groups = path._norm_rows(records, memory_bound=keep_groups)
+        records.clear()
+        if rows is not None:
+            self.served.append((params, rows, groups if keep_groups else []))
+
+    def take(self) -> Tuple[List[Record], List[Tuple[List[nn.Parameter], torch.Tensor, list]]]:
+        """At the end of the pass: the records still set aside and what was served."""
+        ready, served = self.ready, self.served
+        self.ready, self.served = [], []
+        self.mark.clear()
+        return ready, served
+
+
+__all__ = ["EarlyNorms", "GroupFlush", "MemoryMark"]

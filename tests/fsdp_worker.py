@@ -269,8 +269,8 @@ def finish_groups(rank: int, world: int, single: bool) -> dict:
     planned = []
     plan = wrapped._path.planner._plan
 
-    def kept(records):
-        planned.append(([record.layer for record in records], plan(records)))
+    def kept(records, *args):
+        planned.append(([record.layer for record in records], plan(records, *args)))
         return planned[-1][1]
 
     wrapped._path.planner._plan = kept

@@ -163,6 +163,8 @@ class ConvGroup(Group):
         if bias:
             self._bias = cat([_bias_sums(G) for _, G in self._inputs])
             rows.append(torch.linalg.vector_norm(self._bias, dim=1))
+        if self._grads is not None or not weight:  # what the clipped sums need is in the gradients now
+            self._inputs = []
         return self._params(), rows
 
     def clipped_sums(self, coef):
