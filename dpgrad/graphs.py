@@ -81,6 +81,13 @@ class CudaGraphs:
                              f"{sorted(str(d) for d in devices)}: move the model to a CUDA device, or "
                              "call the step function itself")
 
+    def check_inputs(self, leaves: list) -> None:
+        off = sorted({str(x.device) for x in leaves if isinstance(x, torch.Tensor) and x.device.type != "cuda"})
+        if off:
+            raise ValueError(f"graphed_step captures CUDA work, and the batch has tensors on {off}: copy it to "
+                             "the GPU before the call (x.to('cuda', non_blocking=True)); a copy from host memory "
+                             "inside the step cannot be captured")
+
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 
@@ -207,6 +214,7 @@ class GraphedStep:
         graphs.synchronize()
         wrapper.raise_if_not_finite()  # the eager steps' checks, read before the graph hides them
         leaves, spec = tree_flatten((args, kwargs))
+        graphs.check_inputs(leaves)
         self._static = [leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         self._spec = spec
         self._signature = _signature(leaves)

@@ -42,8 +42,7 @@ def _private(single: bool, noise: float, lr: float = 0.05):
 
     assert optimizer.original_optimizer.param_groups[0]["capturable"]
 
-    def step(ids):
-        ids = ids.cuda(non_blocking=True)
+    def step(ids):  # the batch on the GPU already: a graph cannot capture a copy from host memory
         logits = model(ids).logits
         loss = criterion(logits.reshape(-1, V), ids.reshape(-1), shape=logits.shape[:2])
         loss.backward()
@@ -60,7 +59,7 @@ def test_the_graphed_step_matches_the_eager_step_on_gpu(single):
     for graphed in (False, True):
         engine, model, optimizer, _, loader, step = _private(single, noise=0.0)
         run = dpgrad.graphed_step(step, module=model, optimizer=optimizer) if graphed else step
-        losses = [run(ids).clone() for (ids,) in loader]
+        losses = [run(ids.cuda()).clone() for (ids,) in loader]
         torch.cuda.synchronize()
         runs[graphed] = (losses, {n: p.detach().clone() for n, p in model.named_parameters()},
                          list(engine.accountant.history), run)
@@ -75,10 +74,9 @@ def test_the_graphed_step_matches_the_eager_step_on_gpu(single):
 def test_each_replay_draws_new_noise_on_gpu():
     engine, model, optimizer, criterion, loader, _ = _private(True, noise=1.0, lr=0.0)
     first = next(p for p in model.parameters() if p.requires_grad)
-    ids = next(iter(loader))[0]
+    ids = next(iter(loader))[0].cuda()
 
     def step(ids):
-        ids = ids.cuda(non_blocking=True)
         logits = model(ids).logits
         criterion(logits.reshape(-1, V), ids.reshape(-1), shape=logits.shape[:2]).backward()
         optimizer.step()  # lr 0: the parameters stay, so every step's clipped sum is the same
@@ -99,7 +97,7 @@ def test_each_replay_draws_new_noise_on_gpu():
 def test_a_non_finite_replay_adds_nothing_and_is_reported_on_gpu():
     engine, model, optimizer, _, loader, step = _private(True, noise=0.0)
     graphed = dpgrad.graphed_step(step, module=model, optimizer=optimizer, warmup=1)
-    batches = [ids for (ids,) in loader]
+    batches = [ids.cuda() for (ids,) in loader]
     graphed(batches[0])
     graphed(batches[1])
     bias = model._module.transformer.ln_f.bias
@@ -125,7 +123,16 @@ def test_a_step_that_waits_for_the_gpu_is_refused_on_gpu():
         return loss
 
     graphed = dpgrad.graphed_step(waits, module=model, optimizer=optimizer, warmup=1)
-    batches = [ids for (ids,) in loader]
+    batches = [ids.cuda() for (ids,) in loader]
     graphed(batches[0])
     with pytest.raises(RuntimeError, match="could not be captured in a CUDA graph"):
+        graphed(batches[1])
+
+
+def test_a_batch_in_host_memory_is_refused_on_gpu():
+    engine, model, optimizer, _, loader, step = _private(True, noise=1.0)
+    graphed = dpgrad.graphed_step(step, module=model, optimizer=optimizer, warmup=1)
+    batches = [ids for (ids,) in loader]
+    graphed(batches[0].cuda())
+    with pytest.raises(ValueError, match="copy it to the GPU before the call"):
         graphed(batches[1])

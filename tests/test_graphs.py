@@ -44,6 +44,9 @@ class Rerun(dpgrad.graphs.CudaGraphs):
     def check_device(self, params):
         pass
 
+    def check_inputs(self, leaves):
+        pass
+
     def synchronize(self):
         pass
 
@@ -274,6 +277,9 @@ def test_a_model_on_the_cpu_is_refused_by_the_real_graphs():
     step, *_ = _graphed(None)
     with pytest.raises(ValueError, match="move the model to a CUDA device"):
         step(*_batch())
+    # A batch in host memory: its copy inside the step could not be captured.
+    with pytest.raises(ValueError, match=r"tensors on \['cpu'\]: copy it to the GPU before the call"):
+        dpgrad.graphs.CudaGraphs().check_inputs([torch.zeros(2), 3])
 
 
 def test_make_private_refuses_what_a_graph_cannot_replay():
