@@ -146,7 +146,12 @@ class GraphedStep:
 
     def reset(self) -> None:
         """Drop the graph: the next call captures the step again (after the optimizer's or the
-        model's settings changed)."""
+        model's settings changed). Raises FloatingPointError first if a replay since the last
+        report was not finite (waiting for the device to tell)."""
+        finite = getattr(self, "_finite", None)
+        if finite is not None and finite[2] is not None:
+            finite[2].synchronize()
+            self._raise_finite()
         self._replay: Optional[Callable[[], None]] = None
         self._static: List[torch.Tensor] = []
         self._outputs = None

@@ -260,6 +260,11 @@ def test_a_non_finite_replay_adds_nothing_and_is_reported(rerun):
     assert all(torch.isfinite(m).all() for m in momentum.values())
     step(ids, labels)  # reported once; the model trains on
     step.raise_if_not_finite()
+    with torch.no_grad():
+        model._module.head.bias.fill_(float("nan"))
+    step(ids, labels)
+    with pytest.raises(FloatingPointError, match="1 replayed DP step"):
+        step.reset()  # a withheld replay is not forgotten with the graph
 
 
 def test_what_cannot_be_captured_is_refused(rerun):
