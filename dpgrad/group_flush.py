@@ -192,15 +192,17 @@ class EarlyNorms:
         self.ready: List[Record] = []
         self.served: List[Tuple[List[nn.Parameter], torch.Tensor, list]] = []  # (params, rows, groups)
         self.mark = MemoryMark()
+        self._seen: set = set()  # the layers recorded in this pass
 
     def clear(self) -> None:
-        self.ready, self.served = [], []
+        self.ready, self.served, self._seen = [], [], set()
         self.mark.clear()
 
     def _eligible(self, record: Record, keep_groups: bool) -> bool:
         path, layer = self.path, record.layer
-        if any(calls.get(layer) for calls in path._unrecorded.values()) or \
-                any(rec.layer is layer for rec in path._records[:-1]):
+        seen = layer in self._seen
+        self._seen.add(layer)
+        if seen or any(calls.get(layer) for calls in path._unrecorded.values()):
             return False  # another call of the layer: their gradients are summed before the norm
         params = path.layer_params(layer)
         if any(p in path.shared or len(path._owners.get(p, ())) > 1 for p in params):
@@ -235,8 +237,7 @@ class EarlyNorms:
     def take(self) -> Tuple[List[Record], List[Tuple[List[nn.Parameter], torch.Tensor, list]]]:
         """At the end of the pass: the records still set aside and what was served."""
         ready, served = self.ready, self.served
-        self.ready, self.served = [], []
-        self.mark.clear()
+        self.clear()
         return ready, served
 
 
