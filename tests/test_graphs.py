@@ -24,15 +24,15 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from opacus import PrivacyEngine  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
 
 import dpgrad  # noqa: E402
 import dpgrad.graphs  # noqa: E402
 import dpgrad.opacus  # noqa: E402
+from test_fixed_batches import BATCH, Classifier, _dataset  # noqa: E402  (the same model and data)
 
 pytestmark = pytest.mark.opacus
 
-V, T, D, C, N, BATCH = 20, 5, 6, 3, 48, 8
 
 
 class Rerun(dpgrad.graphs.CudaGraphs):
@@ -96,22 +96,6 @@ def rerun(monkeypatch):
     graphs = Rerun()
     monkeypatch.setattr(dpgrad.graphs, "GRAPHS", graphs)
     return graphs
-
-
-class Classifier(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embedding = nn.Embedding(V, D)
-        self.proj = nn.Linear(D, D)
-        self.head = nn.Linear(D, C)
-
-    def forward(self, ids):
-        return self.head(torch.tanh(self.proj(self.embedding(ids))).mean(dim=1))
-
-
-def _dataset():
-    g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randint(0, V, (N, T), generator=g), torch.randint(0, C, (N,), generator=g))
 
 
 def _private(physical=16, single=True, optimizer=None, **extra):
