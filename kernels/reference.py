@@ -83,8 +83,12 @@ def sq_norms(x: torch.Tensor, dim) -> torch.Tensor:
     memory-bound pass, no slower for it): a sum of p * d squares in fp32 would lose more than the
     products that made them (sqrt(p d) of fp32's unit, 5e-6 at p d = 7e5), in x's dtype or
     fp32, whichever is wider."""
-    wide = torch.promote_types(x.dtype, torch.float32)
-    return torch.linalg.vector_norm(x, dim=dim, dtype=torch.float64).square().to(wide)
+    return torch.linalg.vector_norm(x, dim=dim, dtype=torch.float64).square().to(_at_least_fp32(x))
+
+
+def _at_least_fp32(x: torch.Tensor) -> torch.dtype:
+    """x's dtype or fp32, whichever is wider (decided on the host: no operation dispatched)."""
+    return x.dtype if x.dtype == torch.float64 else torch.float32
 
 
 _OUT_DTYPE_MATMUL: dict = {}
@@ -260,24 +264,26 @@ def linear_clipped_sum_gemm(
     once to ``out_dtype``. The scaled operand costs one pass over it and its memory, briefly;
     in half precision it rounds ``c_b * x`` to the input precision (the gradient is rounded to
     it anyway), with the coefficients themselves rounded down (``coefficients_in``). A: (B, T, d),
-    G: (B, T, p), coef: (B,) in any floating dtype (one in the operands' dtype is used as it is).
+    G: (B, T, p), coef: (B,) or (B, 1, 1) in any floating dtype (one in the operands' dtype is
+    used as it is).
     """
     out_dtype = out_dtype or G.dtype
     A, G = autocast_operands(A, G)
     B, T, d = A.shape
     p = G.shape[-1]
     coef = coef.to(G.device)
+    column = coef if coef.dim() == 3 else coef.view(B, 1, 1)
     if d < p:
-        A = A * coefficients_in(coef, A.dtype).view(B, 1, 1)
+        A = A * coefficients_in(column, A.dtype)
     else:
-        G = G * coefficients_in(coef, G.dtype).view(B, 1, 1)
+        G = G * coefficients_in(column, G.dtype)
     if A.dtype != G.dtype:
         A = A.to(G.dtype)
     weight = torch.mm(G.reshape(B * T, p).t(), A.reshape(B * T, d))
     if not bias:
         return weight.to(out_dtype), None
     acc = accumulation_dtype(G)
-    sums = G.sum((0, 1), dtype=acc) if d >= p else torch.mv(G.sum(1, dtype=acc).t(), coef.to(G.device, acc))
+    sums = G.sum((0, 1), dtype=acc) if d >= p else torch.mv(G.sum(1, dtype=acc).t(), coef.reshape(B).to(acc))
     return weight.to(out_dtype), sums.to(out_dtype)
 
 
@@ -303,11 +309,21 @@ def linear_weight_sq_norm_direct(A: torch.Tensor, G: torch.Tensor) -> torch.Tens
     """
     A, G = autocast_operands(A, G)
     acc = accumulation_dtype(A, G)
-    B, _, d = A.shape
-    p = G.shape[-1]
-    out = torch.empty(B, dtype=acc, device=A.device)
-    for s in batch_slices(B, p * d):
-        out[s] = sq_norms(bmm_acc(G[s].transpose(1, 2), A[s]), (1, 2))
+    p, d = G.shape[-1], A.shape[-1]
+    return _by_slices(p * d, acc, lambda a, g: sq_norms(bmm_acc(g.transpose(1, 2), a), (1, 2)), A, G)
+
+
+def _by_slices(elements_per_sample: int, dtype: torch.dtype, per_slice, *tensors: torch.Tensor) -> torch.Tensor:
+    """(B,) values of ``per_slice`` on the batch slices (``batch_slices``) of ``tensors`` (B
+    first), in ``dtype``: one call on the tensors as they are (no slicing, no copy) when the
+    batch fits one slice."""
+    B = tensors[0].shape[0]
+    slices = list(batch_slices(B, elements_per_sample))
+    if len(slices) == 1:
+        return per_slice(*tensors)
+    out = torch.empty(B, dtype=dtype, device=tensors[0].device)
+    for s in slices:
+        out[s] = per_slice(*(t[s] for t in tensors))
     return out
 
 
@@ -329,8 +345,9 @@ def gram_acc(x: torch.Tensor, partner: torch.Tensor, y: Optional[torch.Tensor] =
     B, T, n = x.shape
     out = torch.zeros(B, T, y.shape[1], dtype=accumulation_dtype(x, partner), device=x.device) if n == 0 else None
     for k0 in range(0, n, GRAM_CHUNK):
-        left = autocast_operand(x[..., k0:k0 + GRAM_CHUNK], partner)
-        right = (left if y is x else autocast_operand(y[..., k0:k0 + GRAM_CHUNK], partner)).transpose(1, 2)
+        x_chunk, y_chunk = (x[..., k0:k0 + GRAM_CHUNK], y[..., k0:k0 + GRAM_CHUNK]) if n > GRAM_CHUNK else (x, y)
+        left = autocast_operand(x_chunk, partner)
+        right = (left if y is x else autocast_operand(y_chunk, partner)).transpose(1, 2)
         out = bmm_acc(left, right) if out is None else baddbmm_acc(out, left, right)
     return out
 
@@ -367,13 +384,9 @@ def linear_weight_sq_norm_gram(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor
     A: (B, T, d), G: (B, T, p) -> (B,). About 2*B*T^2*(p+d) flops in this eager form, three
     quarters of that by halves (``gram_by_halves``).
     """
-    acc = accumulation_dtype(A, G)
-    B, T, _ = A.shape
-    out = torch.empty(B, dtype=acc, device=A.device)
-    for s in batch_slices(B, 2 * T * T):
-        # Rounding can take an exact zero slightly below it.
-        out[s] = _gram_sq_norms(A[s], G[s]).clamp_min(0)
-    return out
+    T = A.shape[1]
+    # Rounding can take an exact zero slightly below it.
+    return _by_slices(2 * T * T, accumulation_dtype(A, G), lambda a, g: _gram_sq_norms(a, g).clamp_min(0), A, G)
 
 
 def linear_weight_sq_norm_outer(A: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
@@ -400,21 +413,40 @@ def linear_weight_sq_norm(A: torch.Tensor, G: torch.Tensor, algorithm: str) -> t
 
 
 def linear_weight_norm(A: torch.Tensor, G: torch.Tensor, algorithm: str) -> torch.Tensor:
-    """Per-sample weight-gradient norms (not squared) by ``algorithm``: (B, T, d), (B, T, p) -> (B,).
+    """Per-sample weight-gradient norms (not squared) by ``algorithm``: (B, T, d), (B, T, p) -> (B,)."""
+    return linear_weight_norms([(A, G)], algorithm)
 
-    When the batch fits one slice, the direct and outer forms are a single product and one
-    norm (few operations for the many small layers of a batched finish step).
+
+def linear_weight_norms(pairs, algorithm: str) -> torch.Tensor:
+    """``linear_weight_norm`` of several layers of one shape (``pairs`` of (A, G)), concatenated:
+    (L*B,) in the accumulation dtype.
+
+    Few operations per layer for the many layers of a finish step: when the batch fits one
+    slice, the direct and outer forms are a single product and one norm per layer, the direct
+    norm accumulated as ``sq_norms`` accumulates it and converted once for all the layers; the
+    Gram form's squares are clamped at zero and rooted once for all the layers.
     """
-    acc = accumulation_dtype(A, G)
-    B, T, d = A.shape
-    p = G.shape[-1]
-    if algorithm == "direct" and B * p * d <= CHUNK_ELEMENTS:
-        a, g = autocast_operands(A, G)
-        return torch.linalg.vector_norm(bmm_acc(g.mT, a), dim=(1, 2))
-    if algorithm == "outer" and T == 1:
-        a, g = autocast_operands(A, G)
-        return torch.linalg.vector_norm(a, dim=(1, 2), dtype=acc) * torch.linalg.vector_norm(g, dim=(1, 2), dtype=acc)
-    return linear_weight_sq_norm(A, G, algorithm).sqrt()
+    A0, G0 = pairs[0]
+    acc = accumulation_dtype(A0, G0)
+    B, T, d = A0.shape
+    p = G0.shape[-1]
+
+    if algorithm == "gram":  # rounding can take an exact zero slightly below it
+        squares = [_by_slices(2 * T * T, acc, _gram_sq_norms, A, G) for A, G in pairs]
+        return (squares[0] if len(squares) == 1 else torch.cat(squares)).clamp_min(0).sqrt()
+
+    def norm(A, G):
+        if algorithm == "direct" and B * p * d <= CHUNK_ELEMENTS:
+            a, g = autocast_operands(A, G)
+            return torch.linalg.vector_norm(bmm_acc(g.mT, a), dim=(1, 2), dtype=torch.float64)
+        if algorithm == "outer" and T == 1:
+            a, g = autocast_operands(A, G)
+            return torch.linalg.vector_norm(a, dim=(1, 2), dtype=acc) * torch.linalg.vector_norm(g, dim=(1, 2),
+                                                                                                  dtype=acc)
+        return linear_weight_sq_norm(A, G, algorithm).sqrt()
+
+    norms = [norm(A, G) for A, G in pairs]
+    return (norms[0] if len(norms) == 1 else torch.cat(norms)).to(acc)
 
 
 _SQ_NORMS = {"direct": linear_weight_sq_norm_direct, "gram": linear_weight_sq_norm_gram,

@@ -23,13 +23,16 @@ runs a kernel as host code whose tensor calls a GPU would never see.
 
 The finish step's work does not grow with depth (last section): 12-layer GPT-2 and Llama
 models against 2-layer ones of the same layer shapes, on the eager backend and on the Triton
-kernels (launches counted under the interpreter, the operations inside them left out).
+kernels (launches counted under the interpreter, the operations inside them left out). From
+the same models, what each hooked layer adds to the whole step over the non-private step: at
+most ``OPS_PER_LAYER_ADDED`` where layers of one shape are served together, and a bound per
+model family where the eager backend takes a product per layer (``EAGER_BY_LAYER_OPS``).
 """
 
 from __future__ import annotations
 
 import sys
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Dict, Tuple
 
@@ -153,11 +156,13 @@ def _deep_model(kind: str, n_layer: int):
 
 class _FinishCounts:
     """Operations dispatched outside kernel launches, and kernel launches (under Triton's
-    interpreter), of the norm pass (``finish``) and the clipped sums of a backward path."""
+    interpreter), of the norm pass (``finish``) and the clipped sums of a backward path, and of
+    whole steps (``step``)."""
 
     def __init__(self, path, monkeypatch):
         self.counts: Dict[str, Tuple[int, int]] = {}
-        self._active: list = [None, 0, 0]  # counts, launches, operations inside launches
+        # What is being counted: [counts, launches, operations inside launches] each.
+        self._active: list = []
         for owner, name, key in ((path, "finish", "norms"), (path.sums, "hand_off", "sums")):
             monkeypatch.setattr(owner, name, self._counted(getattr(owner, name), key))
         try:
@@ -168,37 +173,67 @@ class _FinishCounts:
         active = self._active
 
         def counted_launch(executor, *args, **kwargs):
-            before = active[0].ops if active[0] is not None else 0
+            before = [entry[0].ops for entry in active]
             try:
                 return launch(executor, *args, **kwargs)
             finally:
-                if active[0] is not None:
-                    active[1] += 1
-                    active[2] += active[0].ops - before
+                for entry, ops in zip(active, before):
+                    entry[1] += 1
+                    entry[2] += entry[0].ops - ops
 
         monkeypatch.setattr(interpreter.GridExecutor, "__call__", counted_launch)
 
     def _counted(self, fn, key):
         def run(*args, **kwargs):
-            self._active[:] = [DispatchCounts(), 0, 0]
-            try:
-                with self._active[0]:
-                    return fn(*args, **kwargs)
-            finally:
-                counts, launches, inside = self._active
-                self.counts[key] = (counts.ops - inside, launches)
-                self._active[0] = None
+            with self.counting(key):
+                return fn(*args, **kwargs)
 
         return run
 
+    @contextmanager
+    def counting(self, key: str):
+        """Count what runs inside as ``counts[key]``: (operations outside launches, launches)."""
+        entry = [DispatchCounts(), 0, 0]
+        self._active.append(entry)
+        try:
+            with entry[0]:
+                yield
+        finally:
+            self._active.remove(entry)
+            counts, launches, inside = entry
+            self.counts[key] = (counts.ops - inside, launches)
 
-_deep: Dict[tuple, Tuple[Dict[str, Tuple[int, int]], int]] = {}
+
+_deep: Dict[tuple, Tuple[Dict[str, Tuple[int, int]], int, int]] = {}
+# The step's operations without dpgrad (same model, same batch): (kind, n_layer) -> count.
+_plain: Dict[tuple, int] = {}
+_IDS = torch.randint(1, 64, (2, 8), generator=torch.Generator().manual_seed(0))
 
 
+def _plain_step_ops(kind: str, n_layer: int) -> int:
+    """The operations of the non-private step of ``_deep_model(kind, n_layer)`` (its second)."""
+    if (kind, n_layer) not in _plain:
+        import torch.nn as nn
+
+        model, criterion = _deep_model(kind, n_layer), nn.CrossEntropyLoss()
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            counts = DispatchCounts()
+            with counts:
+                criterion(model(input_ids=_IDS).logits.reshape(-1, 64), _IDS.reshape(-1)).backward()
+        _plain[(kind, n_layer)] = counts.ops
+    return _plain[(kind, n_layer)]
+
+
+# How the finish runs: "eager" (the eager backend; these small models' layers of one shape in
+# one batched product), "eager-by-layer" (the eager backend with nothing concatenated, as at
+# real sizes: a product per layer), "triton" (the Triton kernels, one launch per group of
+# layers of one shape, nothing concatenated, under the interpreter).
 def _finish_counts(kind: str, n_layer: int, mode: str, setting: str):
-    """(counts of the second step's finish, trainable parameters) in ``mode``: "single",
-    "double", or "per-block" (single backward, clipped per block, with the room in memory a
-    GPU's backward pass makes: every complete block waits for the end of the pass)."""
+    """(counts of the second step's finish and whole step, trainable parameters, hooked layers)
+    in ``mode``: "single", "double", or "per-block" (single backward, clipped per block, with
+    the room in memory a GPU's backward pass makes: every complete block waits for the end of
+    the pass)."""
     key = (kind, n_layer, mode, setting)
     if key not in _deep:
         import torch.nn as nn
@@ -207,10 +242,13 @@ def _finish_counts(kind: str, n_layer: int, mode: str, setting: str):
         from dpgrad.clipping_groups import even_split, per_block
         from dpgrad.group_flush import GroupFlush
         from dpgrad.samplers import groups
+        from dpgrad.tuning import tuner
 
         with pytest.MonkeyPatch.context() as patch:
-            patch.setenv("DPGRAD_BACKEND", "eager" if setting == "eager" else "triton")
-            if setting == "triton":
+            patch.setenv("DPGRAD_BACKEND", "triton" if setting == "triton" else "eager")
+            # Choices made afresh for this setting (the cost model's, as everywhere in the suite).
+            patch.setattr(tuner, "_TUNER", tuner.Tuner())
+            if setting != "eager":
                 patch.setattr(groups, "STACK_ELEMENTS", 0)
             model = _deep_model(kind, n_layer)
             clipping = dict(max_grad_norm=1.0)
@@ -218,16 +256,19 @@ def _finish_counts(kind: str, n_layer: int, mode: str, setting: str):
                 patch.setattr(GroupFlush, "memory_in_use", staticmethod(lambda device, peak=False: 0))
                 blocks = len({per_block(n) for n, p in model.named_parameters() if p.requires_grad})
                 clipping = dict(clipping="groups", clipping_groups=per_block, max_grad_norm=even_split(1.0, blocks))
-            wrapped = dpgrad.GradSampleModuleFastGradientClipping(model, single_backward=mode != "double", **clipping)
+            # The independence check (its first steps' probes) is counted apart (bench_host_overhead).
+            wrapped = dpgrad.GradSampleModuleFastGradientClipping(model, single_backward=mode != "double",
+                                                                  check_independence=False, **clipping)
             criterion = dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss())
             counted = _FinishCounts(wrapped._path, patch)
-            ids = torch.randint(1, 64, (2, 8), generator=torch.Generator().manual_seed(0))
             with clipped_from_norms():
                 for _ in range(2):  # the first step plans the finish and chooses kernels
-                    wrapped.zero_grad(set_to_none=True)
-                    logits = wrapped(input_ids=ids).logits
-                    criterion(logits.reshape(-1, 64), ids.reshape(-1), shape=logits.shape[:2]).backward()
-        _deep[key] = (dict(counted.counts), sum(p.numel() > 0 for p in model.parameters() if p.requires_grad))
+                    with counted.counting("step"):
+                        wrapped.zero_grad(set_to_none=True)
+                        logits = wrapped(input_ids=_IDS).logits
+                        criterion(logits.reshape(-1, 64), _IDS.reshape(-1), shape=logits.shape[:2]).backward()
+        _deep[key] = (dict(counted.counts), sum(p.numel() > 0 for p in model.parameters() if p.requires_grad),
+                      len(wrapped._path.layer_names))
     return _deep[key]
 
 
@@ -244,7 +285,7 @@ def test_finish_step_does_not_grow_with_depth(kind, mode, setting):
         if torch.cuda.is_available():
             pytest.skip("kernel launches are counted under Triton's interpreter (CPU tensors)")
     single = mode != "double"
-    (shallow, params_shallow), (deep, params_deep) = (_finish_counts(kind, n, mode, setting) for n in DEPTHS)
+    (shallow, params_shallow, _), (deep, params_deep, _) = (_finish_counts(kind, n, mode, setting) for n in DEPTHS)
     ops, launches = shallow["norms"]
     deep_ops, deep_launches = deep["norms"]
     assert deep_launches == launches, f"norm pass: {launches} launches at depth 2, {deep_launches} at 12"
@@ -259,6 +300,37 @@ def test_finish_step_does_not_grow_with_depth(kind, mode, setting):
         assert abs(deep_ops - ops - hand_offs) <= DEPTH_SLACK, (
             f"clipped sums: {ops} operations at depth 2, {deep_ops} at 12: {deep_ops - ops} more, for "
             f"{hand_offs} more parameters")
+
+
+# What each hooked layer adds to the step's operations, over the non-private step: the
+# difference between the 12- and 2-layer models' extra operations, per hooked layer more. The
+# finish's fixed work (the finite check, the coefficients, the loss's per-sample form) does not
+# count here; the quick models' totals above bound it. With the layers of one shape served
+# together (concatenated when small, a Triton launch per group), a layer adds no more than
+# ``OPS_PER_LAYER_ADDED``; with a product per layer on the eager backend (what it does at real
+# sizes) each layer adds its norm's product and reduction, its clipped sum's scaling and
+# product, and the zeroing of its sum on the device should the norms not be finite, beyond
+# what the non-private step does for it (``EAGER_BY_LAYER_OPS``, per model family: GPT-2's
+# layers have biases and LayerNorms).
+OPS_PER_LAYER_ADDED = 2
+EAGER_BY_LAYER_OPS = {"gpt2": 7.5, "llama": 6}
+
+
+@pytest.mark.parametrize("setting", ["eager", "eager-by-layer", "triton"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_operations_each_layer_adds(kind, setting):
+    if setting == "triton":
+        pytest.importorskip("triton")
+        if torch.cuda.is_available():
+            pytest.skip("kernel launches are counted under Triton's interpreter (CPU tensors)")
+    shallow, deep = (_finish_counts(kind, n, "single", setting) for n in DEPTHS)
+    extra = [found[0]["step"][0] - _plain_step_ops(kind, n) for found, n in zip((shallow, deep), DEPTHS)]
+    layers = deep[2] - shallow[2]
+    per_layer = (extra[1] - extra[0]) / layers
+    bound = EAGER_BY_LAYER_OPS[kind] if setting == "eager-by-layer" else OPS_PER_LAYER_ADDED
+    assert per_layer <= bound, (
+        f"{kind}, {setting}: {extra[0]} operations more than the non-private step at depth {DEPTHS[0]}, "
+        f"{extra[1]} at depth {DEPTHS[1]}: {per_layer:.2f} per hooked layer more ({layers}), over {bound}")
 
 
 def test_profile_device_time_is_kernels_not_regions():

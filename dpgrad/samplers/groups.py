@@ -122,6 +122,10 @@ class Coefficients:
         """(B,) in x's own dtype (rounded down in half precision: ``coefficients_in``)."""
         return self._form(("rounded", x.dtype, x.device), lambda: coefficients_in(self.like(x), x.dtype))
 
+    def rounded_column(self, x: torch.Tensor) -> torch.Tensor:
+        """``rounded_like`` as (B, 1, 1), to scale (B, T, n) operands."""
+        return self._form(("rounded_column", x.dtype, x.device), lambda: self.rounded_like(x).view(-1, 1, 1))
+
     def layer_rows(self, params: Sequence[nn.Parameter], x: torch.Tensor) -> torch.Tensor:
         """(L, B): the coefficients of L parameters, a row each, in x's accumulation dtype on its
         device (without clipping groups one row expanded, not copied, made once per pass)."""

@@ -234,12 +234,18 @@ class LinearGroup(Group):
             cand = tuner.select_group("linear_norm", self._inputs, self._layers)
             self._stack(cand.backend == "eager")
             inputs = self._inputs
+
+            def by_layer(chosen):
+                if chosen.backend == "eager":  # the norms themselves: few operations a layer
+                    return reference.linear_weight_norms(inputs, chosen.algorithm)
+                return cat([chosen.run(A, G) for A, G in inputs]).sqrt()
+
             if len(inputs) == 1 and cand.backend == "eager":
-                rows.append(reference.linear_weight_norm(*inputs[0], cand.algorithm))
+                rows.append(by_layer(cand))
             else:
-                rows.append(self._run("linear_norm", cand, inputs,
-                                      lambda chosen: chosen.grouped()([A for A, _ in inputs], [G for _, G in inputs]),
-                                      lambda chosen: cat([chosen.run(A, G) for A, G in inputs])).sqrt())
+                rows.append(self._run(
+                    "linear_norm", cand, inputs,
+                    lambda chosen: chosen.grouped()([A for A, _ in inputs], [G for _, G in inputs]).sqrt(), by_layer))
         else:
             self._stack(True)
         bias_sums = self._take_bias_sums()
@@ -295,7 +301,7 @@ class LinearGroup(Group):
 
         def by_layer(chosen):
             # Eager: a GEMM on operands scaled in their own dtype.
-            scales = [coef.of([w]).rounded_like(G0) for w in weights] if chosen.backend == "eager" else each
+            scales = [coef.of([w]).rounded_column(G0) for w in weights] if chosen.backend == "eager" else each
             return [chosen.run(left, right, scale, out_dtype=dtype)[0]
                     for left, right, scale in zip(lefts, rights, scales)]
 
