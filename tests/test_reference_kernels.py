@@ -327,6 +327,25 @@ def test_batch_slicing_gives_the_same_norms(monkeypatch, chunk, dtype):
         assert_norms_close(sliced_gram, expected, NORM_RTOL[dtype])
 
 
+@pytest.mark.parametrize("chunk", [None, 7])
+@pytest.mark.parametrize("algorithm", ["direct", "gram"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_linear_weight_norms_of_several_layers(monkeypatch, algorithm, dtype, chunk):
+    """The norms of several layers of one shape in one call (the finish step's product per
+    layer), whole or by batch slices: each layer's per-sample norms, in order, in the
+    accumulation dtype; a zero gradient's norm exactly zero."""
+    if chunk is not None:
+        monkeypatch.setattr(R, "CHUNK_ELEMENTS", chunk)
+    pairs = [make_AG(5, 4, 9, 6, dtype, seed=seed) for seed in (1, 2, 3)]
+    pairs[1][1][2].zero_()  # layer 1, sample 2: no gradient
+    out = R.linear_weight_norms(pairs, algorithm)
+    assert out.dtype == R.accumulation_dtype(*pairs[0]) and out.shape == (15,)
+    expected = torch.cat([sq_norms(naive_linear_grad_sample(A, G)) for A, G in pairs]).sqrt()
+    assert_norms_close(out.square(), expected.square(), NORM_RTOL[dtype])
+    assert out[5 + 2] == 0
+    torch.testing.assert_close(R.linear_weight_norm(*pairs[2], algorithm), out[10:], rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------------- linear samplers
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(4, 6), (4, 3, 6), (3, 2, 5, 6), (2, 1, 1, 6), (0, 3, 6), (1, 6)])
