@@ -20,17 +20,21 @@ What a replay keeps of the eager step:
 - the finite check: a step whose per-sample norms are not finite still adds nothing to
   ``p.grad`` (decided on the device); such steps are counted on the device and reported, with
   no host wait, at a later call (``FloatingPointError``), or at once by ``raise_if_not_finite``;
+- a function that runs the forward pass and clipped backward only (``optimizer=None``): its
+  replays add to ``p.grad`` as the eager passes do, and the optimizer steps outside the graph
+  (``dpgrad.hf.DPTrainer`` with ``PrivacyArguments(cuda_graph=True)`` replays each physical
+  batch so, one graph per batch shape);
 - Poisson batches: with ``make_private(physical_batch_size=...)`` every batch has one shape and
   the loss weights of the padding are rewritten in place for each batch; a Poisson batch
   larger than the physical size, whose parts must accumulate before one step, runs eagerly.
 
 What it refuses, with an error naming the fix: inputs of another shape than the captured
 ones, a step that waits for the GPU (``.item()``, printing a tensor, a shape read from data),
-a step with no optimizer step, ``secure_mode`` noise, adaptive clipping (its bound is a new
-tensor every step), ``recheck_independence``, distributed training, optimizer settings
-changed after the capture (a float learning rate is part of the graph: give the optimizer a
-tensor learning rate, or call ``reset()`` to capture again), and a model that is not on a
-CUDA device.
+a step with no optimizer step (unless ``optimizer=None``), ``secure_mode`` noise, adaptive
+clipping (its bound is a new tensor every step), ``recheck_independence``, distributed
+training, optimizer settings or trainable parameters changed after the capture (a float
+learning rate is part of the graph: give the optimizer a tensor learning rate, or call
+``reset()`` to capture again), and a model that is not on a CUDA device.
 
 The whole step also runs under ``torch.compile``: dpgrad's hooks, its loss wrapper and
 backward, and its optimizer's noise run eagerly (``torch.compiler.disable``; the hooks read
@@ -41,6 +45,7 @@ and nowhere inside them, and what lies between is compiled.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -138,6 +143,10 @@ class GraphedStep:
                              f"independence check and the optimizer's state are set up in them), not {warmup!r}")
         self.step, self.module, self.optimizer, self.warmup = step, module, optimizer, warmup
         self.wrapper = dpgrad_wrapper(module)
+        # Without an optimizer (a pass, not a step): the buffers the graph adds the clipped
+        # gradients to, one per trainable parameter, bound to p.grad before each replay.
+        self._trainable: List[torch.Tensor] = []
+        self._grads: List[torch.Tensor] = []
         self.calls = 0  # steps run, eager or replayed
         self.replays = 0  # steps run by a replay of the graph
         self.eager_steps = 0  # steps run eagerly (warm-up, and parts of batches larger than the physical size)
@@ -167,7 +176,7 @@ class GraphedStep:
         self._report_finite()
         if self._replay is None and self.calls < self.warmup:
             return self._eager(args, kwargs, warm_up=True)
-        skip = bool(self.optimizer._check_skip_next_step(pop_next=False))
+        skip = self.optimizer is not None and bool(self.optimizer._check_skip_next_step(pop_next=False))
         if skip or self._accumulating:
             # Part of a Poisson batch larger than the physical size: its parts accumulate before
             # one step, which the captured step (one batch, one step) does not do.
@@ -180,9 +189,30 @@ class GraphedStep:
         for static, given in zip(self._static, tree_flatten((args, kwargs))[0]):
             if isinstance(given, torch.Tensor):
                 static.copy_(given, non_blocking=True)
-        self.optimizer._check_skip_next_step(pop_next=True)
+        self._before_replay()
         self._replay()
         return self._after_replay()
+
+    def _before_replay(self) -> None:
+        """A step: the optimizer's queue of skipped steps popped, as its step would. A pass: each
+        p.grad bound to the buffer the graph adds to, zeroed where the optimizer's step or
+        ``zero_grad`` let go of it, holding p.grad's sums where something else replaced it."""
+        if self.optimizer is not None:
+            self.optimizer._check_skip_next_step(pop_next=True)
+            return
+        zeroed = []
+        for p, buffer in zip(self._trainable, self._grads):
+            if p.grad is buffer:
+                continue
+            if p.grad is None:
+                zeroed.append(buffer)
+            else:
+                buffer.copy_(p.grad)
+            # Fresh sums: Opacus's optimizer marks those it noised, to refuse them twice.
+            buffer.__dict__.pop("_processed", None)
+            p.grad = buffer
+        if zeroed:
+            torch._foreach_zero_(zeroed)
 
     def _eager(self, args, kwargs, warm_up: bool):
         graphs = self._graphs
@@ -199,7 +229,7 @@ class GraphedStep:
         return out
 
     def _after_replay(self):
-        for _ in range(self._hooked_steps):
+        for _ in range(self._hooked_steps if self.optimizer is not None else 0):
             if self._hook is not None:
                 self._hook(self._stepped)
         self.calls += 1
@@ -224,7 +254,12 @@ class GraphedStep:
         self._spec = spec
         self._signature = _signature(leaves)
         static_args, static_kwargs = _unflatten(self._static, spec)
-        optimizer.zero_grad(set_to_none=True)  # the gradients made by the graph, in its memory
+        self._trainable = self._params()
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)  # the gradients made by the graph, in its memory
+        else:  # the graph adds to buffers of its own, made here, outside its memory
+            self._grads = [torch.empty_like(p) for p in self._trainable]
+            self._before_replay()  # bound before the capture: its backward adds to them in place
         self._settings = self._current_settings()
         count = torch.zeros((), dtype=torch.int32, device=self._params()[0].device)
         self._hook, recorded = getattr(optimizer, "step_hook", None), []
@@ -245,14 +280,14 @@ class GraphedStep:
                     "them (log the returned loss after the call), or run the step eagerly. "
                     f"torch said: {error}") from error
             raise
-        if not recorded:
+        if not recorded and optimizer is not None:
             self.reset()
             raise ValueError("the captured step did not step the DP optimizer: call optimizer.step() in the step "
                              "function (a graphed step is one whole training step)")
         self._check_settings(during_capture=True)
-        self._stepped, self._hooked_steps = recorded[0], len(recorded)
+        self._stepped, self._hooked_steps = (recorded[0] if recorded else None), len(recorded)
         self._finite = (count, graphs.finite_memory(), None)
-        self.optimizer._check_skip_next_step(pop_next=True)
+        self._before_replay()
         self._replay()
         return self._after_replay()
 
@@ -262,7 +297,7 @@ class GraphedStep:
         runs none of it: the accountant's hook records what the step tells it (called by
         ``_after_replay`` once per replay instead), finite checks count on the device, and the
         optimizer's queue of skipped steps is left as it was (popped once per replay instead)."""
-        optimizer = self.optimizer
+        optimizer = self.optimizer if self.optimizer is not None else SimpleNamespace()
         hook, queue = getattr(optimizer, "step_hook", None), list(getattr(optimizer, "_step_skip_queue", []))
         optimizer.step_hook = lambda optim: recorded.append(
             SimpleNamespace(noise_multiplier=optim.noise_multiplier,
@@ -302,6 +337,8 @@ class GraphedStep:
 
     def _current_settings(self) -> Dict[str, Any]:
         optimizer = self.optimizer
+        if optimizer is None:
+            return {}
         found = {name: getattr(optimizer, name, None) for name in _OPTIMIZER_SETTINGS}
         for i, group in enumerate(getattr(optimizer, "param_groups", [])):
             for key, value in group.items():
@@ -310,6 +347,11 @@ class GraphedStep:
         return found
 
     def _check_settings(self, during_capture: bool = False) -> None:
+        if [id(p) for p in self._params()] != [id(p) for p in self._trainable]:
+            raise ValueError(
+                "the model's trainable parameters changed since the step was captured (requires_grad set "
+                "or cleared), and the graph replays the captured ones: call reset() on the graphed step to "
+                "capture it again")
         now = self._current_settings()
         changed = [f"{k}: {self._settings[k]!r} -> {now.get(k)!r}" for k in self._settings if now.get(k) != self._settings[k]]
         if changed and during_capture:
@@ -374,7 +416,12 @@ def graphed_step(step: Callable, *, module, optimizer, warmup: int = 2) -> Graph
             nothing. What a replay returns is the graph's own output memory, rewritten by the
             next replay: ``clone()`` what you keep.
         module: the model as dpgrad wrapped it (``make_private``'s, or a hooks object).
-        optimizer: the DP optimizer the step steps.
+        optimizer: the DP optimizer the step steps; or None for a function that runs the forward
+            pass and the clipped backward only and leaves the noise and the optimizer's step to
+            its caller, eager (several physical batches accumulating before one step, or a
+            training loop that steps the optimizer itself, as ``DPTrainer``'s): the graph adds
+            the clipped gradients to buffers of its own, bound to ``p.grad`` before each replay
+            (zeroed where the optimizer's step or ``zero_grad`` let go of them).
         warmup: eager steps before the capture (at least 1: the autotuner's choices, the
             independence check and the optimizer's state are made in them).
 
@@ -384,6 +431,29 @@ def graphed_step(step: Callable, *, module, optimizer, warmup: int = 2) -> Graph
         ``raise_if_not_finite()`` reports withheld steps at once.
     """
     return GraphedStep(step, module, optimizer, warmup=warmup)
+
+
+class GraphedPerShape:
+    """A ``GraphedStep`` for each shape of inputs ``step`` is called with, made at the first call
+    of that shape (its eager warm-up, then its capture). Each graph holds memory of its own:
+    a warning names the count past ``MANY_SHAPES`` shapes (pad inputs to fewer)."""
+
+    MANY_SHAPES = 8
+
+    def __init__(self, step: Callable, *, module, optimizer=None, warmup: int = 2):
+        self.step, self.module, self.optimizer, self.warmup = step, module, optimizer, warmup
+        self.graphs: Dict[str, GraphedStep] = {}
+
+    def __call__(self, *args, **kwargs):
+        leaves, spec = tree_flatten((args, kwargs))
+        key = f"{spec} {_describe(_signature(leaves))}"
+        graphed = self.graphs.get(key)
+        if graphed is None:
+            graphed = self.graphs[key] = GraphedStep(self.step, self.module, self.optimizer, warmup=self.warmup)
+            if len(self.graphs) == self.MANY_SHAPES + 1:
+                warnings.warn(f"{len(self.graphs)} input shapes, each captured in a CUDA graph of its own memory: "
+                              "pad the inputs to fewer shapes (sequences to a few lengths)", stacklevel=2)
+        return graphed(*args, **kwargs)
 
 
 def _reduced(value):

@@ -16,6 +16,10 @@
   through dpgrad's ghost-clipping wrapper (one backward pass per physical batch with
   ``single_backward``); the clipped gradients accumulate, and the optimizer (dpgrad's batched
   Opacus ``DPOptimizerFastGradientClipping``) adds the noise once and steps once;
+- with ``PrivacyArguments(cuda_graph=True)`` each physical batch's forward pass and clipped
+  backward is replayed from a CUDA graph (``dpgrad.graphs.GraphedPerShape``: one per batch
+  shape, captured after two eager passes), the noise and the optimizer's step eager, in the
+  Trainer's loop;
 - each row of a causal language model is one sample: its loss is the mean over its predicted
   tokens (labels of -100 ignored); with ``user_column`` a user of ``n`` rows in the batch has
   each row clipped to ``C / n``, so the user moves the gradient by at most ``C``;
@@ -68,6 +72,7 @@ from torch.utils.data import DataLoader
 from dpgrad.batches import padded_parts
 from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping
 from dpgrad.fsdp import sharded_modules
+from dpgrad.graphs import GraphedPerShape
 from dpgrad.hf_privacy import PRIVACY_FORMAT, PRIVACY_STATE, PrivacyArguments, privacy_state_problem
 from dpgrad.hf_sampling import Indexed, LogicalBatch, PoissonSampler, sampling_generator, sampling_units
 from dpgrad.loss import DPLossFastGradientClipping
@@ -162,6 +167,10 @@ class DPTrainer(transformers.Trainer):
         self._generator = sampling_generator(args.seed, self.rank, self.world_size)
         self._sampler: Optional[PoissonSampler] = None
         self._sharding: Tuple[Optional[nn.Module], bool] = (None, False)  # (model, sharded by the caller)
+        self._graphed: Optional[GraphedPerShape] = None  # cuda_graph: the physical passes' graphs
+        if privacy_args.cuda_graph and self.world_size > 1:
+            raise ValueError("PrivacyArguments(cuda_graph=True) under distributed training: the ranks' collectives "
+                             "are not captured yet; leave cuda_graph False")
         self.add_callback(_Budget(self))
 
     # ------------------------------------------------------------------ refusals
@@ -523,16 +532,29 @@ class DPTrainer(transformers.Trainer):
             count = torch.tensor([len(parts)], device=self.args.device)
             torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
             parts += [next(padded_parts([], size, (self.train_dataset[0], 0.0)))] * (int(count.item()) - len(parts))
+        run = self._physical_pass
+        if self.privacy_args.cuda_graph:
+            if self._graphed is None or self._graphed.module is not wrapper:
+                self._graphed = GraphedPerShape(self._physical_pass, module=wrapper)
+            run = self._graphed
         for part, real in parts:
             batch = self._prepare_inputs(collator([row for row, _ in part]))
-            with self.compute_loss_context_manager():
-                losses = self._per_sample_losses(wrapper, batch)
-            losses = losses * (torch.arange(size) < real).to(losses.device, losses.dtype)
-            # A user's n rows are each clipped to C / n; every row to C without users.
+            # The padding's rows weigh zero. A user's n rows are each clipped to C / n; every row
+            # to C without users.
+            weights = torch.arange(size, device=self.args.device) < real
             bounds = [share * bound for _, share in part] if users else None
-            wrapper.clipped_backward(losses, max_grad_norms=bounds)
-            total = total + losses.detach().sum().to(total.device)
+            total = total + run(batch, weights, bounds).to(total.device)
         return total / max(len(inputs), 1)
+
+    def _physical_pass(self, batch: Dict[str, torch.Tensor], weights: torch.Tensor, bounds) -> torch.Tensor:
+        """One physical batch's forward pass and clipped backward (its clipped gradients added
+        to ``p.grad``): the sum of its rows' losses, each weighed by ``weights`` (0 for the
+        padding), each clipped to its bound in ``bounds`` (None: ``max_grad_norm``)."""
+        with self.compute_loss_context_manager():
+            losses = self._per_sample_losses(self._wrapper, batch)
+        losses = losses * weights.to(losses.dtype)
+        self._wrapper.clipped_backward(losses, max_grad_norms=bounds)
+        return losses.detach().sum()
 
     def _per_sample_losses(self, wrapper, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         """Each row's causal-LM loss: the mean over its predicted tokens (labels -100 ignored) of

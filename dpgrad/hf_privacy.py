@@ -65,6 +65,10 @@ class PrivacyArguments:
     recheck_independence: Optional[int] = field(default=None, metadata={
         "help": "Also verify it every this many physical batches, whatever the model's layout "
                 "(a model whose mixing depends on the data); default: new layouts only."})
+    cuda_graph: bool = field(default=False, metadata={
+        "help": "Replay each physical batch's forward pass and clipped backward from a CUDA graph, "
+                "captured after two eager passes (one graph per batch shape: pad sequences to few "
+                "lengths); the noise and the optimizer's step run once per step, eagerly."})
     user_column: Optional[str] = field(default=None, metadata={
         "help": "Column of the dataset holding each row's user id: user-level privacy (users are "
                 "sampled, and a user moves the gradient by at most max_grad_norm)."})
@@ -82,6 +86,13 @@ class PrivacyArguments:
             raise ValueError(f"target_delta must lie strictly between 0 and 1, not {self.target_delta}")
         self.max_grad_norm = clipping_bound(self.max_grad_norm)
         check_every(self.recheck_independence)
+        if self.cuda_graph and self.user_column is not None:
+            raise ValueError("cuda_graph=True with user_column: each row's bound is read from the batch on the "
+                             "host, which a CUDA graph cannot replay; leave cuda_graph False for user-level privacy")
+        if self.cuda_graph and self.recheck_independence is not None:
+            raise ValueError("cuda_graph=True with recheck_independence: the recheck probes the model from Python "
+                             "every few batches, which a replay does not run; leave recheck_independence None (new "
+                             "layouts are still checked, in the eager passes before the capture)")
         if self.accountant not in ACCOUNTANTS:
             raise ValueError(f"accountant={self.accountant!r}: use one of {', '.join(ACCOUNTANTS)}")
         size = self.physical_batch_size

@@ -136,3 +136,55 @@ def test_a_batch_in_host_memory_is_refused_on_gpu():
     graphed(batches[0].cuda())
     with pytest.raises(ValueError, match="copy it to the GPU before the call"):
         graphed(batches[1])
+
+
+@pytest.mark.parametrize("single", [True, False], ids=["single", "double"])
+def test_graphed_passes_with_the_optimizer_outside_match_the_eager_loop_on_gpu(single):
+    """``graphed_step(..., optimizer=None)``: the forward pass and clipped backward replayed, the
+    noise and the optimizer's step outside, eager; the replays add to p.grad as eager passes do."""
+    runs = {}
+    for graphed in (False, True):
+        engine, model, optimizer, criterion, loader, _ = _private(single, noise=0.0)
+
+        def pass_(ids):
+            logits = model(ids).logits
+            loss = criterion(logits.reshape(-1, V), ids.reshape(-1), shape=logits.shape[:2])
+            loss.backward()
+            return loss.detach()
+
+        run = dpgrad.graphed_step(pass_, module=model, optimizer=None) if graphed else pass_
+        losses = []
+        for (ids,) in loader:
+            losses.append(run(ids.cuda()).clone())
+            optimizer.step()
+            optimizer.zero_grad()
+        torch.cuda.synchronize()
+        runs[graphed] = (losses, {n: p.detach().clone() for n, p in model.named_parameters()},
+                         list(engine.accountant.history), run)
+    (losses, params, history, _), (g_losses, g_params, g_history, graphed) = runs[False], runs[True]
+    assert graphed.captured and graphed.replays > 0 and g_history == history
+    torch.testing.assert_close(torch.stack(g_losses), torch.stack(losses), rtol=1e-5, atol=1e-6)
+    for name in params:
+        torch.testing.assert_close(g_params[name], params[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_dptrainer_with_cuda_graph_trains_as_the_eager_trainer_on_gpu(tmp_path):
+    """``PrivacyArguments(cuda_graph=True)`` on a GPU: each physical batch replayed from a real
+    CUDA graph, the weights and the accounting of the eager trainer."""
+    from dpgrad.hf import DPTrainer, PrivacyArguments
+    from hf_trainer_worker import gpt2, rows, training_args
+
+    found = {}
+    for graph in (False, True):
+        torch.manual_seed(0)
+        model = gpt2().cuda()
+        privacy = PrivacyArguments(noise_multiplier=0.0, max_grad_norm=0.05, physical_batch_size=3, cuda_graph=graph)
+        t = DPTrainer(model=model, args=training_args(tmp_path / str(graph), use_cpu=False, max_steps=4),
+                      train_dataset=rows(), privacy_args=privacy)
+        t.train()
+        found[graph] = ({n: p.detach().clone() for n, p in model.named_parameters()}, t.accountant.history, t)
+    (eager, history, _), (replayed, g_history, t) = found[False], found[True]
+    assert g_history == history
+    assert sum(g.replays for g in t._graphed.graphs.values()) > 0
+    for name in eager:
+        torch.testing.assert_close(replayed[name], eager[name], rtol=1e-4, atol=1e-6, msg=name)

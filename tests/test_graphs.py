@@ -309,6 +309,88 @@ def test_a_non_capturable_optimizer_is_refused(rerun):
         graphed(*_batch())
 
 
+# ------------------------------------------------------------------ a pass, the optimizer outside
+def _train_in_passes(graphed: bool, single=True, epochs=3, zero_grad=True):
+    """``epochs`` of make_private's loop at a physical size of 8, each physical batch's forward
+    pass and backward run by ``pass_`` (graphed with ``optimizer=None`` or not), the optimizer
+    stepped outside it (its skip signals accumulating a Poisson batch's parts)."""
+    engine, model, optimizer, criterion, loader = _private(physical=8, single=single)
+
+    def pass_(ids, labels):
+        loss = criterion(model(ids), labels)
+        loss.backward()
+        return loss.detach()
+
+    run = dpgrad.graphed_step(pass_, module=model, optimizer=None) if graphed else pass_
+    losses = []
+    for _ in range(epochs):
+        for ids, labels in loader:
+            losses.append(run(ids, labels).clone())
+            optimizer.step()
+            if zero_grad:
+                optimizer.zero_grad()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return params, losses, engine.accountant.history, run, model
+
+
+@pytest.mark.parametrize("single", [True, False], ids=["single", "double"])
+def test_graphed_passes_with_the_optimizer_outside_are_the_eager_loop(rerun, single):
+    params, losses, history, *_ = _train_in_passes(False, single=single)
+    g_params, g_losses, g_history, graphed, model = _train_in_passes(True, single=single)
+    assert graphed.captured and rerun.captures == 1 and graphed.replays == len(losses) - graphed.warmup
+    assert g_history == history
+    for a, b in zip(losses, g_losses):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    for name in params:
+        torch.testing.assert_close(g_params[name], params[name], rtol=0, atol=0, msg=name)
+
+
+def test_a_graphed_pass_adds_to_p_grad(rerun):
+    """Without zero_grad between passes, each replay adds its clipped gradients to what p.grad
+    holds, as an eager backward pass does (none overwrites the sums before it)."""
+    found = {}
+    for graphed in (False, True):
+        engine, model, optimizer, criterion, loader = _private(physical=16)
+
+        def pass_(ids, labels):
+            criterion(model(ids), labels).backward()
+
+        run = dpgrad.graphed_step(pass_, module=model, optimizer=None, warmup=1) if graphed else pass_
+        ids, labels = _batch()
+        for k in range(4):  # warm-up, capture, two replays
+            run(ids, labels)
+        found[graphed] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert rerun.captures == 1
+    for name, grad in found[False].items():
+        torch.testing.assert_close(found[True][name], grad, rtol=0, atol=0, msg=name)
+
+
+def test_trainable_parameters_changed_after_the_capture_are_refused_until_reset(rerun):
+    engine, model, optimizer, criterion, loader = _private(physical=16)
+    graphed = dpgrad.graphed_step(lambda ids, labels: criterion(model(ids), labels).backward(),
+                                  module=model, optimizer=None, warmup=1)
+    graphed(*_batch())
+    graphed(*_batch())
+    model._module.head.bias.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"trainable parameters changed since the step was captured.*reset\(\)"):
+        graphed(*_batch())
+    graphed.reset()
+    graphed(*_batch())
+    assert rerun.captures == 2
+
+
+def test_a_graph_for_each_shape(rerun):
+    engine, model, optimizer, criterion, loader = _private(physical=None)
+    passes = dpgrad.graphs.GraphedPerShape(lambda ids, labels: criterion(model(ids), labels).backward(),
+                                           module=model, warmup=1)
+    for size in (16, 8, 16, 8, 16):
+        passes(*_batch(size))
+    assert rerun.captures == 2 and sorted(g.replays for g in passes.graphs.values()) == [1, 2]
+    passes.MANY_SHAPES = 2
+    with pytest.warns(UserWarning, match="3 input shapes, each captured in a CUDA graph of its own memory"):
+        passes(*_batch(4))
+
+
 @pytest.mark.parametrize("single", [True, False], ids=["single", "double"])
 def test_the_step_under_torch_compile_is_the_eager_step(single):
     torch._dynamo.reset()

@@ -246,6 +246,48 @@ class _Stream(torch.utils.data.IterableDataset):
         return iter(rows())
 
 
+def test_cuda_graph_replays_each_physical_batch_and_trains_as_the_eager_trainer(tmp_path, monkeypatch):
+    """PrivacyArguments(cuda_graph=True): each physical batch's forward pass and clipped backward
+    replayed (from ``Rerun``, a CPU's stand-in for a CUDA graph; the real capture is tested on a
+    GPU), the noise and the step outside: the eager trainer's weights and accounting, bit for
+    bit, over steps of several physical batches (the last padded)."""
+    import dpgrad.graphs
+    from test_graphs import Rerun
+
+    found = {}
+    for graph in (False, True):
+        graphs = Rerun()
+        monkeypatch.setattr(dpgrad.graphs, "GRAPHS", graphs)
+        torch.manual_seed(0)
+        model = gpt2()
+        privacy = PrivacyArguments(noise_multiplier=1.0, max_grad_norm=0.05, physical_batch_size=3, cuda_graph=graph)
+        t = trainer(tmp_path / str(graph), model, rows(), privacy=privacy, max_steps=3)
+        t.train()
+        found[graph] = ({n: p.detach().clone() for n, p in model.named_parameters()}, t.accountant.history, t)
+    (eager, eager_history, _), (replayed, history, t) = found[False], found[True]
+    assert history == eager_history and steps(t) == 3
+    for name in eager:
+        torch.testing.assert_close(replayed[name], eager[name], rtol=0, atol=0, msg=name)
+    (graphed,) = t._graphed.graphs.values()  # one shape of physical batch
+    assert graphs.captures == 1 and graphed.replays >= 2 and graphed.eager_steps == graphed.warmup
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"user_column": "user"}, "cuda_graph=True with user_column"),
+    ({"recheck_independence": 4}, "cuda_graph=True with recheck_independence"),
+])
+def test_cuda_graph_refuses_what_a_graph_cannot_replay(kw, message):
+    with pytest.raises(ValueError, match=message):
+        PrivacyArguments(noise_multiplier=1.0, cuda_graph=True, **kw)
+
+
+def test_cuda_graph_on_a_cpu_is_refused_at_the_first_pass(tmp_path):
+    privacy = PrivacyArguments(noise_multiplier=1.0, physical_batch_size=3, cuda_graph=True)
+    t = trainer(tmp_path, gpt2(), rows(), privacy=privacy)
+    with pytest.raises(ValueError, match="move the model to a CUDA device"):
+        t.train()
+
+
 @pytest.mark.parametrize("case, message", [
     ("group_by_length", "train_sampling_strategy='group_by_length'"),
     ("own_loader", "_OwnLoader overrides get_train_dataloader"),
