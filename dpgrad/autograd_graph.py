@@ -15,7 +15,12 @@ graph in Python, milliseconds for a large model; ``ForwardEdges`` spares it in t
 (one forward pass, then its backward): it keeps the edges of the latest forward pass's hooked
 outputs and hands all of them to autograd, which walks the graph itself. Asking for every
 hooked output instead of the lowest ones runs the same nodes; their gradients are what the
-hooks record anyway.
+hooks record anyway, as long as the records are held to the end of the pass. A pass that lets
+go of records early because memory is short (``dpgrad.group_flush``) asks for the lowest
+outputs only (``targets(root, lowest=True)``): autograd holds every gradient it is asked for
+until the pass ends, and one held for each hooked output would keep alive all the backprops
+that the records let go of (WideResNet-16-4 at B=32 on a CPU: 65 MiB, half the non-private
+step's peak).
 """
 
 from __future__ import annotations
@@ -170,9 +175,10 @@ class ForwardEdges:
             self._edges = []
             self.set_outputs([])
 
-    def targets(self, root: Node) -> List[GradientEdge]:
-        """The edges a norm pass from ``root`` must ask autograd for (see the module docstring)."""
-        if self._edges and not self._consumed and not self._ambiguous:
+    def targets(self, root: Node, lowest: bool = False) -> List[GradientEdge]:
+        """The edges a norm pass from ``root`` must ask autograd for (see the module docstring);
+        with ``lowest``, the lowest marked edges alone, whatever the forward passes."""
+        if not lowest and self._edges and not self._consumed and not self._ambiguous:
             if _first_marked_forward(root, self.mark) == self.forward_id:
                 return list(self._edges)
         return lowest_marked_edges(root, self.mark)

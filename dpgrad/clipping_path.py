@@ -24,6 +24,7 @@ uses' factors (``registry.register_factor_sampler``), never a per-sample gradien
 
 from __future__ import annotations
 
+import contextlib
 from enum import Enum
 from typing import Dict, List, Optional, Tuple
 
@@ -41,6 +42,7 @@ from dpgrad.guarantee import sequence_number
 from dpgrad.kernels import reference
 from dpgrad.group_flush import EarlyNorms, GroupFlush
 from dpgrad.samplers.groups import Group, Record
+from dpgrad.tuning import get_tuner
 
 REENTRANT_CHECKPOINT = (
     "the model uses reentrant activation checkpointing (torch.utils.checkpoint with "
@@ -193,6 +195,16 @@ class ClippingPath(BackwardPath):
             raise RuntimeError(REENTRANT_CHECKPOINT)
 
     # ------------------------------------------------------------------ a pass
+    @property
+    def memory_short(self) -> bool:
+        """Whether memory in use on the device passed the mark of a pass of this path
+        (``dpgrad.group_flush.MemoryMark``), which then let go of records early: from the next
+        pass on, the norm pass asks autograd for the lowest hooked outputs only (a walk of the
+        graph, ``dpgrad.autograd_graph``), since the gradient autograd returns for each output
+        it is asked for stays alive to the end of the pass, records let go of or not. Never set
+        on a device whose memory torch does not count (a CPU)."""
+        return self._early.mark.found_short or self._group_flush.mark.found_short
+
     def keep(self, record: Record) -> None:
         if self._norm_pass is NormPass.ONE_SAMPLE:
             return  # its inputs were let go of: the gradient comes from autograd
@@ -243,7 +255,8 @@ class ClippingPath(BackwardPath):
             ready, served = self._early.take()
             records = [self.batch_front(rec) for rec in ready + self._records]
             self._records = []
-            params, rows, groups = self._norm_rows(records)
+            with get_tuner().short_of_memory() if self.memory_short else contextlib.nullcontext():
+                params, rows, groups = self._norm_rows(records)
             if served:  # norms taken early in the pass (``EarlyNorms``), then these
                 params = [p for ps, _, _ in served for p in ps] + params
                 rows = torch.cat([r for _, r, _ in served] + ([rows] if rows is not None else []))
@@ -399,7 +412,7 @@ class ClippingPath(BackwardPath):
         reduced = loss_per_sample.sum(0)
         seed = self.sums.constant(1.0 / max(loss_per_sample.shape[0], 1), reduced) if self.loss_reduction == "mean" \
             else None
-        targets = self._edges.targets(reduced.grad_fn)
+        targets = self._edges.targets(reduced.grad_fn, lowest=self.memory_short)
         if not targets:
             raise RuntimeError(
                 "the loss depends on no layer this wrapper hooked: run the forward pass through "

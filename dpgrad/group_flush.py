@@ -20,6 +20,7 @@ clipping's are.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -27,6 +28,7 @@ import torch.nn as nn
 
 from dpgrad.autograd_graph import region
 from dpgrad.samplers.groups import Record, record_bytes
+from dpgrad.tuning import get_tuner
 
 
 class GroupFlush:
@@ -58,12 +60,11 @@ class GroupFlush:
         stats = torch.cuda.memory.memory_stats_as_nested_dict(device)
         return stats.get("allocated_bytes", {}).get("all", {}).get("peak" if peak else "current")
 
-    def _due(self, record: Record, now: List[Record]) -> bool:
+    def _due(self, record: Record, now: List[Record]) -> Optional[bool]:
         """Whether the complete groups are to be clipped now that ``now`` (``record``'s and
-        others) are set aside: memory in use has passed the pass's mark (``MemoryMark``), or
-        is not counted."""
-        due = self.mark.passed(record.backprops.device, now)
-        return due is None or due
+        others) are set aside: memory in use has passed the pass's mark (``MemoryMark``:
+        True), or is not counted (None)."""
+        return self.mark.passed(record.backprops.device, now)
 
     def after(self, record: Record) -> None:
         """Set aside (``ready``) the kept records whose clipping groups are complete now that
@@ -97,8 +98,11 @@ class GroupFlush:
             return
         path._records = [rec for rec, r in zip(path._records, ready) if not r]
         self.ready += now
-        if self._due(record, now):
-            with torch.no_grad(), region("dpgrad.clip_group"):
+        due = self._due(record, now)
+        if due is None or due:
+            # Memory short (not merely uncounted): the norms by the candidates that hold least.
+            with torch.no_grad(), region("dpgrad.clip_group"), \
+                    get_tuner().short_of_memory() if due else contextlib.nullcontext():
                 self.flush(self.ready)
 
     def flush(self, records: List[Record]) -> None:
@@ -120,7 +124,8 @@ class GroupFlush:
         groups not complete (a layer whose output reached no loss) flushed, all at once, then
         every flushed parameter and its norm row (P, B), or None where the pass had none."""
         records, self.path._records = self.ready + self.path._records, []
-        self.flush(records)
+        with get_tuner().short_of_memory() if self.path.memory_short else contextlib.nullcontext():
+            self.flush(records)
         flushed = self.flushed
         self.clear()
         if not flushed:
@@ -132,7 +137,10 @@ class GroupFlush:
 class MemoryMark:
     """The most memory a device has held, read at a pass's first record there, and whether
     memory in use has passed it since: what records set aside may take before they are
-    served early (``GroupFlush``, ``EarlyNorms``)."""
+    served early (``GroupFlush``, ``EarlyNorms``). ``found_short`` stays set, pass after pass,
+    once memory in use has passed a pass's mark: the passes that follow ask autograd for the
+    lowest hooked outputs only (``ClippingPath.memory_short``), so that the backprops of
+    records let go of are not held by autograd instead."""
 
     def __init__(self):
         # The mark of each device (None where its memory is not counted).
@@ -140,6 +148,7 @@ class MemoryMark:
         # What the records set aside may grow by before memory in use is read again: the room
         # below the mark at the last reading, less the bytes set aside since.
         self._room: Dict[torch.device, int] = {}
+        self.found_short = False
 
     def clear(self) -> None:
         self._marks, self._room = {}, {}
@@ -168,6 +177,8 @@ class MemoryMark:
         if used is None:  # no longer counted (statistics unavailable)
             return None
         self._room[device] = max(0, mark - used)
+        if used > mark:
+            self.found_short = True
         return used > mark
 
 
@@ -228,7 +239,7 @@ class EarlyNorms:
         """The norms of the records set aside; their inputs and backprops are let go of."""
         path = self.path
         records, self.ready = [path.batch_front(rec) for rec in self.ready], []
-        with torch.no_grad(), region("dpgrad.early_norms"):
+        with torch.no_grad(), region("dpgrad.early_norms"), get_tuner().short_of_memory():
             params, rows, groups = path._norm_rows(records, memory_bound=keep_groups)
         records.clear()
         if rows is not None:

@@ -69,21 +69,50 @@ def autocast_rounded(x: torch.Tensor, partner: torch.Tensor, acc: torch.dtype) -
     return autocast_operand(x, partner).to(acc)
 
 
-def batch_slices(batch: int, elements_per_sample: int) -> Iterator[slice]:
-    """Slices of range(batch) whose intermediates hold at most CHUNK_ELEMENTS elements."""
+def batch_slices(batch: int, elements_per_sample: int, samples: Optional[int] = None) -> Iterator[slice]:
+    """Slices of range(batch) whose intermediates hold at most CHUNK_ELEMENTS elements, and at
+    most ``samples`` samples where it is given."""
     step = max(1, CHUNK_ELEMENTS // max(1, elements_per_sample))
+    if samples is not None:
+        step = max(1, min(step, samples))
     for start in range(0, batch, step):
         yield slice(start, min(batch, start + step))
 
 
-def sq_norms(x: torch.Tensor, dim) -> torch.Tensor:
+# Above this many elements, ``sq_norms`` widens its input to float64 a piece at a time.
+SQ_NORMS_WHOLE_ELEMENTS = 1 << 20
+# Pieces ``sq_norms`` takes at most: each piece's float64 copy then holds at most a quarter of
+# the input's fp32 bytes.
+SQ_NORMS_PIECES = 8
+
+
+def sq_norms(x: torch.Tensor, dim, pieces: Optional[bool] = None) -> torch.Tensor:
     """Squared norms of ``x`` over ``dim`` in one pass over it: one reduction, no squared copy
     of ``x`` written and read back (on a GPU that copy of a batch's per-sample gradients cost
     about as much as the product that made them). The reduction accumulates in float64 (a
     memory-bound pass, no slower for it): a sum of p * d squares in fp32 would lose more than the
     products that made them (sqrt(p d) of fp32's unit, 5e-6 at p d = 7e5), in x's dtype or
-    fp32, whichever is wider."""
-    return torch.linalg.vector_norm(x, dim=dim, dtype=torch.float64).square().to(_at_least_fp32(x))
+    fp32, whichever is wider.
+
+    torch widens the whole input to float64 before reducing it (twice the bytes of fp32
+    per-sample gradients): above ``SQ_NORMS_WHOLE_ELEMENTS`` elements, or whatever the size
+    with ``pieces`` (memory short), with ``dim`` every dimension after the first and ``x``
+    contiguous, the rows are reduced in at most ``SQ_NORMS_PIECES`` pieces of columns, their
+    float64 squares added."""
+    out = _at_least_fp32(x)
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    if pieces is None:
+        pieces = x.numel() > SQ_NORMS_WHOLE_ELEMENTS
+    if (x.dtype == torch.float64 or not pieces or not x.is_contiguous()
+            or sorted(d % x.dim() for d in dims) != list(range(1, x.dim()))):
+        return torch.linalg.vector_norm(x, dim=dim, dtype=torch.float64).square().to(out)
+    rows = x.view(x.shape[0], -1)
+    width = -(-rows.shape[1] // SQ_NORMS_PIECES)
+    total = None
+    for start in range(0, rows.shape[1], width):
+        part = torch.linalg.vector_norm(rows[:, start:start + width], dim=1, dtype=torch.float64).square()
+        total = part if total is None else total.add_(part)
+    return total.to(out)
 
 
 def _at_least_fp32(x: torch.Tensor) -> torch.dtype:
@@ -633,38 +662,46 @@ def conv_per_sample(x: torch.Tensor, G: torch.Tensor, geom: ConvGeometry, weight
     return conv_unfold.per_sample_weight(*_conv_operands(x, G), geom, weight_shape)
 
 
-def conv_weight_sq_norm_grad_sample(x: torch.Tensor, G: torch.Tensor, geom: ConvGeometry) -> torch.Tensor:
+def conv_weight_sq_norm_grad_sample(x: torch.Tensor, G: torch.Tensor, geom: ConvGeometry,
+                                    batch_slice: Optional[int] = None) -> torch.Tensor:
     """Squared per-sample weight-gradient norms from the per-sample gradients, a batch slice at
-    a time (a slice's gradients at most CHUNK_ELEMENTS): (B,)."""
+    a time (a slice's gradients at most CHUNK_ELEMENTS, and at most ``batch_slice`` samples
+    where it is given): (B,)."""
     B, C_out = x.shape[0], G.shape[1]
     shape = (C_out, x.shape[1] // geom.groups, *geom.kernel_size)
     out = torch.empty(B, dtype=accumulation_dtype(x, G), device=x.device)
-    for s in batch_slices(B, math.prod(shape)):
-        out[s] = sq_norms(conv_per_sample(x[s], G[s], geom, shape).flatten(1), 1)
+    for s in batch_slices(B, math.prod(shape), batch_slice):
+        # Slices cut small (memory short) widen their gradients a piece at a time too.
+        grads = conv_per_sample(x[s], G[s], geom, shape).flatten(1)
+        out[s] = sq_norms(grads, 1, pieces=True if batch_slice is not None else None)
     return out
 
 
-def conv_weight_sq_norm_unfolded(x: torch.Tensor, G: torch.Tensor, geom: ConvGeometry, linear_sq_norm) -> torch.Tensor:
+def conv_weight_sq_norm_unfolded(x: torch.Tensor, G: torch.Tensor, geom: ConvGeometry, linear_sq_norm,
+                                 batch_slice: Optional[int] = None) -> torch.Tensor:
     """Squared per-sample weight-gradient norms by a Linear algorithm ``linear_sq_norm(A, G)``
     on the unfolded input (``conv_unfold``), summed over the groups: (B,). The unfolded input
-    (T * C_in * K elements per sample) is built a batch slice at a time."""
+    (T * C_in * K elements per sample) is built a batch slice at a time, of at most
+    ``batch_slice`` samples where it is given."""
     B, g = x.shape[0], geom.groups
     T = math.prod(G.shape[2:])
     out = torch.empty(B, dtype=accumulation_dtype(x, G), device=x.device)
-    for s in batch_slices(B, T * x.shape[1] * geom.positions):
+    for s in batch_slices(B, T * x.shape[1] * geom.positions, batch_slice):
         U = conv_unfold.unfold(x[s], geom)
         out[s] = linear_sq_norm(U, conv_unfold.grouped_backprops(G[s], g)).view(-1, g).sum(1)
     return out
 
 
-def conv_weight_sq_norm_gram(x: torch.Tensor, G: torch.Tensor, geom: ConvGeometry) -> torch.Tensor:
+def conv_weight_sq_norm_gram(x: torch.Tensor, G: torch.Tensor, geom: ConvGeometry,
+                             batch_slice: Optional[int] = None) -> torch.Tensor:
     """``conv_weight_sq_norm_unfolded`` by the Gram ("ghost norm") algorithm: (B,)."""
-    return conv_weight_sq_norm_unfolded(x, G, geom, linear_weight_sq_norm_gram)
+    return conv_weight_sq_norm_unfolded(x, G, geom, linear_weight_sq_norm_gram, batch_slice)
 
 
-def conv_weight_sq_norm_direct(x: torch.Tensor, G: torch.Tensor, geom: ConvGeometry) -> torch.Tensor:
+def conv_weight_sq_norm_direct(x: torch.Tensor, G: torch.Tensor, geom: ConvGeometry,
+                               batch_slice: Optional[int] = None) -> torch.Tensor:
     """``conv_weight_sq_norm_unfolded`` by the direct algorithm: (B,)."""
-    return conv_weight_sq_norm_unfolded(x, G, geom, linear_weight_sq_norm_direct)
+    return conv_weight_sq_norm_unfolded(x, G, geom, linear_weight_sq_norm_direct, batch_slice)
 
 
 def conv_clipped_sum(x: torch.Tensor, G: torch.Tensor, coef: torch.Tensor, geom: ConvGeometry,

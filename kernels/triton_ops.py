@@ -76,12 +76,13 @@ _SQ_NORMS = {"direct": linear_weight_sq_norm_direct, "gram": linear_weight_sq_no
              "outer": linear_weight_sq_norm_outer}
 
 
-def conv_weight_sq_norm_gram(x: torch.Tensor, G: torch.Tensor, geom) -> torch.Tensor:
+def conv_weight_sq_norm_gram(x: torch.Tensor, G: torch.Tensor, geom, batch_slice=None) -> torch.Tensor:
     """Squared per-sample weight-gradient norms of a convolution by the Gram kernel on its
-    unfolded input (``reference.conv_weight_sq_norm_unfolded``): (B,) fp32."""
-    return conv_weight_sq_norm_unfolded(x, G, geom, linear_weight_sq_norm_gram)
+    unfolded input (``reference.conv_weight_sq_norm_unfolded``, at most ``batch_slice`` samples
+    unfolded at once where it is given): (B,) fp32."""
+    return conv_weight_sq_norm_unfolded(x, G, geom, linear_weight_sq_norm_gram, batch_slice)
 
 
-def conv_weight_sq_norm_direct(x: torch.Tensor, G: torch.Tensor, geom) -> torch.Tensor:
+def conv_weight_sq_norm_direct(x: torch.Tensor, G: torch.Tensor, geom, batch_slice=None) -> torch.Tensor:
     """As ``conv_weight_sq_norm_gram``, by the direct kernel: (B,) fp32."""
-    return conv_weight_sq_norm_unfolded(x, G, geom, linear_weight_sq_norm_direct)
+    return conv_weight_sq_norm_unfolded(x, G, geom, linear_weight_sq_norm_direct, batch_slice)

@@ -399,6 +399,60 @@ def test_the_tuned_algorithm_serves_the_group_and_the_report(algorithm, monkeypa
                             ref[name].abs().sum(0).max().item())
 
 
+@pytest.mark.skipif(BACKEND_PASS, reason="the eager candidates' memory, measured on the CPU")
+@pytest.mark.parametrize("c_in, c_out, size, lean, sliced", [(4, 8, 32, "eager-grad-sample", False),
+                                                             (64, 64, 4, "eager-unfold-gram", True)],
+                         ids=["few-channels-many-positions", "many-channels-few-positions"])
+def test_memory_short_norms_take_the_candidate_holding_least(c_in, c_out, size, lean, sliced, monkeypatch,
+                                                             tmp_path):
+    """When memory is short (``Tuner.short_of_memory``) a convolution's norms take, per layer
+    shape, the candidate whose work holds the least memory per sample (the cost model's
+    ``conv_norm_workspace``), in batch slices holding at most the layer's own input and
+    backprops: the per-sample gradients for few channels over many positions, the Gram norm
+    of the unfolded input for many channels over few, where the candidate timed fastest (here
+    the direct norm) holds many times that. Exact either way; the same layer takes the timed
+    choice again once memory is no longer short."""
+    from dpgrad.tools.results import peak_allocated
+    from dpgrad.tuning import tuner as tuner_module
+
+    monkeypatch.setenv("DPGRAD_TUNE", "on")
+    monkeypatch.setenv("DPGRAD_TUNE_DIR", str(tmp_path))
+
+    def timer(fn, device, name=""):
+        fn()
+        return 1.0 if name.endswith("direct") else 5.0
+
+    tuner = tuner_module.Tuner(timer=timer)
+    monkeypatch.setattr(tuner_module, "_TUNER", tuner)
+    monkeypatch.setattr(tuner_module, "PRUNE_FACTOR", float("inf"))  # every candidate timed
+    torch.manual_seed(3)
+    B = 64
+    layer = nn.Conv2d(c_in, c_out, 3, padding=1, bias=False)
+    x = torch.randn(B, c_in, size, size)
+    G = torch.randn_like(layer(x))
+    record = (x.numel() + G.numel()) * 4
+    want = layer_reference(layer, x, G)["weight"].flatten(1).norm(dim=1)
+    inputs = [(x, G, conv_samplers.geometry(layer))]
+
+    def norms():
+        (row,) = conv_samplers.ConvGroup([(layer, [x], G)]).norms()[1]
+        return row
+
+    assert tuner.select_group("conv_norm", inputs, [layer]).name == "eager-unfold-direct"
+    assert_norms_close(norms(), want, "timed choice")
+    timed_peak = peak_allocated(norms)
+    with tuner.short_of_memory():
+        cand, batch_slice = tuner.select_by_memory("conv_norm", inputs, [layer], record)
+        assert cand.name == lean
+        assert batch_slice == max(1, int(record // cand.workspace(shape_of("conv_norm", inputs[0]))))
+        assert (batch_slice < B) == sliced
+        assert_norms_close(norms(), want, f"{lean} in batch slices of {batch_slice}")
+        short_peak = peak_allocated(norms)
+    assert short_peak <= record < timed_peak / 2, (short_peak, record, timed_peak)
+    assert not tuner.memory_is_short
+    assert tuner.select_group("conv_norm", inputs, [layer]).name == "eager-unfold-direct"
+
+
 @pytest.mark.parametrize("padding_mode", ["circular", "reflect", "replicate"])
 def test_opacus_1_6_conv_sampler_ignores_the_padding_mode(padding_mode):
     """Opacus 1.6.0's convolution sampler unfolds with zero padding whatever the layer's

@@ -16,6 +16,12 @@ whose per-sample gradients are small beside its inputs (``ClippingPath``'s rule,
 is clipped from them (``ConvGradSampleGroup``). Bias: ``sum_t G_b[t]``, never a Gram.
 Half-precision inputs are widened to fp32 for the convolution's backward (autocast: the input
 rounded to the backprops' dtype first, as the forward took it).
+
+When memory on the device is short (norms served early, ``dpgrad.group_flush``; the tuner's
+``short_of_memory``), the weight norms take, per layer shape, the candidate whose work holds
+the least memory per sample (the cost model's ``conv_norm_workspace``: the per-sample
+gradients for few channels over many positions, the unfolded input for many channels over
+few), in batch slices that hold at most the layer's own input and backprops.
 """
 
 from __future__ import annotations
@@ -142,6 +148,13 @@ class ConvGroup(Group):
     def _params(self) -> List[nn.Parameter]:
         return weights_then_biases(self._layers)
 
+    def _record_bytes(self) -> int:
+        """The bytes of one layer's input and backprops: what taking its norm may hold at once
+        when memory is short (``Tuner.select_by_memory``), no more than serving the record
+        early lets go of."""
+        x, G = self._inputs[0]
+        return x.numel() * x.element_size() + G.numel() * G.element_size()
+
     def norms(self):
         weight, bias = trainable(self._layers[0])
         layer, geom, rows = self._layers[0], self._geom, []
@@ -153,13 +166,18 @@ class ConvGroup(Group):
             else:
                 inputs = [(x, G, geom) for x, G in self._inputs]
                 tuner = get_tuner()
-                cand = tuner.select_group("conv_norm", inputs, self._layers)
+                options = {}
+                if tuner.memory_is_short:
+                    cand, options["batch_slice"] = tuner.select_by_memory("conv_norm", inputs, self._layers,
+                                                                          self._record_bytes())
+                else:
+                    cand = tuner.select_group("conv_norm", inputs, self._layers)
                 # Whatever the algorithm, nothing is kept for the clipped sums (a convolution
                 # backward): the planner sent these layers here because their per-sample
                 # gradients are not small beside their inputs (ConvGradSampleGroup keeps those
                 # that are), and "grad-sample" takes them a batch slice at a time.
-                rows.append(cat([tuner.run("conv_norm", cand, args, lyr) for args, lyr in zip(inputs, self._layers)])
-                            .sqrt())
+                rows.append(cat([tuner.run("conv_norm", cand, args, lyr, lambda c, args=args: c.run(*args, **options))
+                                 for args, lyr in zip(inputs, self._layers)]).sqrt())
         if bias:
             self._bias = cat([_bias_sums(G) for _, G in self._inputs])
             rows.append(torch.linalg.vector_norm(self._bias, dim=1))

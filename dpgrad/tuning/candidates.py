@@ -108,10 +108,19 @@ class Candidate:
             return cost_model.linear_clipped_sum_cost(self.backend, shape.B, shape.T, shape.dim("d"), shape.dim("p"), e)
         if self.kind == "conv_norm":
             return cost_model.conv_norm_cost(self.algorithm, self.backend, shape.B, shape.T, shape.dim("d"),
-                                             shape.dim("p"), shape.dim("g"), e)
+                                             shape.dim("p"), shape.dim("g"), e, cpu=shape.device.type == "cpu")
         what = "norm" if self.kind == "embedding_norm" else "grad_sample"
         return cost_model.embedding_cost(what, self.backend, shape.B, shape.T, shape.dim("V"), shape.dim("d"), e,
                                          self.algorithm)
+
+    def workspace(self, shape: Shape) -> Optional[float]:
+        """Bytes one sample holds at once besides the inputs (a batch slice holds this times its
+        samples), for the kinds whose work can be cut into batch slices of any size
+        (``conv_norm``, whose functions take ``batch_slice``); None for the others."""
+        if self.kind != "conv_norm":
+            return None
+        return cost_model.conv_norm_workspace(self.algorithm, self.backend, shape.T, shape.dim("d"), shape.dim("p"),
+                                              shape.dim("g"), shape.element_size, shape.device.type == "cpu")
 
     def triton_config(self) -> Optional[Dict[str, Any]]:
         """The block sizes and warps Triton's autotuner last chose for this candidate's kernel."""

@@ -130,16 +130,58 @@ def linear_clipped_sum_cost(backend: str, B: int, T: int, d: int, p: int, e: int
     return Cost(flops, B * T * (d + p) * e + 2 * scaled + out, scaled)
 
 
-def conv_norm_cost(algorithm: str, backend: str, B: int, T: int, d: int, p: int, g: int, e: int) -> Cost:
+def conv_norm_workspace(algorithm: str, backend: str, T: int, d: int, p: int, g: int, e: int, cpu: bool) -> float:
+    """Bytes that one sample's squared weight norm of a convolution (g groups of d = C_in/g*K
+    unfolded inputs and p = C_out/g outputs, T output positions, e bytes per input element)
+    holds at once besides its inputs, by ``algorithm`` on ``backend``; a batch slice holds
+    this times its samples. ``cpu``: on a CPU, whose kernels make copies a GPU's do not. An
+    upper estimate: what ``Tuner.select_by_memory`` cuts batch slices by.
+    - grad-sample: the per-sample gradients (g*p*d, fp32) and the float64 pieces of their
+      norms (``reference.sq_norms``, a quarter of their bytes); a CPU's convolution backward
+      also makes the zero weight it is handed dense and copies its result, three times the
+      gradients in all, and copies the backprops.
+    - direct, gram: the unfolded input U (g*T*d elements) and the grouped backprops (g*T*p), in
+      the inputs' dtype; on a CPU also the padded input (at most half of U for a 3x3 kernel)
+      and, for Gram, U transposed again by the batched product. The eager direct norm adds each
+      group's product (p*d, fp32) and its float64 copy (the whole of it for a small slice:
+      twice its bytes), the eager Gram norm two (T, T) fp32 Gram matrices and their product;
+      the Triton kernels hold a few partial sums per tile.
+    """
+    if algorithm == "grad-sample":
+        grads = 4 * g * p * d
+        return 3 * grads + g * T * p * e if cpu else 1.25 * grads
+    unfolded, backprops = g * T * d * e, g * T * p * e
+    held = unfolded * (1.5 if cpu else 1.0) + backprops
+    if backend == "triton":
+        return held
+    if algorithm == "direct":
+        return held + 3 * 4 * g * p * d
+    if algorithm == "gram":
+        return held + (unfolded if cpu else 0) + 3 * 4 * g * T * T
+    raise ValueError(f"no workspace model for the convolution norm algorithm {algorithm!r}")
+
+
+def conv_norm_slice_elements(algorithm: str, T: int, d: int, p: int, g: int) -> int:
+    """Elements per sample by which the eager convolution norms cut the batch into slices of at
+    most CHUNK_ELEMENTS (``reference.batch_slices``): the per-sample gradients' for
+    grad-sample, the unfolded input's otherwise."""
+    return g * p * d if algorithm == "grad-sample" else g * T * d
+
+
+def conv_norm_cost(algorithm: str, backend: str, B: int, T: int, d: int, p: int, g: int, e: int,
+                   cpu: bool = False) -> Cost:
     """Squared weight norms of a convolution with g groups of d = C_in/g*K unfolded inputs and
     p = C_out/g outputs each: a Linear algorithm on the unfolded input (written once, B*g*T*d
-    elements, a batch slice at a time), or the per-sample gradients (B, g*p*d) in fp32."""
+    elements, a batch slice at a time), or the per-sample gradients (B, g*p*d) in fp32. The
+    extra memory: a default batch slice's ``conv_norm_workspace`` (``cpu``: on a CPU)."""
+    per_slice = max(1, CHUNK_ELEMENTS // max(1, conv_norm_slice_elements(algorithm, T, d, p, g)))
+    extra = min(B, per_slice) * conv_norm_workspace(algorithm, backend, T, d, p, g, e, cpu)
     if algorithm == "grad-sample":
         grads = g * p * d
-        return Cost(2 * B * T * g * p * d, B * T * g * (d + p) * e + 2 * B * grads * 4, _chunked(grads, B) * 4)
+        return Cost(2 * B * T * g * p * d, B * T * g * (d + p) * e + 2 * B * grads * 4, extra)
     linear = linear_norm_cost(algorithm, backend, B * g, T, d, p, e)
     unfolded = B * g * T * (d + p) * e
-    return Cost(linear.flops, linear.bytes + 2 * unfolded, linear.extra_bytes + _chunked(g * T * (d + p), B) * e)
+    return Cost(linear.flops, linear.bytes + 2 * unfolded, extra)
 
 
 def embedding_cost(kind: str, backend: str, B: int, T: int, V: int, d: int, e: int, algorithm: str = "") -> Cost:

@@ -141,6 +141,9 @@ class Tuner:
         # When set, stored choices are not used: every new shape key is measured again and
         # its stored entry replaced (``dpgrad autotune-report --retune``).
         self.retune = False
+        self._short = 0  # depth of ``short_of_memory`` contexts
+        # (fast key, budget) -> (candidate, samples per batch slice): ``select_by_memory``'s answers.
+        self._by_memory: Dict[tuple, tuple] = {}
 
     def select(self, kind: str, inputs: tuple, layer: Optional[torch.nn.Module] = None) -> Candidate:
         """The candidate to run ``kind`` on ``inputs`` (tuning the shape key if it is new)."""
@@ -219,6 +222,7 @@ class Tuner:
         backend.kernel_failed(kind.replace("_", " "), layer, f"{_describe(shape)} ({cand.name})", exc,
                               f"{fallback.name} does it for this shape from now on{store_note}")
         self._chosen[_fast_key(kind, inputs)] = fallback
+        self._by_memory.clear()  # the failed candidate is skipped there too from now on
         return fallback
 
     def select_group(self, kind: str, inputs: List[tuple], layers: List[torch.nn.Module]) -> Candidate:
@@ -229,6 +233,55 @@ class Tuner:
             for layer_inputs, layer in zip(inputs[1:], layers[1:]):
                 self.select(kind, layer_inputs, layer)
         return chosen
+
+    @contextmanager
+    def short_of_memory(self) -> Iterator[None]:
+        """While active (norms served early because memory on the device is short,
+        ``dpgrad.group_flush``), ``memory_is_short`` is True: a sampler whose work can be cut
+        into batch slices asks ``select_by_memory`` instead of ``select_group``."""
+        self._short += 1
+        try:
+            yield
+        finally:
+            self._short -= 1
+
+    @property
+    def memory_is_short(self) -> bool:
+        return self._short > 0
+
+    def select_by_memory(self, kind: str, inputs: List[tuple], layers: List[torch.nn.Module],
+                         budget: float) -> tuple:
+        """(the candidate, at most how many samples a batch slice takes) for a group of layers
+        of one shape when memory is short: of the candidates known to be right here (the time
+        choice, the eager ones, and those that passed the check against the eager reference
+        when the shape was timed, none that failed), the one whose work holds the least memory
+        per sample (``Candidate.workspace``, from the cost model), the time choice where it
+        holds as little; its batch slices cut so that a slice holds at most ``budget`` bytes
+        (at least one sample). The time choice is made (and recorded) as usual first."""
+        chosen = self.select_group(kind, inputs, layers)
+        key = (_fast_key(kind, inputs[0]), int(budget))
+        found = self._by_memory.get(key)
+        if found is None:
+            shape = shape_of(kind, inputs[0])
+            tensors = tuple(t for t in inputs[0] if isinstance(t, torch.Tensor))
+            candidates = applicable(kind, shape, tensors)
+            decision = self._decisions.get(self.key(shape, candidates))
+            timed = decision.timings_ms if decision is not None else {}
+            skipped = decision.skipped if decision is not None else {}
+            candidates = [c for c in candidates if c.name == chosen.name or (
+                c.name not in skipped and (c.backend == "eager" or c.name in timed))]
+            held = {c.name: c.workspace(shape) for c in candidates}
+            if any(h is None for h in held.values()):
+                raise ValueError(f"{kind.replace('_', ' ')} has no memory model: use select_group")
+            least = min(held.values())
+            lean = [c for c in candidates if held[c.name] <= least]
+            cand = next((c for c in lean if c.name == chosen.name), lean[0])
+            if cand.name == chosen.name:
+                cand = chosen  # with its Triton config
+            if len(self._by_memory) >= MAX_CHOSEN:
+                self._by_memory.clear()
+            found = self._by_memory[key] = (cand, max(1, int(budget // max(held[cand.name], 1.0))))
+        return found
 
     @staticmethod
     def key(shape: Shape, candidates: List[Candidate]) -> str:
@@ -254,6 +307,7 @@ class Tuner:
         """Drop this process's decisions (the store keeps its own)."""
         self._decisions.clear()
         self._chosen.clear()
+        self._by_memory.clear()
 
     # ------------------------------------------------------------------ deciding
     def _decide(self, shape: Shape, key: str, candidates: List[Candidate], inputs: tuple,
