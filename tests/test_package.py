@@ -233,3 +233,50 @@ def test_pytest_xdist_groups_hold(request):
     assert request.node.nodeid.endswith("@package_group_check"), (
         f"node id {request.node.nodeid!r} has no group suffix: this pytest and pytest-xdist lose "
         "the groups (see pyproject.toml's pin of pytest)")
+
+
+def test_changelog_and_version_in_one_place():
+    """CHANGELOG.md keeps Keep a Changelog's form, its newest release is dpgrad's version, and
+    pyproject.toml reads the version from dpgrad/version.py instead of writing it again."""
+    import re
+
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli")
+
+    from packaging.version import Version
+
+    import dpgrad
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "CHANGELOG.md").read_text()
+    assert text.startswith("# Changelog\n")
+    assert "keepachangelog.com" in text and "semver.org" in text
+    headings = re.findall(r"^## (.*)$", text, flags=re.M)
+    assert headings, "no version headings"
+    releases = []
+    for heading in headings:
+        if heading == "[Unreleased]":
+            assert not releases, "[Unreleased] comes before every release"
+            continue
+        match = re.fullmatch(r"\[(\d+\.\d+\.\d+)\] - \d{4}-\d{2}-\d{2}", heading)
+        assert match, f"version heading {heading!r} is not '[X.Y.Z] - YYYY-MM-DD'"
+        releases.append(Version(match.group(1)))
+    assert releases == sorted(releases, reverse=True), "releases newest first"
+    version = Version(dpgrad.__version__)
+    if releases:
+        # The newest release is the package's version, or older while a next one is in
+        # development (a .dev or pre-release version); never newer.
+        assert releases[0] <= version, f"CHANGELOG.md's {releases[0]} is newer than {version}"
+        if not version.is_prerelease:
+            assert releases[0] == version, f"CHANGELOG.md's newest release {releases[0]} is not {version}"
+    kinds = set(re.findall(r"^### (.*)$", text, flags=re.M))
+    assert kinds <= {"Added", "Changed", "Deprecated", "Removed", "Fixed", "Security"}, kinds
+
+    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
+    assert "version" not in pyproject["project"]
+    assert "version" in pyproject["project"]["dynamic"]
+    assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "dpgrad.version.__version__"}
+    # setuptools reads the attribute without importing dpgrad only from a plain assignment.
+    assert re.search(r'^__version__ = "[^"]+"$', (root / "dpgrad" / "version.py").read_text(), flags=re.M)
