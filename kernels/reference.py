@@ -467,7 +467,10 @@ def linear_weight_norms(pairs, algorithm: str) -> torch.Tensor:
     def norm(A, G):
         if algorithm == "direct" and B * p * d <= CHUNK_ELEMENTS:
             a, g = autocast_operands(A, G)
-            return torch.linalg.vector_norm(bmm_acc(g.mT, a), dim=(1, 2), dtype=torch.float64)
+            grads = bmm_acc(g.mT, a)
+            if grads.numel() > SQ_NORMS_WHOLE_ELEMENTS:  # widened to float64 a piece at a time
+                return sq_norms(grads, (1, 2)).sqrt()
+            return torch.linalg.vector_norm(grads, dim=(1, 2), dtype=torch.float64)
         if algorithm == "outer" and T == 1:
             a, g = autocast_operands(A, G)
             return torch.linalg.vector_norm(a, dim=(1, 2), dtype=acc) * torch.linalg.vector_norm(g, dim=(1, 2),
