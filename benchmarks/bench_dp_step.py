@@ -85,7 +85,7 @@ CASES = (
 # The providers measured with activation checkpointing (Opacus's hooks and torch.func are not).
 CHECKPOINTED = ("non-private", "dpgrad-double", "dpgrad-single", "dpgrad-single-per-block", "dpgrad-single-per-layer")
 # dpgrad's single backward also with group-wise clipping: one threshold per transformer block
-# (dpgrad.clipping_groups.per_block), or per parameter (Opacus's per-layer clipping), the total
+# (dpgrad.clipping.groups.per_block), or per parameter (Opacus's per-layer clipping), the total
 # bound split evenly (1.0 in all).
 PROVIDERS = ["non-private", "opacus-hooks", "torch-func", "opacus-ghost", "dpgrad-double", "dpgrad-single",
              "dpgrad-single-per-block", "dpgrad-single-per-layer"]
@@ -316,7 +316,7 @@ def _batch(built: BenchModel, batch: int, seq_len: int, dtype: str) -> Tuple[tor
 def _clipping(provider: str, model: nn.Module) -> dict:
     """The wrapper's clipping arguments of a dpgrad provider: flat C = 1, or C = 1 split evenly
     over the blocks or the parameters."""
-    from dpgrad.clipping_groups import even_split, per_block
+    from dpgrad.clipping.groups import even_split, per_block
 
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     if provider.endswith("-per-block"):

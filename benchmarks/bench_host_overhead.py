@@ -29,7 +29,7 @@ Per (model, provider), after two warm-up steps (dpgrad's first step tunes its ke
 - ``first_step_probe_ops``, ``first_step_probe_syncs``, ``first_step_probe_time`` (dpgrad):
   what the first step of a fresh wrapper dispatches, waits for and takes (the median of
   three fresh wrappers) beyond the same first step with ``check_independence=False``: the
-  independence check (``dpgrad.independence``: a backward pass per probe set from the model's
+  independence check (``dpgrad.checks.independence``: a backward pass per probe set from the model's
   outputs or the losses, ceil(log2 B) or one more; the forward probe's runs of the model and
   the criterion, one per set and a reference; one host read for each), which later steps of
   the same layout do not run;

@@ -30,7 +30,7 @@ import os
 import pytest
 import torch
 
-from dpgrad import backend
+from dpgrad.kernels import backend
 from dpgrad.kernels import reference as eager
 from dpgrad.tools import results
 

@@ -30,8 +30,8 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dpgrad
-from dpgrad.adaptive import DPLossFastGradientAdaptiveClipping
-from dpgrad.clipping_groups import even_split, per_block
+from dpgrad.clipping.adaptive import DPLossFastGradientAdaptiveClipping
+from dpgrad.clipping.groups import even_split, per_block
 from bench_dp_step import LORA_TARGETS, BenchModel, _hf
 from dpgrad.tools.models import TinyTransformerConfig, synthetic_batch
 from dpgrad.tools.presets import DTYPES
@@ -41,7 +41,7 @@ aten = torch.ops.aten
 MODELS = ("hf-gpt2-2l", "hf-llama-2l-lora16")
 PROVIDERS = ("non-private", "dpgrad-double", "dpgrad-single")
 # How dpgrad's steps clip: one bound; one per parameter; one per transformer block
-# (``dpgrad.clipping_groups.per_block``); automatic; adaptive (on the expected batch size).
+# (``dpgrad.clipping.groups.per_block``); automatic; adaptive (on the expected batch size).
 CLIPPINGS = ("flat", "per_layer", "per_block", "automatic", "adaptive")
 # Quick mode's models are bench_dp_step's two-layer "-tiny" configs, as they are.
 TINY = {"hf-gpt2-2l": "hf-gpt2-tiny", "hf-llama-2l-lora16": "hf-llama-tiny-lora16"}

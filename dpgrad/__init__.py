@@ -4,21 +4,21 @@ Drop-in replacements for Opacus's wrappers: ``GradSampleModule`` (per-sample gra
 ``GradSampleModuleFastGradientClipping`` (per-sample gradient norms, ghost clipping; its
 ``...FSDP`` twin for models sharded by FSDP2), and for its loss wrapper
 ``DPLossFastGradientClipping`` (one backward pass with ``single_backward=True``) and Opacus
-1.6's adaptive ``DPLossFastGradientAdaptiveClipping`` (``dpgrad.adaptive``); its hooks objects
+1.6's adaptive ``DPLossFastGradientAdaptiveClipping`` (``dpgrad.clipping.adaptive``); its hooks objects
 ``GradSampleHooks`` and ``GradSampleHooksFastGradientClipping`` leave the model unwrapped
 (``dpgrad.hooks``).
 """
 
-from . import samplers  # noqa: F401  (registers the built-in samplers)
-from .adaptive import DPLossFastGradientAdaptiveClipping, DPTensorFastGradientAdaptiveClipping
+from . import _moved, samplers  # noqa: F401  (the earlier module paths; the built-in samplers registered)
+from .clipping.adaptive import DPLossFastGradientAdaptiveClipping, DPTensorFastGradientAdaptiveClipping
 from .fast_gradient_clipping import GradSampleModuleFastGradientClipping, GradSampleModuleFastGradientClippingFSDP
 from .grad_sample_module import GradSampleModule
 from .graphs import GraphedStep, graphed_step
-from .guarantee import UnclippedGradientError
+from .checks.guarantee import UnclippedGradientError
 from .hooks import GradSampleHooks, GradSampleHooksFastGradientClipping
-from .independence import SampleMixingError
+from .checks.independence import SampleMixingError
 from .loss import DPLossFastGradientClipping, DPTensorFastGradientClipping
-from .registry import (
+from .samplers.registry import (
     CLIPPED_SUM_SAMPLERS,
     GRAD_SAMPLERS,
     NORM_SAMPLERS,

@@ -9,14 +9,14 @@ layer called twice) get the exact norm of their summed per-sample gradient.
 
 ``clipped_backward`` (what ``dpgrad.DPLossFastGradientClipping`` calls) does better than
 Opacus's protocol. Its norm pass asks autograd only for the gradients of the layer outputs
-(``dpgrad.autograd_graph``), so no weight gradient is computed to be thrown away. Then either
+(``dpgrad.backward.autograd_graph``), so no weight gradient is computed to be thrown away. Then either
 a second backward of ``sum_b c_b loss_b`` gives the clipped gradient (double backward, as in
 Opacus), or, with ``single_backward=True``, each layer's clipped gradient comes from the
 inputs and backprops the norm pass kept ("book-keeping"). The wrapper holds its backward path,
-``dpgrad.clipping_path.ClippingPath``, which does all of it; this module is Opacus's
+``dpgrad.backward.clipping_path.ClippingPath``, which does all of it; this module is Opacus's
 interface around it.
 
-A model sharded by FSDP2 (``fully_shard``) is taken in both modes: see ``dpgrad.fsdp``.
+A model sharded by FSDP2 (``fully_shard``) is taken in both modes: see ``dpgrad.backward.fsdp``.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from dpgrad.clipping_groups import CLIPPINGS, ClipGroups
-from dpgrad.clipping_path import ClippingPath
-from dpgrad.coefficients import automatic_gamma as checked_gamma
-from dpgrad.coefficients import clipping_bound, clipping_coefficients, per_sample_bounds
-from dpgrad.fsdp import sharded_modules
+from dpgrad.clipping.groups import CLIPPINGS, ClipGroups
+from dpgrad.backward.clipping_path import ClippingPath
+from dpgrad.clipping.coefficients import automatic_gamma as checked_gamma
+from dpgrad.clipping.coefficients import clipping_bound, clipping_coefficients, per_sample_bounds
+from dpgrad.backward.fsdp import sharded_modules
 from dpgrad.grad_sample_module import GradSampleModule, _delegated
 
 
@@ -57,7 +57,7 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
     ``GradSampleModuleFastGradientClipping``; see ``GradSampleModule`` for the common
     arguments. ``m`` may be sharded by FSDP2 (``fully_shard`` on its blocks and its root,
     before wrapping): ``p._norm_sample`` is then on the sharded parameters, and the clipped
-    gradients reach their shards through FSDP's reduce-scatter (``dpgrad.fsdp``).
+    gradients reach their shards through FSDP's reduce-scatter (``dpgrad.backward.fsdp``).
 
     Args:
         max_grad_norm: the clipping bound C of ``get_clipping_coef``: a finite positive number.
@@ -72,7 +72,7 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
             "per_layer" (Opacus's: each trainable parameter clipped on its own, ``max_grad_norm``
             a list of one threshold per trainable parameter, in ``m.parameters()`` order) or
             "groups" (each group of ``clipping_groups`` clipped on its own, ``max_grad_norm``
-            one threshold per group). See ``dpgrad.clipping_groups``: a sample then moves the
+            one threshold per group). See ``dpgrad.clipping.groups``: a sample then moves the
             gradient by at most ``max_grad_norm`` = ``sqrt(sum C_g^2)``, the bound the
             optimizer's noise must be scaled to (``max_grad_norms`` holds the thresholds).
             Per-layer and group-wise clipping take one backward pass in either mode (Opacus's
@@ -85,7 +85,7 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
             to is the same.
         clipping_groups: for "groups": lists of parameters (every trainable parameter in one),
             or a rule from a parameter's qualified name to its group's label, such as
-            ``dpgrad.clipping_groups.per_block`` (one group per transformer block).
+            ``dpgrad.clipping.groups.per_block`` (one group per transformer block).
         automatic_gamma: automatic clipping's gamma, a finite number > 0 (0.01, as in the
             paper); only with an automatic clipping.
         check_independence: as for ``GradSampleModule``; ``clipped_backward`` (and so
@@ -160,7 +160,7 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         self._max_grad_norm = clipping_bound(value)
 
     def adapt_max_grad_norm(self, bound: torch.Tensor) -> None:
-        """Set the flat bound to a 0-d tensor on the device (``dpgrad.adaptive``: the bound
+        """Set the flat bound to a 0-d tensor on the device (``dpgrad.clipping.adaptive``: the bound
         each step computes, never read back to the host); ``max_grad_norm`` returns it."""
         if self._path.clip_groups is not None:
             raise ValueError(f"clipping={self.clipping!r} has one bound per group: it cannot adapt one")
@@ -187,7 +187,7 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         from its plain gradient, in one backward pass, in either mode. Raises ValueError for a loss
         that is not (B,) or has no graph, RuntimeError when the loss does not depend on any
         layer this wrapper hooked, ``UnclippedGradientError`` when a trainable parameter would
-        get a gradient that is not clipped (``dpgrad.guarantee``).
+        get a gradient that is not clipped (``dpgrad.checks.guarantee``).
 
         ``max_grad_norms``: optional per-sample bounds (B,), each between 0 and
         ``max_grad_norm``, in place of ``max_grad_norm`` (``c_b = min(1, C_b / (norm_b + 1e-6))``):
@@ -197,7 +197,7 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
 
         ``bound_from_norms``: optional, a function of the per-sample norms (B,) that returns the
         bound (a float or a 0-d tensor) to clip them to, called between the norm pass and the
-        clipping (``dpgrad.adaptive``); flat clipping, without ``max_grad_norms``.
+        clipping (``dpgrad.clipping.adaptive``); flat clipping, without ``max_grad_norms``.
         """
         bound = self.max_grad_norm
         if bound_from_norms is not None:

@@ -1,6 +1,6 @@
 """``GradSampleModule``: per-sample gradients through hooks, a drop-in for Opacus's.
 
-The wrapper holds its backward path (``GradSamplePath``, a ``dpgrad.backward_pass.BackwardPath``)
+The wrapper holds its backward path (``GradSamplePath``, a ``dpgrad.backward.backward_pass.BackwardPath``)
 and keeps Opacus's interface around it: a layer's gradient hook computes its per-sample
 gradients, and a callback queued for the end of the pass promotes them onto the parameters
 (``p.grad_sample``), so weight tying, module reuse and forward passes that never see a
@@ -14,10 +14,10 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn as nn
 
-from dpgrad import registry
-from dpgrad.backward_pass import BackwardPath, FiniteCheck
-from dpgrad.fsdp import sharded_modules
-from dpgrad.model_checks import validate
+from dpgrad.samplers import registry
+from dpgrad.backward.backward_pass import BackwardPath, FiniteCheck
+from dpgrad.backward.fsdp import sharded_modules
+from dpgrad.checks.model_checks import validate
 from dpgrad.samplers.groups import Record
 
 # Attributes dpgrad (like Opacus) puts on parameters.
@@ -116,7 +116,7 @@ class GradSampleModule(nn.Module):
     trainable parameters is hooked whatever its mode (train or eval), and the model is hooked
     anew at the forward pass after its trainable parameters or its modules changed; a
     parameter reached other than through its layer's hooked calls raises
-    ``dpgrad.UnclippedGradientError`` (``dpgrad.guarantee``).
+    ``dpgrad.UnclippedGradientError`` (``dpgrad.checks.guarantee``).
 
     Args:
         m: the module to wrap.
@@ -131,7 +131,7 @@ class GradSampleModule(nn.Module):
             forward pass (or at ``raise_if_not_finite()``): no host wait in the step. dpgrad's
             own keyword; pass False to turn the check off.
         check_independence: verify that each sample's rows are its own
-            (``dpgrad.independence``): on the first forward pass of each layout with two
+            (``dpgrad.checks.independence``): on the first forward pass of each layout with two
             samples or more, backward passes from sets of samples' outputs (about log2 B of
             them) must reach no other sample's rows of any hooked layer, and the model run again
             with the sets' rows changed must not move other samples' outputs, else
@@ -148,7 +148,7 @@ class GradSampleModule(nn.Module):
     strict = _delegated("strict", "Whether trainable layers with buffers are refused (else skipped).")
     check_finite = _delegated("check_finite", "Whether non-finite per-sample values raise.")
     check_independence = _delegated("check_independence", "Whether samples mixed by the model (or the loss) "
-                                    "are refused (dpgrad.independence).")
+                                    "are refused (dpgrad.checks.independence).")
     recheck_independence = _delegated("recheck_independence", "Probe again every this many forward passes "
                                       "(None: new layouts only).")
     hooks_enabled = _delegated("hooks_enabled", "Whether the hooks record (disable_hooks, enable_hooks).")

@@ -17,10 +17,10 @@ from typing import Optional
 
 import torch
 
-from dpgrad.autograd_graph import eager_when_compiled
-from dpgrad.coefficients import clipping_bound, reduce_losses
+from dpgrad.backward.autograd_graph import eager_when_compiled
+from dpgrad.clipping.coefficients import clipping_bound, reduce_losses
 from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping
-from dpgrad.forward_probe import copied, perturbed
+from dpgrad.checks.forward_probe import copied, perturbed
 from dpgrad.hooks import GradSampleHooksFastGradientClipping
 
 REDUCTIONS = ("mean", "sum")
@@ -230,7 +230,7 @@ class DPLossFastGradientClipping:
         loss_per_sample = self._losses(args, kwargs, shape)
         wrapper = clipping_wrapper(self.module)
         if isinstance(wrapper, GradSampleModuleFastGradientClipping) and wrapper.check_independence:
-            # For the loss's forward probe (dpgrad.forward_probe), run where it is due.
+            # For the loss's forward probe (dpgrad.checks.forward_probe), run where it is due.
             modules = [self.criterion] if isinstance(self.criterion, torch.nn.Module) else []
             wrapper._path.note_loss(loss_per_sample, partial(self._moved, args, kwargs, shape), modules)
         weights = None
@@ -260,8 +260,8 @@ class DPLossFastGradientClipping:
 
     def _moved(self, args, kwargs, shape, rows, generator) -> torch.Tensor:
         """The per-sample losses with the criterion's arguments changed on the samples of
-        ``rows`` (a ``dpgrad.independence.RowSet``; None: unchanged): the outputs (the first
-        argument) get random values added (``dpgrad.forward_probe.perturbed``), every other
+        ``rows`` (a ``dpgrad.checks.independence.RowSet``; None: unchanged): the outputs (the first
+        argument) get random values added (``dpgrad.checks.forward_probe.perturbed``), every other
         tensor whose first dimension is the batch's (B, or B * T tokens with ``shape``), the
         targets, takes another sample's values on those rows (``copied``: values the batch
         holds, whatever they encode)."""

@@ -1,6 +1,6 @@
 """The Triton launchers under the names and signatures of ``reference``.
 
-``dpgrad.backend`` hands out either this module or ``reference``; callers never need to know
+``dpgrad.kernels.backend`` hands out either this module or ``reference``; callers never need to know
 which. Importing it imports Triton (set ``TRITON_INTERPRET=1`` first to run on CPU tensors).
 """
 

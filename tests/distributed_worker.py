@@ -52,8 +52,8 @@ def lm_step(wrapped: nn.Module, criterion, ids: torch.Tensor) -> None:
 def clipped_gradients(rank: int, world: int, single: bool, order: str, per_block: bool = False) -> dict:
     """p.grad after two steps' clipped backward (the second checks that DDP finished the
     first's reduction), and this rank's per-sample norms (with ``per_block``, one clipping
-    group per block, ``dpgrad.clipping_groups``: the per-sample group norms)."""
-    from dpgrad.clipping_groups import per_block as by_block
+    group per block, ``dpgrad.clipping.groups``: the per-sample group norms)."""
+    from dpgrad.clipping.groups import per_block as by_block
 
     net = model()
     kw = dict(max_grad_norm=C, single_backward=single)

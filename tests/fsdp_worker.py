@@ -196,7 +196,7 @@ def refusal(rank: int, world: int, case: str) -> str:
         elif case == "clipping groups":
             dpgrad.GradSampleModuleFastGradientClipping(shard(net), clipping="per_layer",
                                                         max_grad_norm=[1.0] * len(list(net.parameters())))
-        elif case in ("mixing model", "mixing loss"):  # dpgrad.independence, through FSDP2's hooks
+        elif case in ("mixing model", "mixing loss"):  # dpgrad.checks.independence, through FSDP2's hooks
             if case == "mixing model":
                 center_block(net)
             wrapped = dpgrad.GradSampleModuleFastGradientClipping(shard(net), max_grad_norm=C["transformer"],

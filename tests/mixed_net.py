@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import strategies as st
 
-from dpgrad import finish_plan
+from dpgrad.backward import finish_plan
 from per_sample_reference import norm_error_ratio, tensor_error_ratio
 
 

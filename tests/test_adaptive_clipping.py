@@ -1,4 +1,4 @@
-"""Adaptive clipping (``dpgrad.adaptive``), a drop-in for Opacus 1.6's: against Opacus's own
+"""Adaptive clipping (``dpgrad.clipping.adaptive``), a drop-in for Opacus 1.6's: against Opacus's own
 classes on the same batches, the count's noise drawn alike (the global generator seeded alike
 before each step), step by step: the bound, the adjusted noise multiplier and the parameters
 (without gradient noise; with it, from generators of their own, the bounds); both modes; the
@@ -180,7 +180,7 @@ def test_the_expected_batch_size_replaces_the_drawn_one():
 
 def test_the_update_rule_in_float64():
     """AdaptiveBound.update against the rule written out: count, noise, fraction, clamp."""
-    from dpgrad.adaptive import AdaptiveBound
+    from dpgrad.clipping.adaptive import AdaptiveBound
 
     rule = AdaptiveBound(0.3, 0.05, 10.0, 0.5, 1.0, expected_batch_size=None)
     norms = torch.tensor([0.1, 0.5, 0.9, 1.5, 2.0, 3.0] * 4)

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 import dpgrad
 import dpgrad.opacus
-from dpgrad.clipping_groups import even_split, per_block, total_bound
+from dpgrad.clipping.groups import even_split, per_block, total_bound
 from mixed_net import FREEZES, NetConfig, build, clipped_from_norms, make_batch, per_sample_loss
 from per_sample_reference import BACKEND_PASS, assert_norms_close, assert_tensor_close, per_sample_grads
 from test_single_backward import TiedClassifier
@@ -27,7 +27,7 @@ FREEZES_RUN = ["none"] if BACKEND_PASS else ["none", "layer"]
 LAYER_RULE = staticmethod(lambda name: name.split(".")[0])
 
 
-# When single backward clips the groups whose records are all in (``dpgrad.group_flush``): each
+# When single backward clips the groups whose records are all in (``dpgrad.backward.group_flush``): each
 # as soon as it is complete ("eager": a CPU, whose memory torch does not count), all at the end
 # of the pass ("deferred": a GPU whose backward pass has freed more than the records hold,
 # memory in use never above its peak), or at every other completion ("alternate").
@@ -37,7 +37,7 @@ FLUSHES = ["eager", "deferred", "alternate"]
 @pytest.fixture
 def flush(request, monkeypatch):
     """GroupFlush's reading of memory in use, as the parametrised pattern says."""
-    from dpgrad.group_flush import GroupFlush
+    from dpgrad.backward.group_flush import GroupFlush
 
     if request.param == "eager":
         return request.param
@@ -297,7 +297,7 @@ def test_complete_groups_wait_while_memory_in_use_is_below_the_mark(readings, pe
     most the output layer, the second block and the first block (5); always above: as on a CPU
     (3); a gigabyte of room at the first completion: read no more; memory in use no longer
     counted after the first record: as on a CPU. Exact each time."""
-    from dpgrad.group_flush import GroupFlush
+    from dpgrad.backward.group_flush import GroupFlush
 
     calls, asked = iter(readings), []
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
 import dpgrad
-from dpgrad import backend
+from dpgrad.kernels import backend
 from dpgrad.kernels.reference import outer_sum_inner
 from dpgrad.samplers import conv as conv_samplers
 from dpgrad.samplers.norms import norm_layer_grad_sample

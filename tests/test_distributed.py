@@ -98,7 +98,7 @@ def test_convolutions_are_the_one_process_clipped_sum_averaged(ranks, mode):
 def test_group_clipped_gradients_are_the_one_process_sums_averaged(ranks, order):
     """Per-block clipping (each group clipped in its last layer's hook): DDP reduces the
     clipped sums, which are the one-process ones over the global batch / world size."""
-    from dpgrad.clipping_groups import per_block
+    from dpgrad.clipping.groups import per_block
 
     net = W.model()
     wrapped = dpgrad.GradSampleModuleFastGradientClipping(
@@ -192,7 +192,7 @@ def test_fsdp_is_refused_before_any_change(ranks):
                                           ("loss", "the per-sample losses are in another order than the batch")])
 @pytest.mark.parametrize("order", ORDERS)
 def test_samples_mixed_are_refused_on_every_rank(ranks, order, where, words):
-    """The independence check (dpgrad.independence) on each rank's own batch, before DDP
+    """The independence check (dpgrad.checks.independence) on each rank's own batch, before DDP
     reduces anything."""
     for message in _result(ranks, "mixing_refused", order=order, where=where):
         assert words in message and "(grads untouched: True)" in message, message

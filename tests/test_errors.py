@@ -184,7 +184,7 @@ def test_batchnorm_strict_false_warns_and_skips_it():
     model, _ = make(WithBatchNorm)
     x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
     # Skipped or not, a BatchNorm in training mode normalises each sample by the batch's
-    # statistics: the layers before it see their samples mixed (dpgrad.independence).
+    # statistics: the layers before it see their samples mixed (dpgrad.checks.independence).
     with pytest.warns(UserWarning, match=re.escape("'block.1'")):
         checked = GSM(model, strict=False, loss_reduction="sum")
     with pytest.raises(dpgrad.SampleMixingError) as err:
@@ -623,7 +623,7 @@ def test_reports_in_flight_wait_only_beyond_the_bound(monkeypatch):
     """On a GPU the next forward pass reads a check only once its copy has arrived: checks in
     flight are left for later, up to ``FiniteReports.IN_FLIGHT``, beyond which the host waits
     for the oldest; ``raise_if_not_finite`` waits for all."""
-    from dpgrad.backward_pass import FiniteCheck, FiniteReports
+    from dpgrad.backward.backward_pass import FiniteCheck, FiniteReports
 
     monkeypatch.setattr(FiniteCheck, "ready", lambda self: False)  # every copy still in flight
     model, _ = make()

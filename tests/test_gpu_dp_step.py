@@ -70,11 +70,11 @@ def test_fp32_weights_under_autocast_on_gpu(name, mode):
 @pytest.mark.parametrize("mode", ["single", "double"])
 def test_per_block_clipping_on_gpu(mode, dtype, room, monkeypatch):
     """GPT-2 clipped per block on the GPU, against float64, with the memory the device counts
-    (``dpgrad.group_flush``). "ample": the device's peak set well above what the step uses (a
+    (``dpgrad.backward.group_flush``). "ample": the device's peak set well above what the step uses (a
     256 MiB tensor made and freed first), so complete blocks wait and are clipped together at
     the end of the pass, once, the layers of one shape in one launch each. "reset": the peak
     statistics reset before the step, so the mark is the step's own forward pass and loss."""
-    from dpgrad.group_flush import GroupFlush
+    from dpgrad.backward.group_flush import GroupFlush
     from test_clipping_groups import per_block_step
 
     flushes = []

@@ -26,8 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dpgrad
-from dpgrad import guarantee
-from dpgrad.guarantee import UnclippedGradientError
+from dpgrad.checks import guarantee
+from dpgrad.checks.guarantee import UnclippedGradientError
 from dpgrad.loss import clipping_wrapper
 from per_sample_reference import BACKEND_PASS, assert_tensor_close, per_sample_grads
 
@@ -670,7 +670,7 @@ def test_a_backward_that_cannot_keep_the_graph_is_refused_with_the_fix(mode, che
     graph for the pass that follows; where autograd refuses that, dpgrad says why and what to
     do, before anything is touched (torch's refusal stood in for: whether Inductor donates
     depends on the machine, e.g. on its thread count)."""
-    from dpgrad import autograd_graph
+    from dpgrad.backward import autograd_graph
 
     real_grad = torch.autograd.grad
 

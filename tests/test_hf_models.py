@@ -34,7 +34,7 @@ transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
 import dpgrad  # noqa: E402
-from dpgrad import registry  # noqa: E402
+from dpgrad.samplers import registry  # noqa: E402
 from dpgrad.samplers import norms  # noqa: E402
 from mixed_net import clipped_from_norms  # noqa: E402
 from per_sample_reference import RTOL, assert_norms_close, assert_tensor_close, total_norm  # noqa: E402

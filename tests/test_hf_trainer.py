@@ -715,7 +715,7 @@ def test_ddp_resume_goes_on_with_each_ranks_stream_and_the_privacy_spent(ddp):
 
 @pytest.mark.parametrize("check", [True, False])
 def test_a_model_that_mixes_samples_is_refused_unless_the_check_is_given_up(tmp_path, check):
-    """dpgrad.independence through the Trainer: a block whose output is centred over the
+    """dpgrad.checks.independence through the Trainer: a block whose output is centred over the
     batch mixes samples; the first step refuses it (PrivacyArguments.check_independence),
     before any gradient or the accountant moves."""
     model = gpt2()

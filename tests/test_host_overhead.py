@@ -239,8 +239,8 @@ def _finish_counts(kind: str, n_layer: int, mode: str, setting: str):
         import torch.nn as nn
 
         import dpgrad
-        from dpgrad.clipping_groups import even_split, per_block
-        from dpgrad.group_flush import GroupFlush
+        from dpgrad.clipping.groups import even_split, per_block
+        from dpgrad.backward.group_flush import GroupFlush
         from dpgrad.samplers import groups
         from dpgrad.tuning import tuner
 

@@ -1,4 +1,4 @@
-"""The guarantee's second half: each sample's contribution is its own (``dpgrad.independence``).
+"""The guarantee's second half: each sample's contribution is its own (``dpgrad.checks.independence``).
 
 Models and losses that mix samples, or put them out of order, whatever op does it: a batch
 statistic, a BatchNorm in training mode, attention across the batch, a batch reordered
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import dpgrad
-from dpgrad import independence
+from dpgrad.checks import independence
 from per_sample_reference import assert_tensor_close, per_sample_grads
 
 C = 0.01  # below every per-sample norm: each sample is clipped

@@ -1,4 +1,4 @@
-"""The independence check without holes (``dpgrad.independence``, ``dpgrad.forward_probe``).
+"""The independence check without holes (``dpgrad.checks.independence``, ``dpgrad.checks.forward_probe``).
 
 Each case is measured first against a float64 emulation that does not use dpgrad (noise 0,
 ``loss_reduction="sum"``): a sample's contribution is the largest change of the clipped summed
@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dpgrad
-from dpgrad import independence
+from dpgrad.checks import independence
 
 C = 0.01
 MODES = ["single", "double", "gsm"]

@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dpgrad
-from dpgrad import registry
+from dpgrad.samplers import registry
 from per_sample_reference import assert_norms_close, assert_tensor_close, per_sample_grads, total_norm
 
 RTOL = 1e-2

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import dpgrad
 import dpgrad.opacus
-from dpgrad.clipping_groups import per_block
+from dpgrad.clipping.groups import per_block
 from dpgrad.hooks import GradSampleHooks, GradSampleHooksFastGradientClipping
 
 opacus = pytest.importorskip("opacus")

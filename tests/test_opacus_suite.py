@@ -55,7 +55,7 @@ from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (  # no
 from opacus.utils import per_sample_gradients_utils  # noqa: E402
 
 import dpgrad  # noqa: E402
-from dpgrad import registry  # noqa: E402
+from dpgrad.samplers import registry  # noqa: E402
 from dpgrad.samplers.embedding import embedding_norm_sample  # noqa: E402
 
 pytestmark = pytest.mark.opacus

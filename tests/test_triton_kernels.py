@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from dpgrad import backend  # noqa: E402
+from dpgrad.kernels import backend  # noqa: E402
 from dpgrad.kernels import reference as R  # noqa: E402
 from dpgrad.kernels import triton_common  # noqa: E402
 from dpgrad.kernels import triton_ops as K  # noqa: E402

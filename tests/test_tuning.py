@@ -260,7 +260,7 @@ def test_a_kernel_that_fails_in_a_step_falls_back_for_good(tune_on, monkeypatch)
     import copy
     import warnings
 
-    from dpgrad.backend import triton_ops
+    from dpgrad.kernels.backend import triton_ops
     from dpgrad.tuning import tuner as tuner_module
     from per_sample_reference import assert_norms_close
 
@@ -311,7 +311,7 @@ def test_a_kernel_that_fails_in_a_step_falls_back_for_good(tune_on, monkeypatch)
 
 def test_a_failing_kernel_raises_under_forced_triton(tune_on, monkeypatch):
     """DPGRAD_BACKEND=triton allows no fallback: the error names the layer and says so."""
-    from dpgrad.backend import triton_ops
+    from dpgrad.kernels.backend import triton_ops
     from dpgrad.tuning import tuner as tuner_module
 
     monkeypatch.setenv("DPGRAD_BACKEND", "triton")
@@ -334,7 +334,9 @@ def test_untuned_kernel_failure_falls_back_or_names_the_layer(tune_on, monkeypat
     DPGRAD_BACKEND=triton the error names the layer."""
     from collections import OrderedDict
 
-    from dpgrad import GradSampleModule, backend
+    from dpgrad import GradSampleModule
+
+    from dpgrad.kernels import backend
     from per_sample_reference import assert_tensor_close, per_sample_grads
 
     kernels = backend.triton_ops()

@@ -86,7 +86,7 @@ def test_vision_model_per_sample_gradients(name):
 def _memory_short(monkeypatch):
     """A device whose memory in use is past the mark set when the pass began, at every reading
     (as a GPU's once the records a backward pass keeps pass the forward pass's peak)."""
-    from dpgrad.group_flush import GroupFlush
+    from dpgrad.backward.group_flush import GroupFlush
 
     monkeypatch.setattr(GroupFlush, "memory_in_use", staticmethod(lambda device, peak=False: 0 if peak else 1))
 
@@ -94,7 +94,7 @@ def _memory_short(monkeypatch):
 @pytest.mark.parametrize("mode", ["single", "double"])
 @pytest.mark.parametrize("name", RUN)
 def test_records_served_early_when_memory_is_short_are_exact(name, mode, monkeypatch):
-    """Flat clipping with memory short (``dpgrad.group_flush.EarlyNorms``): the norms of the
+    """Flat clipping with memory short (``dpgrad.backward.group_flush.EarlyNorms``): the norms of the
     records no later call needs are taken as they come in (and, in single backward, the
     per-sample gradients of the layers whose gradients are smaller than their inputs), their
     inputs let go of, the convolutions' norms by the candidates that hold least, in batch
@@ -120,7 +120,7 @@ def test_passes_after_memory_ran_short_ask_autograd_for_the_lowest_outputs(short
     hooked output alone (here the stem convolution's, below every other), so that the
     backprops of records served early are let go of; while memory in use stays under the
     mark, every hooked output (no walk of the graph)."""
-    from dpgrad.autograd_graph import ForwardEdges
+    from dpgrad.backward.autograd_graph import ForwardEdges
 
     asked = []
     targets = ForwardEdges.targets
@@ -134,7 +134,7 @@ def test_passes_after_memory_ran_short_ask_autograd_for_the_lowest_outputs(short
     if short:
         _memory_short(monkeypatch)
     else:  # counted, never past the mark
-        from dpgrad.group_flush import GroupFlush
+        from dpgrad.backward.group_flush import GroupFlush
 
         monkeypatch.setattr(GroupFlush, "memory_in_use", staticmethod(lambda device, peak=False: 0))
     make, size, classes = MODELS["wrn-10-1"]

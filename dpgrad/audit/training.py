@@ -42,8 +42,8 @@ def clipping_arguments(config: AuditConfig, model: nn.Module) -> Dict[str, objec
     """``make_private``'s clipping arguments for ``config.clipping`` (``AuditConfig.audit_bound``):
     flat or automatic, C; per layer, C / sqrt(2) for the audit embedding and the rest of C^2 split evenly over
     the model's other parameters; per block, the same over groups, the audit embedding one and
-    ``dpgrad.clipping_groups.per_block``'s blocks of the model the others."""
-    from dpgrad.clipping_groups import per_block
+    ``dpgrad.clipping.groups.per_block``'s blocks of the model the others."""
+    from dpgrad.clipping.groups import per_block
 
     C = config.max_grad_norm
     if config.clipping == "flat":

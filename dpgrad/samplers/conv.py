@@ -17,7 +17,7 @@ is clipped from them (``ConvGradSampleGroup``). Bias: ``sum_t G_b[t]``, never a 
 Half-precision inputs are widened to fp32 for the convolution's backward (autocast: the input
 rounded to the backprops' dtype first, as the forward took it).
 
-When memory on the device is short (norms served early, ``dpgrad.group_flush``; the tuner's
+When memory on the device is short (norms served early, ``dpgrad.backward.group_flush``; the tuner's
 ``short_of_memory``), the weight norms take, per layer shape, the candidate whose work holds
 the least memory per sample (the cost model's ``conv_norm_workspace``: the per-sample
 gradients for few channels over many positions, the unfolded input for many channels over
@@ -34,7 +34,7 @@ import torch.nn as nn
 from dpgrad.kernels import reference
 from dpgrad.kernels.conv_unfold import ConvGeometry, grouped_backprops, unfold
 from dpgrad.kernels.reference import accumulation_dtype
-from dpgrad.registry import (
+from dpgrad.samplers.registry import (
     register_clipped_sum_sampler,
     register_factor_sampler,
     register_grad_sample_group,

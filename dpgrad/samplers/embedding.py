@@ -11,9 +11,9 @@ from typing import Dict, List, Tuple
 import torch
 import torch.nn as nn
 
-from dpgrad.backend import guarded
+from dpgrad.kernels.backend import guarded
 from dpgrad.tuning import get_tuner
-from dpgrad.registry import (
+from dpgrad.samplers.registry import (
     register_clipped_sum_sampler,
     register_factor_sampler,
     register_grad_sampler,

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call, grad, vmap
 
-from dpgrad.backend import first_line, layer_name
+from dpgrad.kernels.backend import first_line, layer_name
 
 
 def _meta_copy(layer: nn.Module) -> nn.Module:

@@ -1,4 +1,4 @@
-"""Groups: what the finish step of a backward pass (``dpgrad.clipping_path``) works on.
+"""Groups: what the finish step of a backward pass (``dpgrad.backward.clipping_path``) works on.
 
 The records of one pass, ``(layer, activations, backprops)`` with the batch first, are grouped
 by layer type and ``Group.key``: records with equal keys (same shapes, dtypes, trainable
@@ -20,7 +20,7 @@ from typing import Callable, Hashable, List, NamedTuple, Optional, Sequence, Tup
 import torch
 import torch.nn as nn
 
-from dpgrad import registry
+from dpgrad.samplers import registry
 from dpgrad.kernels.reference import accumulation_dtype, coefficients_in
 
 class Record(NamedTuple):
@@ -78,7 +78,7 @@ class Coefficients:
     once per pass: in a tensor's accumulation dtype and device, or in its own dtype, or as L
     rows, one per parameter (for a batched product).
 
-    With clipping groups (``dpgrad.clipping_groups``) they are a table (K, B), a row per group,
+    With clipping groups (``dpgrad.clipping.groups``) they are a table (K, B), a row per group,
     and ``groups`` maps each parameter to its row: a group of records takes the coefficients of
     parameters of one clipping group with ``of``, or a row for each parameter with ``rows`` and
     ``layer_rows`` (a group whose layers may be in several: ``Group.mixed_clip_groups``)."""

@@ -2,7 +2,7 @@
 
 Inputs of any rank (B, *, d) are flattened to (B, T, d) (a view when the strides allow it,
 else one copy); 2-D inputs have T = 1. The autotuner (dpgrad.tuning) picks the kernel per
-layer shape among those ``dpgrad.backend`` allows: Triton for CUDA tensors, eager otherwise.
+layer shape among those ``dpgrad.kernels.backend`` allows: Triton for CUDA tensors, eager otherwise.
 
 ``transformers.pytorch_utils.Conv1D`` computes ``x @ W + b`` with W stored (d, p), the
 transpose of a Linear's: its per-sample weight gradient ``A_b^T G_b`` is a Linear's with the
@@ -23,12 +23,12 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from dpgrad import registry
-from dpgrad.backend import guarded, ops_for
+from dpgrad.samplers import registry
+from dpgrad.kernels.backend import guarded, ops_for
 from dpgrad.kernels import reference
 from dpgrad.kernels.reference import accumulation_dtype, same_layout
-from dpgrad.layer_inputs import saved_operand
-from dpgrad.registry import (
+from dpgrad.backward.layer_inputs import saved_operand
+from dpgrad.samplers.registry import (
     register_clipped_sum_sampler,
     register_factor_sampler,
     register_grad_sample_group,

@@ -28,12 +28,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dpgrad import registry
-from dpgrad.backend import guarded
+from dpgrad.samplers import registry
+from dpgrad.kernels.backend import guarded
 from dpgrad.kernels import reference
 from dpgrad.kernels.reference import accumulation_dtype, same_layout
-from dpgrad.layer_inputs import saved_operand
-from dpgrad.registry import register_grad_sample_group, register_grad_sampler, register_kept_inputs
+from dpgrad.backward.layer_inputs import saved_operand
+from dpgrad.samplers.registry import register_grad_sample_group, register_grad_sampler, register_kept_inputs
 from dpgrad.samplers.groups import Group, cat, clipped_sums_of, row_norms, stackable, trainable
 
 # Classes whose forward is exactly Llama's RMSNorm (checked against torch.func in the tests).

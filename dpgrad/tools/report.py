@@ -21,7 +21,9 @@ from typing import Dict, List, Optional, TextIO
 import torch
 import torch.nn as nn
 
-from dpgrad import backend, registry
+from dpgrad.kernels import backend
+
+from dpgrad.samplers import registry
 from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping
 from dpgrad.tools.models import dp_sgd_step, synthetic_batch
 from dpgrad.tools.presets import DTYPES, build_model

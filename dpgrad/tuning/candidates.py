@@ -8,7 +8,7 @@ A kind's inputs are the tensors a sampler has in hand:
 - ``embedding_grad_sample``: the same inputs -> per-sample gradients (B, V, d)
 - ``conv_norm``: (x (B, C_in, *S), G (B, C_out, *out), geometry (``ConvGeometry``)) -> squared
   weight norms (B,): a Linear algorithm on the unfolded input, or the per-sample gradients
-Each candidate names its backend ("triton" or "eager", see dpgrad.backend), runs on those
+Each candidate names its backend ("triton" or "eager", see dpgrad.kernels.backend), runs on those
 inputs, and has a cost (tuning/cost_model.py) for its shape. The eager candidates are also
 the oracle a candidate's result is checked against before it may win.
 """
@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from dpgrad import backend
+from dpgrad.kernels import backend
 from dpgrad.kernels import reference
 
 from . import cost_model
@@ -199,7 +199,7 @@ def shape_of(kind: str, inputs: tuple) -> Shape:
 
 
 def applicable(kind: str, shape: Shape, tensors: Tuple[torch.Tensor, ...]) -> List[Candidate]:
-    """The candidates that may run here: the backends dpgrad.backend allows for the tensors,
+    """The candidates that may run here: the backends dpgrad.kernels.backend allows for the tensors,
     and the algorithms that apply to the shape ("outer" exactly when T == 1)."""
     allowed = {backend.ops_for(*tensors).NAME}
     if "triton" in allowed and backend.requested() == "auto":

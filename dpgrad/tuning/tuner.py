@@ -26,7 +26,7 @@ from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 
-from dpgrad import backend
+from dpgrad.kernels import backend
 from dpgrad.kernels import reference
 
 from . import cost_model, store
@@ -237,7 +237,7 @@ class Tuner:
     @contextmanager
     def short_of_memory(self) -> Iterator[None]:
         """While active (norms served early because memory on the device is short,
-        ``dpgrad.group_flush``), ``memory_is_short`` is True: a sampler whose work can be cut
+        ``dpgrad.backward.group_flush``), ``memory_is_short`` is True: a sampler whose work can be cut
         into batch slices asks ``select_by_memory`` instead of ``select_group``."""
         self._short += 1
         try:

@@ -31,7 +31,7 @@ A layout counts as checked only once a probe of it reached the rows of at least 
 then every pass of the layout is probed. All the probes of one check are read on the host at
 once. Nothing reaches ``p.grad`` or the per-sample state from a probe: it asks autograd for
 layer outputs' gradients only, and the hooks read them without recording. What autograd cannot
-see is the forward probe's (``dpgrad.forward_probe``).
+see is the forward probe's (``dpgrad.checks.forward_probe``).
 """
 
 from __future__ import annotations

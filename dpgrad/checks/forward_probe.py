@@ -1,6 +1,6 @@
 """The forward probe: samples mixed where autograd does not look.
 
-The backward probes (``dpgrad.independence``) find every dependency between samples that
+The backward probes (``dpgrad.checks.independence``) find every dependency between samples that
 autograd computes a gradient for. A forward pass can mix samples outside that: a statistic of
 the batch under ``detach()`` or ``no_grad`` (``(h - h.mean(0).detach()) / h.std(0).detach()``),
 a buffer set in the forward pass to something of the batch and read after, a custom
@@ -37,7 +37,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from dpgrad.independence import RowSet, along
+from dpgrad.checks.independence import RowSet, along
 
 # How far, relative to a row's norm, an output row may move before it counts as moved.
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}

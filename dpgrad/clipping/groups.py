@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from dpgrad.coefficients import clipping_bound, clipping_coefficients
+from dpgrad.clipping.coefficients import clipping_bound, clipping_coefficients
 
 CLIPPINGS = ("flat", "per_layer", "groups")
 # A transformer block in a parameter's qualified name: "...h.3.", "...layers.11.", "...blocks.0.".
@@ -89,13 +89,13 @@ class ClipGroups:
         elif clipping == "groups":
             if groups is None:
                 raise ValueError("clipping='groups' needs clipping_groups: lists of parameters, or a rule from a "
-                                 "parameter's name to its group (e.g. dpgrad.clipping_groups.per_block)")
+                                 "parameter's name to its group (e.g. dpgrad.clipping.groups.per_block)")
             labels, members = (_by_rule(model, groups) if callable(groups) else _by_lists(model, groups))
         else:
             raise ValueError(f"clipping={clipping!r}: use one of {', '.join(CLIPPINGS)}")
         if isinstance(max_grad_norm, (int, float)) and not isinstance(max_grad_norm, bool):
             raise ValueError(f"clipping={clipping!r} takes one max_grad_norm per group ({len(members)} here), not "
-                             f"one number; dpgrad.clipping_groups.even_split(C, {len(members)}) splits one total C")
+                             f"one number; dpgrad.clipping.groups.even_split(C, {len(members)}) splits one total C")
         bounds = [clipping_bound(b, f"max_grad_norm[{i}]") for i, b in enumerate(max_grad_norm)]
         if len(bounds) != len(members):
             what = "trainable parameters" if clipping == "per_layer" else "groups"

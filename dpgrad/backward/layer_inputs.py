@@ -1,7 +1,7 @@
 """A hooked layer's inputs in a forward pass: the batch each call sees, one row broadcast over
 the batch, and the calls that are no forward pass (activation checkpointing recomputing one).
 
-``BackwardPath._on_layer_call`` (``dpgrad.backward_pass``) asks these at each call of a layer
+``BackwardPath._on_layer_call`` (``dpgrad.backward.backward_pass``) asks these at each call of a layer
 with trainable parameters: ``broadcast_inputs`` first (an Embedding given one row of ids after
 other layers saw the batch is called again on them expanded), then ``recomputing``, then
 ``check_batch``, which keeps the forward pass's batch size and raises for a call that does not

@@ -1,7 +1,7 @@
 """Per-layer and per-block clipping in one backward pass: the clipping groups whose records are
 all in, clipped together once the memory they hold is needed.
 
-With clipping groups (``dpgrad.clipping_groups``) a group's coefficients need only its own
+With clipping groups (``dpgrad.clipping.groups``) a group's coefficients need only its own
 norms, so single backward can clip a group as soon as the records of all its layers are in (in
 the backward hook of its last layer) and let go of their inputs there: a pass then holds the
 records of the groups not yet complete, not the whole model's. Clipping each group on its own
@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from dpgrad.autograd_graph import region
+from dpgrad.backward.autograd_graph import region
 from dpgrad.samplers.groups import Record, record_bytes
 from dpgrad.tuning import get_tuner
 

@@ -16,7 +16,7 @@ graph in Python, milliseconds for a large model; ``ForwardEdges`` spares it in t
 outputs and hands all of them to autograd, which walks the graph itself. Asking for every
 hooked output instead of the lowest ones runs the same nodes; their gradients are what the
 hooks record anyway, as long as the records are held to the end of the pass. A pass that lets
-go of records early because memory is short (``dpgrad.group_flush``) asks for the lowest
+go of records early because memory is short (``dpgrad.backward.group_flush``) asks for the lowest
 outputs only (``targets(root, lowest=True)``): autograd holds every gradient it is asked for
 until the pass ends, and one held for each hooked output would keep alive all the backprops
 that the records let go of (WideResNet-16-4 at B=32 on a CPU: 65 MiB, half the non-private
@@ -34,7 +34,7 @@ import torch
 from torch.autograd.profiler import record_function
 from torch.autograd.graph import GradientEdge, Node
 
-from dpgrad.guarantee import sequence_number
+from dpgrad.checks.guarantee import sequence_number
 
 # What a backward pass that keeps the graph says when the model's compiled backward cannot run twice.
 DONATED_BUFFERS = (
@@ -113,7 +113,7 @@ class ForwardEdges:
     once a backward pass has used the forward pass, or when the next one begins: it keeps at
     most one graph's nodes (not their saved tensors, which backward frees) alive.
 
-    For the guarantee's check (``dpgrad.guarantee``) it also keeps, until the forward pass
+    For the guarantee's check (``dpgrad.checks.guarantee``) it also keeps, until the forward pass
     ends, each hooked call (its output's node, its inputs, the parameters it covers), and,
     as long as the edges, the nodes of the model's outputs.
     """

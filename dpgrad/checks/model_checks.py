@@ -3,8 +3,8 @@
 ``validate`` names the trainable layers that have no per-sample gradients (BatchNorm, layers
 with buffers, an Embedding that scales its gradient by frequency); ``refuse_wrapped`` refuses a
 model that already carries per-sample hooks. The checks of each forward pass are the path's
-(``dpgrad.backward_pass``, ``dpgrad.layer_inputs``); those of the graph, the guarantee's
-(``dpgrad.guarantee``).
+(``dpgrad.backward.backward_pass``, ``dpgrad.backward.layer_inputs``); those of the graph, the guarantee's
+(``dpgrad.checks.guarantee``).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from dpgrad.coefficients import clipping_bound
-from dpgrad.independence_check import check_every
+from dpgrad.clipping.coefficients import clipping_bound
+from dpgrad.checks.independence_check import check_every
 
 ACCOUNTANTS = ("prv", "rdp")
 # The privacy state saved with each checkpoint (one file per process).

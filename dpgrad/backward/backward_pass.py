@@ -6,15 +6,15 @@ the model. A forward pass begins at the model's pre-hook (``begin_forward``: the
 hooked anew if its trainable parameters or modules changed), every call of a layer with
 trainable parameters of its own, whatever its mode, puts a gradient hook on its output
 (``_on_layer_call``), and the model's post-hook ends it (``end_forward``: the guarantee's check
-of its graph, ``dpgrad.guarantee``, when its layout is new, and the independence probes,
-``dpgrad.independence_check``, until a batch of the layout has been probed). A copy of the
+of its graph, ``dpgrad.checks.guarantee``, when its layout is new, and the independence probes,
+``dpgrad.checks.independence_check``, until a batch of the layout has been probed). A copy of the
 model alone (``copy.deepcopy``) carries inert hooks. A backward pass opens at its
 first recorded layer (``_open_pass``), keeps each layer's ``Record`` of inputs and backprops
 (``keep``), and closes after its last hook (``_close_pass``: ``finish``, then ``_clear_pass``);
 a forward pass that finds one still open (a backward that raised) clears it. What ``keep``
 and ``finish`` do is the path's: per-sample gradients onto ``p.grad_sample``
 (``GradSamplePath``, in ``dpgrad.grad_sample_module``), or per-sample norms, then clipped
-sums (``ClippingPath``, in ``dpgrad.clipping_path``). A hook does no arithmetic, copy or
+sums (``ClippingPath``, in ``dpgrad.backward.clipping_path``). A hook does no arithmetic, copy or
 launch beyond what its path keeps.
 
 Under ``loss_reduction="mean"`` the backprops are those of the mean loss, 1/B of each sample's
@@ -38,11 +38,11 @@ from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
 import torch
 import torch.nn as nn
 
-from dpgrad import registry
-from dpgrad.autograd_graph import ForwardEdges, eager_when_compiled, region
-from dpgrad.backend import name_layers
-from dpgrad.fsdp import sharded_modules
-from dpgrad.guarantee import (
+from dpgrad.samplers import registry
+from dpgrad.backward.autograd_graph import ForwardEdges, eager_when_compiled, region
+from dpgrad.kernels.backend import name_layers
+from dpgrad.backward.fsdp import sharded_modules
+from dpgrad.checks.guarantee import (
     VerifiedLayouts,
     input_nodes,
     sequence_number,
@@ -53,10 +53,10 @@ from dpgrad.guarantee import (
     watch_modules,
     watch_structure,
 )
-from dpgrad.independence import Probe
-from dpgrad.independence_check import IndependenceCheck, check_every
-from dpgrad.layer_inputs import batch_to_front, broadcast_inputs, check_batch, recomputing
-from dpgrad.model_checks import own_trainable, refuse_wrapped, validate
+from dpgrad.checks.independence import Probe
+from dpgrad.checks.independence_check import IndependenceCheck, check_every
+from dpgrad.backward.layer_inputs import batch_to_front, broadcast_inputs, check_batch, recomputing
+from dpgrad.checks.model_checks import own_trainable, refuse_wrapped, validate
 from dpgrad.samplers import ft_compute_per_sample_gradient, prepare_layer
 from dpgrad.samplers.functorch import _first_tensor
 from dpgrad.samplers.groups import Record
@@ -232,7 +232,7 @@ class BackwardPath:
     TRANSIENT = ("_forward_batch", "_forward_seen", "_pass_open", "_edges", "_verified", "_seen_version",
                  "_seen_layout", "_seen_flags", "_checked", "_unrecorded", "_pending", "_pass_forwards",
                  "_probing", "independence", "finite_reports")
-    sharded = None  # the model's FSDP2 parameter groups (dpgrad.fsdp.ShardedParameters)
+    sharded = None  # the model's FSDP2 parameter groups (dpgrad.backward.fsdp.ShardedParameters)
 
     def __init__(self, model: nn.Module, *, batch_first: bool, loss_reduction: str, check_finite: bool,
                  force_functorch: bool, strict: bool, check_independence: bool = True,
@@ -465,7 +465,7 @@ class BackwardPath:
     @eager_when_compiled
     def _on_model_call(self, module: nn.Module, args, kwargs) -> None:
         if self.inert or self.independence.rerunning:
-            return None  # a copy of the model alone, or a forward probe's run (dpgrad.forward_probe)
+            return None  # a copy of the model alone, or a forward probe's run (dpgrad.checks.forward_probe)
         self.begin_forward()
         if self.check_independence:
             self.independence.begin_forward(args, kwargs)
@@ -565,7 +565,7 @@ class BackwardPath:
 
     def end_forward(self, output) -> None:
         """The end of a forward pass: the guarantee's check of its graph, when its layout is
-        new (``dpgrad.guarantee``)."""
+        new (``dpgrad.checks.guarantee``)."""
         edges = self._edges
         calls, edges.calls = edges.calls, []
         found = tensors_in(output)

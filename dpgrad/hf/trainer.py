@@ -71,10 +71,10 @@ from torch.utils.data import DataLoader
 
 from dpgrad.batches import padded_parts
 from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping
-from dpgrad.fsdp import sharded_modules
+from dpgrad.backward.fsdp import sharded_modules
 from dpgrad.graphs import GraphedPerShape
-from dpgrad.hf_privacy import PRIVACY_FORMAT, PRIVACY_STATE, PrivacyArguments, privacy_state_problem
-from dpgrad.hf_sampling import Indexed, LogicalBatch, PoissonSampler, sampling_generator, sampling_units
+from dpgrad.hf.privacy import PRIVACY_FORMAT, PRIVACY_STATE, PrivacyArguments, privacy_state_problem
+from dpgrad.hf.sampling import Indexed, LogicalBatch, PoissonSampler, sampling_generator, sampling_units
 from dpgrad.loss import DPLossFastGradientClipping
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """When the independence probes run, for one wrapper's backward path.
 
-The probes themselves are ``dpgrad.independence`` (backward: what autograd sees) and
-``dpgrad.forward_probe`` (forward: what it does not). ``IndependenceCheck`` decides when they
+The probes themselves are ``dpgrad.checks.independence`` (backward: what autograd sees) and
+``dpgrad.checks.forward_probe`` (forward: what it does not). ``IndependenceCheck`` decides when they
 run and runs them through the path, the backward probes first (their errors name the layers):
 
 - at the end of a forward pass whose layout (``BackwardPath.end_forward``'s key) has not been
@@ -28,10 +28,10 @@ from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from dpgrad.autograd_graph import grad_keeping_graph, region
-from dpgrad.forward_probe import HeldState, Perturb, probe_runs
-from dpgrad.guarantee import VerifiedLayouts, tensors_in
-from dpgrad.independence import (
+from dpgrad.backward.autograd_graph import grad_keeping_graph, region
+from dpgrad.checks.forward_probe import HeldState, Perturb, probe_runs
+from dpgrad.checks.guarantee import VerifiedLayouts, tensors_in
+from dpgrad.checks.independence import (
     LOSS_CAUSES,
     MODEL_CAUSES,
     NOTHING_REACHED,
@@ -165,7 +165,7 @@ class IndependenceCheck:
         return self._agreed(conclusive(reached))
 
     def _forward_probe_model(self, call: Tuple[tuple, dict], batch: int) -> None:
-        """The model's forward probe (``dpgrad.forward_probe``)."""
+        """The model's forward probe (``dpgrad.checks.forward_probe``)."""
         path = self.path
         args, kwargs = call
         own = path._forward_batch or 0
@@ -305,7 +305,7 @@ class IndependenceCheck:
         return self._agreed(conclusive(reached))
 
     def _forward_probe_loss(self, losses: torch.Tensor, recompute: Recompute, modules: list, batch: int) -> None:
-        """The loss's forward probe (``dpgrad.forward_probe``)."""
+        """The loss's forward probe (``dpgrad.checks.forward_probe``)."""
         own = losses.shape[0]
         try:
             with HeldState(m for module in modules for m in module.modules()) as held:
@@ -369,7 +369,7 @@ class IndependenceCheck:
 def _unprobed(what: str, error: Exception) -> None:
     warnings.warn(f"dpgrad: the independence check's forward probe could not run {what} again "
                   f"({type(error).__name__}: {error}); mixing that autograd cannot see is not checked "
-                  "for this layout (dpgrad.forward_probe)", RuntimeWarning, stacklevel=3)
+                  "for this layout (dpgrad.checks.forward_probe)", RuntimeWarning, stacklevel=3)
 
 
 def check_every(every: Optional[int]) -> Optional[int]:

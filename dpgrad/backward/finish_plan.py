@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from dpgrad import registry
+from dpgrad.samplers import registry
 from dpgrad.samplers.groups import GradSampleGroup, Group, Record, SamplerGroup, group_records, record_bytes
 
 # A layer is clipped from its per-sample gradients when they (fp32) take at most this fraction

@@ -1,19 +1,19 @@
 """``ClippingPath``: the backward path of the ghost-clipping wrapper, its passes' lifecycle.
 
 Its ``finish`` takes the per-sample gradient norms of a pass's records: grouped by layer type
-and shapes by the pass's finish plan (``dpgrad.finish_plan``, made once for a pass of given
+and shapes by the pass's finish plan (``dpgrad.backward.finish_plan``, made once for a pass of given
 layers, shapes and trainable parameters, and reused), each group's norms in a few batched
 operations, rows of one (P, B) matrix; ``p._norm_sample`` and the total norm (B,) from it.
 ``clipped_backward`` runs a norm pass that asks autograd for the hooked outputs' gradients
-only, takes the coefficients ``min(1, C / (norm + 1e-6))`` once (``dpgrad.coefficients``), and
+only, takes the coefficients ``min(1, C / (norm + 1e-6))`` once (``dpgrad.clipping.coefficients``), and
 then either each group's clipped sums, which reach ``p.grad`` through autograd's own
 accumulation, each group letting go of its inputs as it is summed (single backward,
-``dpgrad.clipped_sums``), or a second backward pass of ``sum_b c_b loss_b`` with the hooks off
+``dpgrad.backward.clipped_sums``), or a second backward pass of ``sum_b c_b loss_b`` with the hooks off
 (double backward, Opacus's protocol).
 
-With clipping groups (``dpgrad.clipping_groups``: per-layer or per-block clipping) single
+With clipping groups (``dpgrad.clipping.groups``: per-layer or per-block clipping) single
 backward clips each group as soon as the records of all its layers are in
-(``dpgrad.group_flush``), so a pass holds the records of the groups not yet complete, not the
+(``dpgrad.backward.group_flush``), so a pass holds the records of the groups not yet complete, not the
 whole model's.
 
 A parameter used more than once (an input embedding tied to the output layer, a layer
@@ -31,16 +31,16 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from dpgrad import registry
-from dpgrad.autograd_graph import grad_keeping_graph, region
-from dpgrad.backward_pass import BackwardPath, FiniteCheck
-from dpgrad.clipped_sums import ClippedSums
-from dpgrad.coefficients import clipping_coefficients
-from dpgrad.finish_plan import Planner
-from dpgrad.fsdp import ShardedParameters
-from dpgrad.guarantee import sequence_number
+from dpgrad.samplers import registry
+from dpgrad.backward.autograd_graph import grad_keeping_graph, region
+from dpgrad.backward.backward_pass import BackwardPath, FiniteCheck
+from dpgrad.backward.clipped_sums import ClippedSums
+from dpgrad.clipping.coefficients import clipping_coefficients
+from dpgrad.backward.finish_plan import Planner
+from dpgrad.backward.fsdp import ShardedParameters
+from dpgrad.checks.guarantee import sequence_number
 from dpgrad.kernels import reference
-from dpgrad.group_flush import EarlyNorms, GroupFlush
+from dpgrad.backward.group_flush import EarlyNorms, GroupFlush
 from dpgrad.samplers.groups import Group, Record
 from dpgrad.tuning import get_tuner
 
@@ -70,7 +70,7 @@ class ClippingPath(BackwardPath):
     Besides ``BackwardPath``'s settings: ``ghost``, norms without per-sample gradients for
     layers with a norm sampler; ``single_backward``, one backward pass per clipped step. Checks
     at construction that parameters several layers share can get exact norms, and takes a
-    model sharded by FSDP2 (``dpgrad.fsdp``).
+    model sharded by FSDP2 (``dpgrad.backward.fsdp``).
     """
 
     FACTOR_SAMPLERS = registry.FACTOR_SAMPLERS
@@ -84,7 +84,7 @@ class ClippingPath(BackwardPath):
 
     def __init__(self, model: nn.Module, *, ghost: bool, single_backward: bool, clip_groups=None,
                  gamma: Optional[float] = None, **settings):
-        # Clipping groups (dpgrad.clipping_groups.ClipGroups) clip in one backward pass: a second
+        # Clipping groups (dpgrad.clipping.groups.ClipGroups) clip in one backward pass: a second
         # pass of sum_b c_b loss_b has one coefficient per sample, not one per sample and group.
         self.ghost, self.single_backward = ghost, single_backward or clip_groups is not None
         self.clip_groups = clip_groups
@@ -105,7 +105,7 @@ class ClippingPath(BackwardPath):
         self._group_flush = GroupFlush(self)
         self._early = EarlyNorms(self)
         self.records_peak = 0  # the most records held at once in the last pass
-        self.planner = Planner(self)  # how a pass's records are grouped (``dpgrad.finish_plan``)
+        self.planner = Planner(self)  # how a pass's records are grouped (``dpgrad.backward.finish_plan``)
         self._row_indices: Dict[tuple, torch.Tensor] = {}
         self.sums = ClippedSums(self)  # the clipped sums and their hand-off to p.grad
 
@@ -198,9 +198,9 @@ class ClippingPath(BackwardPath):
     @property
     def memory_short(self) -> bool:
         """Whether memory in use on the device passed the mark of a pass of this path
-        (``dpgrad.group_flush.MemoryMark``), which then let go of records early: from the next
+        (``dpgrad.backward.group_flush.MemoryMark``), which then let go of records early: from the next
         pass on, the norm pass asks autograd for the lowest hooked outputs only (a walk of the
-        graph, ``dpgrad.autograd_graph``), since the gradient autograd returns for each output
+        graph, ``dpgrad.backward.autograd_graph``), since the gradient autograd returns for each output
         it is asked for stays alive to the end of the pass, records let go of or not. Never set
         on a device whose memory torch does not count (a CPU)."""
         return self._early.mark.found_short or self._group_flush.mark.found_short
@@ -534,7 +534,7 @@ class ClippingPath(BackwardPath):
         """The guarantee's checks of the graph between the loss and the model's outputs (the
         model's own graph is checked at the end of its forward pass), when its layout is new:
         every parameter it reaches clipped; and each loss its own sample's, through the model
-        too where its probes were left to the loss's (``dpgrad.independence_check``)."""
+        too where its probes were left to the loss's (``dpgrad.checks.independence_check``)."""
         edges = self._edges
         root = loss_per_sample.grad_fn
         outputs = set(edges.outputs)
@@ -554,7 +554,7 @@ class ClippingPath(BackwardPath):
     def note_loss(self, loss_per_sample: torch.Tensor, recompute, modules=()) -> None:
         """Per-sample losses from a criterion that ``recompute(samples)`` calls again with the
         outputs and targets of ``samples`` changed: the loss's forward probe
-        (``dpgrad.forward_probe``) runs in their backward pass, where it is due."""
+        (``dpgrad.checks.forward_probe``) runs in their backward pass, where it is due."""
         if self.check_independence and loss_per_sample.grad_fn is not None:
             self.independence.note_loss(loss_per_sample, self._loss_key(loss_per_sample, "criterion"), recompute,
                                         modules)

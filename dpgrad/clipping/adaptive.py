@@ -36,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from dpgrad.autograd_graph import eager_when_compiled
+from dpgrad.backward.autograd_graph import eager_when_compiled
 from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping
 from dpgrad.loss import DPLossFastGradientClipping, DPTensorFastGradientClipping, clipping_wrapper
 

@@ -36,13 +36,13 @@ from opacus.optimizers.ddpoptimizer_fast_gradient_clipping import (
 from opacus.utils.adaptive_clipping import PrivacyEngineAdaptiveClipping as _OpacusPrivacyEngineAdaptiveClipping
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
-from dpgrad import registry
-from dpgrad.autograd_graph import eager_when_compiled
+from dpgrad.samplers import registry
+from dpgrad.backward.autograd_graph import eager_when_compiled
 from dpgrad.batches import FixedShapeBatches, rank_generator
-from dpgrad.coefficients import clipping_bound
+from dpgrad.clipping.coefficients import clipping_bound
 from dpgrad.fast_gradient_clipping import (GradSampleModuleFastGradientClipping,
                                            GradSampleModuleFastGradientClippingFSDP, automatic_settings)
-from dpgrad.fsdp import sharded_modules
+from dpgrad.backward.fsdp import sharded_modules
 from dpgrad import hooks as dpgrad_hooks
 from dpgrad.grad_sample_module import GradSampleModule
 from dpgrad.loss import DPLossFastGradientClipping
@@ -185,7 +185,7 @@ class DPOptimizerFastGradientClipping(_OpacusDPOptimizerFastGradientClipping):
     def add_noise(self):
         if self.secure_mode:
             return super().add_noise()
-        # A tensor under adaptive clipping (dpgrad.adaptive): the bound stays on the device.
+        # A tensor under adaptive clipping (dpgrad.clipping.adaptive): the bound stays on the device.
         std = getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier) * self.max_grad_norm
         params = self.params
         for p in params:
@@ -445,7 +445,7 @@ def make_private(
     clipped gradients exist.
 
     A ``module`` sharded by FSDP2 (``fully_shard`` on its blocks and its root) is trained
-    the same way under ``grad_sample_mode="ghost"`` (``dpgrad.fsdp``): the clipped sums reach
+    the same way under ``grad_sample_mode="ghost"`` (``dpgrad.backward.fsdp``): the clipped sums reach
     the sharded gradients through FSDP's reduce-scatter, and Opacus's
     ``FSDPOptimizerFastGradientClipping`` adds the noise: each rank draws it for the whole
     parameter and adds its own shard's slice, so every coordinate gets noise once, from the
@@ -474,16 +474,16 @@ def make_private(
             "automatic", "automatic_per_layer", "automatic_groups" (under "ghost" only): the same
             with automatic clipping (each sample's gradient scaled by ``C / (norm +
             automatic_gamma)``, Bu et al. 2022). "adaptive" (or a ``PrivacyEngineAdaptiveClipping``
-            engine, Opacus's or dpgrad's): Opacus 1.6's adaptive clipping (``dpgrad.adaptive``)
+            engine, Opacus's or dpgrad's): Opacus 1.6's adaptive clipping (``dpgrad.clipping.adaptive``)
             under "ghost", flat, with the keywords ``target_unclipped_quantile``,
             ``min_clipbound``, ``max_clipbound`` and ``clipbound_learning_rate``;
             ``max_grad_norm`` the initial bound.
         clipping_groups: for ``clipping="groups"``, lists of parameters or a rule from a
-            parameter's name to its group's label (e.g. ``dpgrad.clipping_groups.per_block``),
+            parameter's name to its group's label (e.g. ``dpgrad.clipping.groups.per_block``),
             as ``GradSampleModuleFastGradientClipping`` takes them.
         automatic_gamma: automatic clipping's gamma (default 0.01).
         public_batch_size: with adaptive clipping, count the unclipped samples over the expected
-            batch size (public) instead of the drawn one (dpgrad's; see ``dpgrad.adaptive``).
+            batch size (public) instead of the drawn one (dpgrad's; see ``dpgrad.clipping.adaptive``).
         single_backward: under "ghost", one backward pass per step instead of two
             (``GradSampleModuleFastGradientClipping(single_backward=True)``).
         physical_batch_size: under "ghost" with Poisson sampling in one process, serve every
@@ -493,7 +493,7 @@ def make_private(
             and ``zero_grad()`` after every batch, as with Opacus's BatchMemoryManager). The
             sampling, ``expected_batch_size`` and the accountant are unchanged.
         check_independence: dpgrad's own keyword: verify on the first step of each layout that
-            each sample's rows and loss are its own (``dpgrad.independence``); False gives up
+            each sample's rows and loss are its own (``dpgrad.checks.independence``); False gives up
             that check.
         recheck_independence: dpgrad's own keyword: also probe every this many steps (forward
             passes), whatever the layout; None (the default): new layouts only.
@@ -588,7 +588,7 @@ def make_private(
     if (clipping == "groups") != (clipping_groups is not None):
         raise ValueError(
             "clipping='groups' needs clipping_groups (lists of parameters, or a rule from a parameter's name "
-            "to its group, e.g. dpgrad.clipping_groups.per_block), and clipping_groups needs clipping='groups'"
+            "to its group, e.g. dpgrad.clipping.groups.per_block), and clipping_groups needs clipping='groups'"
         )
     if clipping == "groups":
         if grad_sample_mode != "ghost":
@@ -596,7 +596,7 @@ def make_private(
                              f"not {grad_sample_mode!r}")
         if not isinstance(max_grad_norm, (list, tuple)):
             raise ValueError(f"clipping='groups' takes one max_grad_norm per group, not {max_grad_norm!r} "
-                             "(dpgrad.clipping_groups.even_split splits one total)")
+                             "(dpgrad.clipping.groups.even_split splits one total)")
         max_grad_norm = [clipping_bound(b, f"max_grad_norm[{i}]") for i, b in enumerate(max_grad_norm)]
     elif clipping == "flat":
         if isinstance(max_grad_norm, (list, tuple)):
@@ -721,7 +721,7 @@ def make_private(
         if criterion is None:
             criterion = nn.CrossEntropyLoss(reduction=loss_reduction)
         if adaptive:
-            from dpgrad.adaptive import DPLossFastGradientAdaptiveClipping
+            from dpgrad.clipping.adaptive import DPLossFastGradientAdaptiveClipping
 
             world = torch.distributed.get_world_size() if distributed else 1
             criterion = DPLossFastGradientAdaptiveClipping(

@@ -14,7 +14,7 @@ sample's loss w.r.t. the layer output, batch first. Two more kinds serve ghost c
   parameter used more than once (tied weights, a layer called twice) is exact, cross terms
   included (``dpgrad.kernels.reference.outer_sum_inner``).
 
-The finish step of a backward pass (``dpgrad.clipping_path``) works on groups of layers of one
+The finish step of a backward pass (``dpgrad.backward.clipping_path``) works on groups of layers of one
 type with equal shapes (``dpgrad.samplers.groups.Group``). A layer type may register a group
 class that batches its layers (``register_norm_group`` for layers clipped from their norms,
 ``register_grad_sample_group`` for layers clipped from their per-sample gradients); without
@@ -36,7 +36,7 @@ from typing import Callable, Dict, List, Sequence, Tuple, Type, Union
 
 import torch.nn as nn
 
-from dpgrad.fsdp import fsdp_module_class
+from dpgrad.backward.fsdp import fsdp_module_class
 
 Sampler = Callable
 GRAD_SAMPLERS: Dict[Type[nn.Module], Sampler] = {}
@@ -50,7 +50,7 @@ TABLES = (GRAD_SAMPLERS, NORM_SAMPLERS, CLIPPED_SUM_SAMPLERS, FACTOR_SAMPLERS, N
           KEPT_INPUTS)
 
 # Changes whenever a table does: what is planned from the tables (a backward pass's finish
-# plan, dpgrad.clipping_path) is planned again.
+# plan, dpgrad.backward.clipping_path) is planned again.
 version = 0
 
 # "package.module.Class" -> [(table, sampler)], for classes dpgrad does not import.

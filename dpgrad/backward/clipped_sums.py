@@ -6,7 +6,7 @@ on the device (zeros) if the norms' finite check failed, with no host wait, and 
 ``p.grad`` through autograd's own accumulation in one backward call, so that ``p.grad`` is set
 or added to as by any backward pass, with no copy, and the hooks others put on parameters run
 (DistributedDataParallel reduces the gradients there). On a model sharded by FSDP2 the sums go
-to FSDP's reduce-scatter one parameter group at a time (``dpgrad.fsdp``).
+to FSDP's reduce-scatter one parameter group at a time (``dpgrad.backward.fsdp``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn as nn
 
-from dpgrad.autograd_graph import region
+from dpgrad.backward.autograd_graph import region
 from dpgrad.samplers.groups import Coefficients, Group
 
 
@@ -78,7 +78,7 @@ class ClippedSums:
         path = self.path
         groups, path._kept = [group for group, _ in path._kept], []
         sums: Dict[nn.Parameter, torch.Tensor] = {}
-        with region("dpgrad.clipped_sums"):
+        with region("dpgrad.backward.clipped_sums"):
             self.sum_groups(groups, Coefficients(coef, path.clip_groups), sums)
         return sums
 
@@ -108,7 +108,7 @@ class ClippedSums:
 
     def reduce_scatter(self, coef: torch.Tensor) -> None:
         """On a model sharded by FSDP2: the clipped sums of one FSDP2 parameter group at a time,
-        each handed to FSDP's reduce-scatter before the next is computed (``dpgrad.fsdp``), so
+        each handed to FSDP's reduce-scatter before the next is computed (``dpgrad.backward.fsdp``), so
         that no more than one group's full gradients exist at once, each withheld on the device
         (zeros) if the norms' finite check failed."""
         path = self.path
@@ -117,7 +117,7 @@ class ClippedSums:
             by_shard.setdefault(shard, []).append(group)
         path._kept = []
         coefs = Coefficients(coef, path.clip_groups)
-        with region("dpgrad.clipped_sums"):
+        with region("dpgrad.backward.clipped_sums"):
             for shard in list(by_shard):
                 sums: Dict[nn.Parameter, torch.Tensor] = {}
                 self.sum_groups(by_shard.pop(shard), coefs, sums)

@@ -1,0 +1,2 @@
+"""How per-sample gradients are clipped: the bounds and coefficients, clipping groups (per layer,
+per block), and adaptive clipping."""
