@@ -15,7 +15,8 @@ import torch
 import torch.nn as nn
 
 from dpgrad.samplers import registry
-from dpgrad.backward.backward_pass import BackwardPath, FiniteCheck
+from dpgrad.backward.backward_pass import BackwardPath
+from dpgrad.backward.finite_checks import FiniteCheck
 from dpgrad.backward.fsdp import sharded_modules
 from dpgrad.checks.model_checks import validate
 from dpgrad.samplers.groups import Record

@@ -53,7 +53,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from dpgrad.backward.backward_pass import FiniteReports
+from dpgrad.backward.finite_checks import FiniteReports
 from dpgrad.grad_sample_module import GradSampleModule
 from dpgrad.loss import DPTensorFastGradientClipping
 

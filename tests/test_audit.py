@@ -142,11 +142,11 @@ def _fault_caught(setting, language_model=None):
 
 
 def test_clipping_turned_off_is_caught(monkeypatch):
-    import dpgrad.backward.clipping_path
+    import dpgrad.backward.clipped_backward
     import dpgrad.fast_gradient_clipping
 
     ones = lambda norms, max_grad_norm, gamma=None, scale=1.0: torch.ones_like(norms) * scale  # noqa: E731
-    monkeypatch.setattr(dpgrad.backward.clipping_path, "clipping_coefficients", ones)
+    monkeypatch.setattr(dpgrad.backward.clipped_backward, "clipping_coefficients", ones)
     monkeypatch.setattr(dpgrad.fast_gradient_clipping, "clipping_coefficients", ones)
     _fault_caught(dict(noise_multiplier=2.0, **SMALL))
 
@@ -209,7 +209,7 @@ def _tiny():
 
 
 def test_a_language_model_audits_like_the_idealised_mechanism_and_catches_clipping_off(monkeypatch):
-    import dpgrad.backward.clipping_path
+    import dpgrad.backward.clipped_backward
     import dpgrad.fast_gradient_clipping
 
     real = audit(AuditConfig(noise_multiplier=1.0, **TINY), "dpgrad", _tiny())
@@ -219,7 +219,7 @@ def test_a_language_model_audits_like_the_idealised_mechanism_and_catches_clippi
     spread = max(fdp) - min(fdp)
     assert min(fdp) - spread / 3 - 0.05 <= real.epsilon_fdp <= max(fdp) + spread / 3 + 0.05, (real.epsilon_fdp, fdp)
     ones = lambda norms, max_grad_norm, gamma=None, scale=1.0: torch.ones_like(norms) * scale  # noqa: E731
-    monkeypatch.setattr(dpgrad.backward.clipping_path, "clipping_coefficients", ones)
+    monkeypatch.setattr(dpgrad.backward.clipped_backward, "clipping_coefficients", ones)
     monkeypatch.setattr(dpgrad.fast_gradient_clipping, "clipping_coefficients", ones)
     _fault_caught(dict(noise_multiplier=2.0, **TINY), _tiny())
 
@@ -269,7 +269,7 @@ def test_the_audit_through_the_trainer_audits_like_the_idealised_mechanism_and_c
     """path="trainer": the canaries go through dpgrad.hf.DPTrainer (its Poisson sampler,
     physical batches, per-row loss, DP optimizer and accountant)."""
     pytest.importorskip("transformers")
-    import dpgrad.backward.clipping_path
+    import dpgrad.backward.clipped_backward
 
     if case.endswith("backward"):
         real = audit(AuditConfig(noise_multiplier=1.0, path="trainer", single_backward=case.startswith("single"),
@@ -283,7 +283,7 @@ def test_the_audit_through_the_trainer_audits_like_the_idealised_mechanism_and_c
         assert max(black.epsilon_one_run, black.epsilon_fdp) <= black.accountant_epsilon
     else:
         ones = lambda norms, max_grad_norm, gamma=None, scale=1.0: torch.ones_like(norms) * scale  # noqa: E731
-        monkeypatch.setattr(dpgrad.backward.clipping_path, "clipping_coefficients", ones)
+        monkeypatch.setattr(dpgrad.backward.clipped_backward, "clipping_coefficients", ones)
         _fault_caught(dict(noise_multiplier=2.0, path="trainer", **TINY), _tiny())
 
 
@@ -305,7 +305,7 @@ def test_black_box_audits_below_its_epsilon_and_says_what_it_cannot_catch(monkey
     At noise 1 the linear audit reaches a bound above 0, below the accountant; with clipping
     turned off at noise 2 it rises but stays below the accountant's 2.58: a fault the
     black-box audit does not catch in this setting (the white-box one does)."""
-    import dpgrad.backward.clipping_path
+    import dpgrad.backward.clipped_backward
     import dpgrad.fast_gradient_clipping
 
     linear = dict(features=256, canaries=500, samples=0, steps=100)
@@ -314,7 +314,7 @@ def test_black_box_audits_below_its_epsilon_and_says_what_it_cannot_catch(monkey
     assert 0 < max(found.epsilon_one_run, found.epsilon_fdp) <= found.accountant_epsilon
     correct = audit(AuditConfig(noise_multiplier=2.0, **linear), "dpgrad", mode="black-box")
     ones = lambda norms, max_grad_norm, gamma=None, scale=1.0: torch.ones_like(norms) * scale  # noqa: E731
-    monkeypatch.setattr(dpgrad.backward.clipping_path, "clipping_coefficients", ones)
+    monkeypatch.setattr(dpgrad.backward.clipped_backward, "clipping_coefficients", ones)
     monkeypatch.setattr(dpgrad.fast_gradient_clipping, "clipping_coefficients", ones)
     broken = audit(AuditConfig(noise_multiplier=2.0, **linear), "dpgrad", mode="black-box")
     assert broken.epsilon_fdp > correct.epsilon_fdp

@@ -365,7 +365,7 @@ def test_the_tuned_algorithm_serves_the_group_and_the_report(algorithm, monkeypa
     from those are ConvGradSampleGroup's); the autotune report's recording sees the decision
     and times Opacus's sampler beside it."""
     pytest.importorskip("opacus")
-    from dpgrad.tuning import tuner as tuner_module
+    from dpgrad.tuning import timing, tuner as tuner_module
 
     monkeypatch.setenv("DPGRAD_TUNE", "on")
     monkeypatch.setenv("DPGRAD_TUNE_DIR", str(tmp_path))
@@ -376,7 +376,7 @@ def test_the_tuned_algorithm_serves_the_group_and_the_report(algorithm, monkeypa
 
     tuner = tuner_module.Tuner(timer=timer)
     monkeypatch.setattr(tuner_module, "_TUNER", tuner)
-    monkeypatch.setattr(tuner_module, "PRUNE_FACTOR", float("inf"))  # every candidate timed
+    monkeypatch.setattr(timing, "PRUNE_FACTOR", float("inf"))  # every candidate timed
     layer, x, G = conv_case("2d-rect-dilation-groups-reflect", B=3)
     ref = layer_reference(layer, x, G)
     with tuner.recording(opacus=True) as rec:
@@ -413,7 +413,7 @@ def test_memory_short_norms_take_the_candidate_holding_least(c_in, c_out, size, 
     the direct norm) holds many times that. Exact either way; the same layer takes the timed
     choice again once memory is no longer short."""
     from dpgrad.tools.results import peak_allocated
-    from dpgrad.tuning import tuner as tuner_module
+    from dpgrad.tuning import timing, tuner as tuner_module
 
     monkeypatch.setenv("DPGRAD_TUNE", "on")
     monkeypatch.setenv("DPGRAD_TUNE_DIR", str(tmp_path))
@@ -424,7 +424,7 @@ def test_memory_short_norms_take_the_candidate_holding_least(c_in, c_out, size, 
 
     tuner = tuner_module.Tuner(timer=timer)
     monkeypatch.setattr(tuner_module, "_TUNER", tuner)
-    monkeypatch.setattr(tuner_module, "PRUNE_FACTOR", float("inf"))  # every candidate timed
+    monkeypatch.setattr(timing, "PRUNE_FACTOR", float("inf"))  # every candidate timed
     torch.manual_seed(3)
     B = 64
     layer = nn.Conv2d(c_in, c_out, 3, padding=1, bias=False)

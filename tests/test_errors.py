@@ -623,7 +623,7 @@ def test_reports_in_flight_wait_only_beyond_the_bound(monkeypatch):
     """On a GPU the next forward pass reads a check only once its copy has arrived: checks in
     flight are left for later, up to ``FiniteReports.IN_FLIGHT``, beyond which the host waits
     for the oldest; ``raise_if_not_finite`` waits for all."""
-    from dpgrad.backward.backward_pass import FiniteCheck, FiniteReports
+    from dpgrad.backward.finite_checks import FiniteCheck, FiniteReports
 
     monkeypatch.setattr(FiniteCheck, "ready", lambda self: False)  # every copy still in flight
     model, _ = make()

@@ -203,10 +203,10 @@ def test_make_private_adds_the_noise_once(two, kind, mode, monkeypatch):
     """Every rank seeds its generator alike; each adds its shard's slice of the noise, so the
     step is the one-process step with that generator, noise included. The one-process step
     takes Opacus's optimizer, whose draws (parameter by parameter) the FSDP optimizer repeats."""
-    import dpgrad.opacus
+    import dpgrad.opacus.engine
     from opacus.optimizers import DPOptimizerFastGradientClipping
 
-    monkeypatch.setattr(dpgrad.opacus, "DPOptimizerFastGradientClipping", DPOptimizerFastGradientClipping)
+    monkeypatch.setattr(dpgrad.opacus.engine, "DPOptimizerFastGradientClipping", DPOptimizerFastGradientClipping)
     ref = F.one_process("noisy_step", kind=kind, single=MODES[mode])
     assert ref["optimizer"] == "DPOptimizerFastGradientClipping"
     start = {n: p.detach().double().numpy() for n, p in F.model(kind).named_parameters() if p.requires_grad}

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from dpgrad.kernels import reference as R
+from dpgrad.kernels import reference_common
 
 pytestmark = [
     pytest.mark.gpu,
@@ -155,10 +156,10 @@ def test_eager_gram_chunks_are_added_by_the_gemm(dtype):
     """On this torch the eager Gram norm's chunks go into the running sum through the GEMM
     (baddbmm's out_dtype, checked exact once per device), not as a product written and read
     back; the norms of that path are the bf16 test's above (eager-gram, several chunks)."""
-    assert R._gemm_adds_exactly(torch.device(DEV), dtype)
+    assert reference_common._gemm_adds_exactly(torch.device(DEV), dtype)
     a = _randn(2, 16, 64, dtype=dtype)
     c = torch.randn(2, 16, 16, device=DEV)
-    assert R._adds_in_gemm(c, a, a)
+    assert reference_common._adds_in_gemm(c, a, a)
     got = R.baddbmm_acc(c.clone(), a, a.transpose(1, 2))
     want = c.double() + torch.bmm(a.double(), a.double().transpose(1, 2))
     assert rel_frobenius(got, want) <= 1e-6

@@ -202,11 +202,12 @@ def test_no_class_in_the_library_is_a_diamond():
 
     import dpgrad
 
-    # The command line's entry (it runs on import) and the Triton kernels (they need Triton) aside.
+    # The command line's entry (it runs on import) and the Triton kernels (they need Triton) aside:
+    # of dpgrad.kernels, the eager modules (reference and its reference_* modules).
     modules = [importlib.import_module(info.name)
                for info in pkgutil.walk_packages(dpgrad.__path__, "dpgrad.")
                if not info.name.endswith("__main__")
-               and (not info.name.startswith("dpgrad.kernels.") or info.name == "dpgrad.kernels.reference")]
+               and (not info.name.startswith("dpgrad.kernels.") or info.name.startswith("dpgrad.kernels.reference"))]
     classes = {cls for module in modules for _, cls in inspect.getmembers(module, inspect.isclass)
                if cls.__module__.startswith("dpgrad")}
     assert len(classes) > 20, sorted(c.__name__ for c in classes)
@@ -280,3 +281,41 @@ def test_changelog_and_version_in_one_place():
     assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "dpgrad.version.__version__"}
     # setuptools reads the attribute without importing dpgrad only from a plain assignment.
     assert re.search(r'^__version__ = "[^"]+"$', (root / "dpgrad" / "version.py").read_text(), flags=re.M)
+
+
+def test_no_module_over_500_lines_and_no_class_over_300():
+    """The package stays in rooms a reader can take in: every module of dpgrad (kernels/
+    included) at most 500 lines, every class and top-level function at most 300."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1]
+    too_long = []
+    for path in sorted([*(root / "dpgrad").rglob("*.py"), *(root / "kernels").glob("*.py")]):
+        text = path.read_text()
+        name = path.relative_to(root)
+        if len(text.splitlines()) > 500:
+            too_long.append(f"{name}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 300:
+                    too_long.append(f"{name}:{node.lineno} {node.name}: {lines} lines")
+    assert not too_long, too_long
+
+
+def test_the_earlier_module_paths_import_the_same_modules():
+    """``import dpgrad.clipping_groups`` and the other module paths of earlier versions give the
+    module at its new place, the same object, with its own name and spec."""
+    import importlib
+
+    from dpgrad._moved import MOVED
+
+    for old, new in MOVED.items():
+        module = importlib.import_module(new)
+        assert importlib.import_module(old) is module, old
+        assert module.__name__ == module.__spec__.name == new, (old, module.__spec__.name)
+    from dpgrad.clipping_groups import per_block
+    from dpgrad.registry import register_norm_sampler
+
+    assert per_block is importlib.import_module("dpgrad.clipping.groups").per_block
+    assert register_norm_sampler is importlib.import_module("dpgrad.samplers.registry").register_norm_sampler

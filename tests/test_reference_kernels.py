@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from dpgrad.kernels import reference as R
+from dpgrad.kernels import reference_common, reference_embedding, reference_linear
 from dpgrad.samplers import embedding as embedding_samplers
 from dpgrad.samplers import linear as linear_samplers
 
@@ -146,8 +147,8 @@ def test_gram_norm_in_feature_chunks(monkeypatch, pair, d, p, T, halves):
     inputs beside bf16 backprops, and the reverse) use the values their matmul took. By
     halves of the sequence (from GRAM_HALVES_TOKENS tokens, 2 here) the same norms; an odd
     length is taken whole."""
-    monkeypatch.setattr(R, "GRAM_CHUNK", 5)
-    monkeypatch.setattr(R, "GRAM_HALVES_TOKENS", 2 if halves else 10**9)
+    monkeypatch.setattr(reference_linear, "GRAM_CHUNK", 5)
+    monkeypatch.setattr(reference_linear, "GRAM_HALVES_TOKENS", 2 if halves else 10**9)
     names = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
     a_dtype, g_dtype = (names[n] for n in (pair.split("/") * 2)[:2])
     A, G = make_AG(3, T, d, p, torch.float64, seed=4)
@@ -176,17 +177,17 @@ def test_gram_norm_by_halves_takes_three_quarters_of_the_products(monkeypatch, l
         macs.append(a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2])
         return bmm(a, b)
 
-    monkeypatch.setattr(R, "bmm_acc", counting)
+    monkeypatch.setattr(reference_linear, "bmm_acc", counting)
     B, T, d, p = 3, 16, 9, 5
     A, G = make_AG(B, T, d, p, torch.float64, seed=7)
     if layout == "transposed":
         A = A.transpose(0, 1).contiguous().transpose(0, 1)
         G = G.transpose(0, 1).contiguous().transpose(0, 1)
     expected = sq_norms(naive_linear_grad_sample(A, G))
-    monkeypatch.setattr(R, "GRAM_HALVES_TOKENS", 10**9)
+    monkeypatch.setattr(reference_linear, "GRAM_HALVES_TOKENS", 10**9)
     whole = R.linear_weight_sq_norm_gram(A, G)
     whole_macs, macs[:] = sum(macs), []
-    monkeypatch.setattr(R, "GRAM_HALVES_TOKENS", T)
+    monkeypatch.setattr(reference_linear, "GRAM_HALVES_TOKENS", T)
     halves = R.linear_weight_sq_norm_gram(A, G)
     assert whole_macs == B * T * T * (d + p)
     assert 4 * sum(macs) == 3 * whole_macs
@@ -211,8 +212,8 @@ def test_gemm_that_adds_is_checked_once_on_exact_values(monkeypatch, impl):
         "no-overload": torch.baddbmm,  # CPU: raises for out_dtype
     }
     monkeypatch.setattr(torch, "baddbmm", fakes[impl])
-    assert R._gemm_adds_exactly(torch.device("cpu"), torch.bfloat16) is (impl == "adds")
-    assert R._gemm_adds_exactly(torch.device("cpu"), torch.float16) is (impl == "adds")
+    assert reference_common._gemm_adds_exactly(torch.device("cpu"), torch.bfloat16) is (impl == "adds")
+    assert reference_common._gemm_adds_exactly(torch.device("cpu"), torch.float16) is (impl == "adds")
 
 
 def test_gram_chunks_added_by_the_gemm(monkeypatch):
@@ -224,8 +225,8 @@ def test_gram_chunks_added_by_the_gemm(monkeypatch):
         calls.append((c.dtype, a.dtype, tuple(a.shape)))
         return _baddbmm_on_cpu(c, a, b, out_dtype=out_dtype)
 
-    monkeypatch.setattr(R, "GRAM_CHUNK", 5)
-    monkeypatch.setattr(R, "_adds_in_gemm", lambda c, a, b: a.dtype in R.HALF)
+    monkeypatch.setattr(reference_linear, "GRAM_CHUNK", 5)
+    monkeypatch.setattr(reference_common, "_adds_in_gemm", lambda c, a, b: a.dtype in R.HALF)
     monkeypatch.setattr(torch, "baddbmm", baddbmm)
     A, G = make_AG(3, 6, 13, 7, torch.float64, seed=4)
     A, G = A.to(torch.bfloat16), G.to(torch.bfloat16)
@@ -300,9 +301,15 @@ def test_accumulation_dtype():
 
 
 # ---------------------------------------------------------------------------- batch slicing
+def set_chunk_elements(monkeypatch, chunk: int) -> None:
+    """CHUNK_ELEMENTS set to ``chunk`` where it is read: the batch slices' and the Linear norms'."""
+    monkeypatch.setattr(reference_common, "CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(reference_linear, "CHUNK_ELEMENTS", chunk)
+
+
 @pytest.mark.parametrize("batch,per_sample,chunk", [(0, 5, 10), (7, 3, 10), (7, 100, 10), (9, 1, 4), (5, 0, 8)])
 def test_batch_slices_cover_the_batch(monkeypatch, batch, per_sample, chunk):
-    monkeypatch.setattr(R, "CHUNK_ELEMENTS", chunk)
+    set_chunk_elements(monkeypatch, chunk)
     slices = list(R.batch_slices(batch, per_sample))
     covered = [i for s in slices for i in range(s.start, s.stop)]
     assert covered == list(range(batch))
@@ -316,7 +323,7 @@ def test_batch_slicing_gives_the_same_norms(monkeypatch, chunk, dtype):
     """A tiny CHUNK_ELEMENTS forces one-sample (or few-sample) slices; results must not change."""
     cases = [make_AG(9, 5, 6, 7, dtype, seed=3), make_AG(6, 3, 40, 30, dtype, seed=4)]
     full = [(R.linear_weight_sq_norm_direct(A, G), R.linear_weight_sq_norm_gram(A, G)) for A, G in cases]
-    monkeypatch.setattr(R, "CHUNK_ELEMENTS", chunk)
+    set_chunk_elements(monkeypatch, chunk)
     for (A, G), (direct, gram) in zip(cases, full):
         expected = sq_norms(naive_linear_grad_sample(A, G))
         sliced_direct = R.linear_weight_sq_norm_direct(A, G)
@@ -335,7 +342,7 @@ def test_linear_weight_norms_of_several_layers(monkeypatch, algorithm, dtype, ch
     layer), whole or by batch slices: each layer's per-sample norms, in order, in the
     accumulation dtype; a zero gradient's norm exactly zero."""
     if chunk is not None:
-        monkeypatch.setattr(R, "CHUNK_ELEMENTS", chunk)
+        set_chunk_elements(monkeypatch, chunk)
     pairs = [make_AG(5, 4, 9, 6, dtype, seed=seed) for seed in (1, 2, 3)]
     pairs[1][1][2].zero_()  # layer 1, sample 2: no gradient
     out = R.linear_weight_norms(pairs, algorithm)
@@ -486,7 +493,7 @@ def test_embedding_ids_of_any_rank(ids_shape):
 
 
 def test_embedding_large_grad_sample_warns(monkeypatch):
-    monkeypatch.setattr(R, "EMBEDDING_GRAD_SAMPLE_WARN_ELEMENTS", 10)
+    monkeypatch.setattr(reference_embedding, "EMBEDDING_GRAD_SAMPLE_WARN_ELEMENTS", 10)
     with pytest.warns(ResourceWarning, match="ghost clipping"):
         R.embedding_grad_sample(torch.zeros(2, 3, dtype=torch.long), torch.randn(2, 3, 4), 5, None)
 

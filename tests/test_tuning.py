@@ -16,7 +16,7 @@ import torch.nn as nn
 from dpgrad import GradSampleModuleFastGradientClipping
 from dpgrad.kernels import reference
 from dpgrad.tuning import Tuner, bucket, store
-from dpgrad.tuning.tuner import MAX_ROUNDS, ROUNDS
+from dpgrad.tuning.timing import MAX_ROUNDS, ROUNDS
 from dpgrad.tuning.candidates import applicable, shape_of
 
 

@@ -3,13 +3,14 @@
 Its ``finish`` takes the per-sample gradient norms of a pass's records: grouped by layer type
 and shapes by the pass's finish plan (``dpgrad.backward.finish_plan``, made once for a pass of given
 layers, shapes and trainable parameters, and reused), each group's norms in a few batched
-operations, rows of one (P, B) matrix; ``p._norm_sample`` and the total norm (B,) from it.
-``clipped_backward`` runs a norm pass that asks autograd for the hooked outputs' gradients
-only, takes the coefficients ``min(1, C / (norm + 1e-6))`` once (``dpgrad.clipping.coefficients``), and
-then either each group's clipped sums, which reach ``p.grad`` through autograd's own
-accumulation, each group letting go of its inputs as it is summed (single backward,
-``dpgrad.backward.clipped_sums``), or a second backward pass of ``sum_b c_b loss_b`` with the hooks off
-(double backward, Opacus's protocol).
+operations, rows of one (P, B) matrix (``dpgrad.backward.norm_rows``); ``p._norm_sample`` and
+the total norm (B,) from it. ``clipped_backward`` (``dpgrad.backward.clipped_backward``) runs a
+norm pass that asks autograd for the hooked outputs' gradients only, takes the coefficients
+``min(1, C / (norm + 1e-6))`` once (``dpgrad.clipping.coefficients``), and then either each
+group's clipped sums, which reach ``p.grad`` through autograd's own accumulation, each group
+letting go of its inputs as it is summed (single backward, ``dpgrad.backward.clipped_sums``), or
+a second backward pass of ``sum_b c_b loss_b`` with the hooks off (double backward, Opacus's
+protocol).
 
 With clipping groups (``dpgrad.clipping.groups``: per-layer or per-block clipping) single
 backward clips each group as soon as the records of all its layers are in
@@ -19,53 +20,35 @@ whole model's.
 A parameter used more than once (an input embedding tied to the output layer, a layer
 called twice) gets the exact norm of its summed per-sample gradient, ``sqrt(sum_i |g_i|^2 +
 2 sum_{i<j} <g_i, g_j>)``: each use's norm from its norm sampler, each cross term from the
-uses' factors (``registry.register_factor_sampler``), never a per-sample gradient.
+uses' factors (``registry.register_factor_sampler``), never a per-sample gradient
+(``dpgrad.backward.norm_rows``). The layers whose parameters need them are found here.
 """
 
 from __future__ import annotations
 
 import contextlib
-from enum import Enum
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from dpgrad.samplers import registry
-from dpgrad.backward.autograd_graph import grad_keeping_graph, region
-from dpgrad.backward.backward_pass import BackwardPath, FiniteCheck
+from dpgrad.backward.autograd_graph import region
+from dpgrad.backward.backward_pass import BackwardPath
+from dpgrad.backward.finite_checks import FiniteCheck
+from dpgrad.backward.clipped_backward import REENTRANT_CHECKPOINT, ClippedBackward, NormPass
 from dpgrad.backward.clipped_sums import ClippedSums
-from dpgrad.clipping.coefficients import clipping_coefficients
 from dpgrad.backward.finish_plan import Planner
 from dpgrad.backward.fsdp import ShardedParameters
-from dpgrad.checks.guarantee import sequence_number
-from dpgrad.kernels import reference
 from dpgrad.backward.group_flush import EarlyNorms, GroupFlush
+from dpgrad.backward.norm_rows import NormRows
 from dpgrad.samplers.groups import Group, Record
 from dpgrad.tuning import get_tuner
 
-REENTRANT_CHECKPOINT = (
-    "the model uses reentrant activation checkpointing (torch.utils.checkpoint with "
-    "use_reentrant=True, the default of Hugging Face's gradient_checkpointing_enable() before "
-    "transformers 5), whose recomputation runs a backward pass of its own inside dpgrad's: the "
-    "ghost-clipping wrapper cannot take the norms through it. Use non-reentrant checkpointing: "
-    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}) "
-    "(transformers 5: activation_checkpointing_enable(), non-reentrant by default), or "
-    "torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)."
-)
 
-
-class NormPass(Enum):
-    """What a backward pass through the clipping path is."""
-
-    PLAIN = "plain"  # loss.backward(): the norms, then the caller's own second pass (Opacus's protocol)
-    NORMS_ONLY = "norms only"  # clipped_backward's first pass in double backward
-    KEEP_FOR_CLIPPING = "keep for clipping"  # single backward: the norms, then the clipped sums from the records
-    ONE_SAMPLE = "one sample"  # a batch of one: the plain gradient is the per-sample one; nothing recorded
-
-
-class ClippingPath(BackwardPath):
-    """The ghost-clipping wrapper's path (see the module docstring).
+class ClippingPath(ClippedBackward, NormRows, BackwardPath):
+    """The ghost-clipping wrapper's path (see the module docstring): its clipped backward from
+    ``ClippedBackward``, the norms of its records from ``NormRows``.
 
     Besides ``BackwardPath``'s settings: ``ghost``, norms without per-sample gradients for
     layers with a norm sampler; ``single_backward``, one backward pass per clipped step. Checks
@@ -324,269 +307,10 @@ class ClippingPath(BackwardPath):
         stacked = torch.stack([n.to(device) for n in present] + [torch.zeros_like(present[0]) for _ in missing], dim=0)
         return stacked.norm(2, dim=0)
 
-    # ------------------------------------------------------------------ the norms
-    def _norm_rows(self, records: List[Record], memory_bound: bool = False
-                   ) -> Tuple[List[nn.Parameter], Optional[torch.Tensor], list]:
-        """The pass's parameters (each once), their per-sample gradient norms (P, B), and the
-        groups made (with their FSDP2 group), by the pass's plan (``Planner.plan``): each
-        group's norms, then, for a parameter used by several records, the norm of its summed
-        gradient. ``memory_bound``: records served early to free memory (``EarlyNorms``), a
-        layer clipped from its per-sample gradients wherever they are smaller than its record."""
-        if not records:
-            return [], None, []
-        plan = self.planner.plan(records, memory_bound)
-        groups = [(planned.make([records[i] for i in planned.indices]), planned.shard) for planned in plan.groups]
-        params, pieces = [], []
-        for group, _ in groups:
-            ps, rows = group.norms()
-            params += ps
-            pieces += rows
-        if self.sharded is not None:  # the samplers saw FSDP's unsharded copies
-            params = self.sharded.canonical(params)
-        if not params:
-            return [], None, groups
-        rows = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).view(len(params), -1)
-        if plan.combined is None:
-            plan.combined = len(params) != len(set(params))
-        if plan.combined:
-            params, rows = self._combine_uses(params, rows, [records[i] for i in plan.by_norm])
-        return params, rows, groups
-
-    def _combine_uses(self, params, rows, shared_records: List[Record]):
-        """One row per parameter: a parameter with several uses gets the norm of its summed
-        gradient, ``sqrt(sum_i |g_i|^2 + 2 sum_{i<j} <g_i, g_j>)``, the cross terms from the
-        uses' factors (never a per-sample gradient)."""
-        index: Dict[nn.Parameter, List[int]] = {}
-        for i, p in enumerate(params):
-            index.setdefault(p, []).append(i)
-        factors: Dict[nn.Parameter, list] = {}
-        for layer, inputs, backprops in shared_records:
-            mine = [p for p in self.layer_params(layer) if p in self.shared and len(index.get(p, ())) > 1]
-            if mine:
-                found = self.FACTOR_SAMPLERS[type(layer)](layer, inputs, backprops)
-                if self.sharded is not None:
-                    found = self.sharded.canonical_keys(found)
-                for p in mine:
-                    factors.setdefault(p, []).append(found[p])
-        once = [i for p, rows_of in index.items() if len(rows_of) == 1 for i in rows_of]
-        out_params = [params[i] for i in once]
-        combined = []
-        for p, rows_of in index.items():
-            if len(rows_of) == 1:
-                continue
-            sq = rows.index_select(0, self._row_index(rows_of, rows.device)).square().sum(0)
-            uses = factors[p]
-            for i in range(len(uses)):
-                for j in range(i + 1, len(uses)):
-                    # torch's own kernels on every backend (triton_ops re-exports reference's).
-                    sq = torch.add(sq, reference.outer_sum_inner(*uses[i], *uses[j]).to(sq.dtype), alpha=2)
-            # Rounding can take the square of an exact zero (opposite uses) slightly below it.
-            combined.append(sq.clamp_min(0).sqrt())
-            out_params.append(p)
-        kept = rows.index_select(0, self._row_index(once, rows.device))
-        return out_params, torch.cat([kept, torch.stack(combined)])
-
-    def _row_index(self, rows: List[int], device: torch.device) -> torch.Tensor:
-        """``rows`` as an index tensor on ``device``, made once: indexing by a Python list
-        copies the list to the device at every call, which on a GPU waits for the queue."""
-        key = (tuple(rows), device)
-        found = self._row_indices.get(key)
-        if found is None:
-            found = self._row_indices[key] = torch.tensor(rows, dtype=torch.int64, device=device)
-        return found
-
-    # ------------------------------------------------------------------ clipped backward
-    def clipped_backward(self, loss_per_sample: torch.Tensor, max_grad_norm) -> torch.Tensor:
-        """Add ``sum_b c_b * grad(loss_b)`` to ``p.grad``, ``c_b`` from the norms of this pass
-        and ``max_grad_norm``; returns the per-sample norms (see the wrapper's method)."""
-        if loss_per_sample.dim() != 1:
-            raise ValueError(
-                f"clipped_backward takes one loss per sample, shape (B,), not {tuple(loss_per_sample.shape)}; "
-                "for a loss per token, reduce each sequence first (DPLossFastGradientClipping's shape=)"
-            )
-        if loss_per_sample.grad_fn is None:
-            raise ValueError("the per-sample losses have no autograd graph (computed under torch.no_grad()?)")
-        # The batch's loss as the sum of the samples' losses, whose backward under "mean" starts
-        # from 1/B (a constant made once per B): the backprops of the mean loss, as the
-        # non-private step has them, without the mean's own operations.
-        reduced = loss_per_sample.sum(0)
-        seed = self.sums.constant(1.0 / max(loss_per_sample.shape[0], 1), reduced) if self.loss_reduction == "mean" \
-            else None
-        targets = self._edges.targets(reduced.grad_fn, lowest=self.memory_short)
-        if not targets:
-            raise RuntimeError(
-                "the loss depends on no layer this wrapper hooked: run the forward pass through "
-                "the wrapper with hooks enabled and gradients on"
-            )
-        self._verify_loss(loss_per_sample, targets)
-        self._clipped_seen = True
-        if loss_per_sample.shape[0] == 1 and self._one_sample_is_plain():
-            return self._clip_one_sample(reduced, max_grad_norm)
-        self._norm_pass = NormPass.KEEP_FOR_CLIPPING if self.single_backward else NormPass.NORMS_ONLY
-        try:
-            try:
-                if self.single_backward:
-                    torch.autograd.grad(reduced, targets, seed, allow_unused=True)
-                else:  # the second pass goes through the same graph
-                    grad_keeping_graph(reduced, targets, seed, allow_unused=True)
-            except RuntimeError as error:
-                if "use_reentrant=True" in str(error):
-                    raise RuntimeError(REENTRANT_CHECKPOINT) from error
-                raise
-            del targets
-            self._edges.release()
-            norms = self.norm_sample()
-            if norms.shape != loss_per_sample.shape:
-                raise ValueError(
-                    f"{loss_per_sample.shape[0]} losses for a batch of {norms.shape[0]} samples: "
-                    "give one loss per sample"
-                )
-            if callable(max_grad_norm):  # the bound from the norms (adaptive clipping)
-                max_grad_norm = max_grad_norm(norms)
-            # With clipping groups each group was clipped with its own coefficients (``GroupFlush``).
-            if self.single_backward:
-                self.sums.hand_off(None if self.clip_groups is not None else clipping_coefficients(
-                    norms, max_grad_norm, self.gamma, self.sums.scale(norms.shape[0])))
-            else:
-                coef = clipping_coefficients(norms, max_grad_norm, self.gamma) if self.clip_groups is None else None
-                self._second_pass(coef.to(loss_per_sample.device) * loss_per_sample)
-        finally:
-            self._norm_pass = NormPass.PLAIN
-            self._kept, self._finite, self._group_flush.held = [], None, {}
-        return norms
-
-    def _second_pass(self, weighted: torch.Tensor) -> None:
-        """Double backward's second pass: ``sum_b c_b grad(loss_b)`` (``weighted``: the losses
-        times their coefficients) to ``p.grad``, with the hooks off. The gradients are taken
-        with ``torch.autograd.grad`` and handed to ``p.grad`` as single backward hands its sums
-        (``ClippedSums.to_grad``), withheld on the device if the norms were not finite; on a
-        model sharded by FSDP2, whose reduce-scatter runs in the pass itself, the host waits
-        for the check first and the pass is a plain backward."""
-        if self.sharded is not None:
-            self._wait_finite()
-            with self.hooks_off():
-                weighted.sum().backward()
-            return
-        params = self.trainable_parameters
-        with self.hooks_off():
-            grads = torch.autograd.grad(weighted.sum(), params, allow_unused=True)
-        held = {p: g for p, g in zip(params, grads) if g is not None}
-        del grads
-        self._withhold_if_not_finite(held.values())
-        self.sums.to_grad([held])
-
-    def _one_sample_is_plain(self) -> bool:
-        """Whether a loss of one sample can be clipped from its plain gradient: a forward pass of
-        one sample, on a model that is not sharded and has no trainable layer skipped."""
-        return (self._forward_batch == 1 and self.sharded is None
-                and not any(p.requires_grad for p in self.unhooked))
-
-    def _clip_one_sample(self, loss: torch.Tensor, max_grad_norm) -> torch.Tensor:
-        """A batch of one sample: its per-sample gradient is the plain gradient. One backward
-        pass computes it (as the non-private step would), its norm is one reduction, and the
-        clipped gradient ``c * g`` (``clipping_coefficients``) reaches ``p.grad`` as in single
-        backward: no norm or clipped-sum kernel runs, and nothing is recorded."""
-        self._check_trainable_since_forward()  # before autograd is asked for those of the forward
-        params = list(self.trainable_parameters)
-        self._norm_pass = NormPass.ONE_SAMPLE
-        try:
-            try:
-                grads = torch.autograd.grad(loss, params, allow_unused=True)
-            except RuntimeError as error:
-                if "use_reentrant=True" in str(error):
-                    raise RuntimeError(REENTRANT_CHECKPOINT) from error
-                raise
-        finally:
-            self._norm_pass = NormPass.PLAIN
-        self._edges.release()
-        reached = [(p, g) for p, g in zip(params, grads) if g is not None]
-        if not reached:
-            raise RuntimeError("the loss reaches no trainable parameter: nothing to clip")
-        params, grads = [p for p, _ in reached], [g for _, g in reached]
-        with torch.no_grad():
-            acc = reference.accumulation_dtype(*grads)  # fp32 norms of half gradients, as everywhere
-            rows = torch.stack(torch._foreach_norm(grads, 2, dtype=acc))
-            for p, norm in zip(params, rows.unbind(0)):
-                p._norm_sample = norm.view(1)
-                p.grad_sample = None
-            self.pass_norm = torch.linalg.vector_norm(rows).view(1)
-            if self.check_finite:
-                self._finite = FiniteCheck([self.pass_norm], lambda: [(self.param_name(p), n) for p, n in
-                                                                      zip(params, rows)], "gradient norms",
-                                           self.finite_reports)
-            groups = self.clip_groups
-            if callable(max_grad_norm):  # the bound from the norm (adaptive clipping)
-                max_grad_norm = max_grad_norm(self.pass_norm)
-            if groups is None:
-                coefs = [clipping_coefficients(self.pass_norm, max_grad_norm, self.gamma).view(())]
-            else:  # each parameter by its group's coefficient
-                self.group_norms = groups.norms(params, rows.view(-1, 1))
-                coef = groups.coefficients(self.group_norms).view(-1)
-                coefs = list(coef.index_select(0, groups.rows(params, coef.device)).unbind(0))
-            grads = scaled(grads, coefs)
-            self._withhold_if_not_finite(grads)
-        held = [dict(zip(params, grads))]
-        del grads, reached
-        self.sums.to_grad(held)
-        return self.pass_norm
-
-    def _verify_loss(self, loss_per_sample: torch.Tensor, targets: list) -> None:
-        """The guarantee's checks of the graph between the loss and the model's outputs (the
-        model's own graph is checked at the end of its forward pass), when its layout is new:
-        every parameter it reaches clipped; and each loss its own sample's, through the model
-        too where its probes were left to the loss's (``dpgrad.checks.independence_check``)."""
-        edges = self._edges
-        root = loss_per_sample.grad_fn
-        outputs = set(edges.outputs)
-        key = self._loss_key(loss_per_sample)
-        if key not in self._verified:
-            self._verify([root], [], lambda node: node in outputs or edges.marked(node), in_loss=True)
-            self._verified.add(key)
-        if self.check_independence:
-            self.independence.probe_loss(loss_per_sample, key, targets)
-
-    def _loss_key(self, loss_per_sample: torch.Tensor, what: str = "loss") -> tuple:
-        """The layout of the graph from the model's outputs to the per-sample losses."""
-        edges = self._edges
-        return (self._scan_version, what, sequence_number(loss_per_sample.grad_fn) - edges.output_seq,
-                bool(edges.outputs))
-
-    def note_loss(self, loss_per_sample: torch.Tensor, recompute, modules=()) -> None:
-        """Per-sample losses from a criterion that ``recompute(samples)`` calls again with the
-        outputs and targets of ``samples`` changed: the loss's forward probe
-        (``dpgrad.checks.forward_probe``) runs in their backward pass, where it is due."""
-        if self.check_independence and loss_per_sample.grad_fn is not None:
-            self.independence.note_loss(loss_per_sample, self._loss_key(loss_per_sample, "criterion"), recompute,
-                                        modules)
-
     def probes_model_at_forward(self) -> bool:
         # Once clipped_backward has been seen, its probe of the per-sample losses takes the
         # model too: one extra backward pass per new layout, not two.
         return not self._clipped_seen
-
-
-def owned(grads: List[torch.Tensor]) -> List[bool]:
-    """Which of the gradients ``torch.autograd.grad`` returned are each the only view of their
-    memory: autograd can return one parameter's gradient as a view of another's (at B = 1, a
-    class token's inside the position embeddings'), or an expanded tensor; scaled in place,
-    such a gradient would scale its neighbour's too."""
-    storages: Dict[int, int] = {}
-    for g in grads:
-        key = g.untyped_storage().data_ptr()
-        storages[key] = storages.get(key, 0) + 1
-    return [storages[g.untyped_storage().data_ptr()] == 1 and g.is_contiguous() and g.storage_offset() == 0
-            and g.untyped_storage().nbytes() == g.numel() * g.element_size() for g in grads]
-
-
-def scaled(grads: List[torch.Tensor], coefs: List[torch.Tensor]) -> List[torch.Tensor]:
-    """``grads`` each times its coefficient (one for all, or one each): in place where a
-    gradient is the only view of its memory (``owned``), into a new tensor elsewhere."""
-    each = coefs if len(coefs) > 1 else None
-    mine = owned(grads)
-    inplace = [g for g, m in zip(grads, mine) if m]
-    if inplace:
-        torch._foreach_mul_(inplace, coefs[0] if each is None else [c for c, m in zip(each, mine) if m])
-    return [g if m else g * (coefs[0] if each is None else each[i]) for i, (g, m) in enumerate(zip(grads, mine))]
 
 
 __all__ = ["ClippingPath", "NormPass"]

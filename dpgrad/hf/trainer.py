@@ -51,17 +51,15 @@ of 1 (one row or user), a checkpoint without a sound privacy state, a ``compute_
 gradient (``max_grad_norm``, 1.0 by default) is turned off, with a log line, in a copy of the
 caller's ``TrainingArguments``.
 
-``transformers`` is imported here only: the rest of dpgrad does not need it.
+``transformers`` is imported here (and, for the checkpoints' directory name, in ``checkpoints``)
+only: the rest of dpgrad does not need it.
 """
 
 from __future__ import annotations
 
-import base64
 import copy
-import json
 import logging
 import math
-import os
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -71,10 +69,12 @@ from torch.utils.data import DataLoader
 
 from dpgrad.batches import padded_parts
 from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping
-from dpgrad.backward.fsdp import sharded_modules
 from dpgrad.graphs import GraphedPerShape
-from dpgrad.hf.privacy import PRIVACY_FORMAT, PRIVACY_STATE, PrivacyArguments, privacy_state_problem
+from dpgrad.hf.accounting import PrivacyAccounting
+from dpgrad.hf.checkpoints import PrivacyCheckpoints
+from dpgrad.hf.privacy import PrivacyArguments
 from dpgrad.hf.sampling import Indexed, LogicalBatch, PoissonSampler, sampling_generator, sampling_units
+from dpgrad.hf.sharding import FSDP2Sharding
 from dpgrad.loss import DPLossFastGradientClipping
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,9 @@ class _Budget(transformers.TrainerCallback):
         return control
 
 
-class DPTrainer(transformers.Trainer):
+# The noise and the budget, the checkpoints and the view of FSDP2 are mixins (``accounting``,
+# ``checkpoints``, ``sharding``), before the Trainer, whose methods they override.
+class DPTrainer(PrivacyAccounting, PrivacyCheckpoints, FSDP2Sharding, transformers.Trainer):
     """``transformers.Trainer`` with differentially private steps (see the module docstring).
 
     Args:
@@ -218,27 +220,6 @@ class DPTrainer(transformers.Trainer):
         if self.optimizer is not None:
             self._check_optimizer(self.optimizer)
 
-    def _fsdp_version(self) -> int:
-        plugin = getattr(getattr(self, "accelerator", None), "state", None)
-        plugin = getattr(plugin, "fsdp_plugin", None)
-        if plugin is not None:
-            return int(getattr(plugin, "fsdp_version", 1))
-        config = getattr(self.args, "fsdp_config", None) or {}
-        return int(config.get("fsdp_version", config.get("version", 1)))
-
-    def _sharded_by_caller(self) -> bool:
-        """Whether the caller sharded the model by ``fully_shard`` before the Trainer (the
-        Trainer's own FSDP aside); looked up once per model."""
-        if self._sharding[0] is not self.model:
-            by_caller = bool(sharded_modules(self.model)) and not getattr(self, "is_fsdp_enabled", False)
-            self._sharding = (self.model, by_caller)
-        return self._sharding[1]
-
-    def _sharded(self) -> bool:
-        """Whether the model is sharded by FSDP2: by the caller (``fully_shard`` before the
-        Trainer) or by the Trainer's own FSDP (version 2, through Accelerate)."""
-        return bool(getattr(self, "is_fsdp_enabled", False)) or self._sharded_by_caller()
-
     def _check_optimizer(self, optimizer) -> None:
         own = {id(p) for p in self.model.parameters()}
         for group in optimizer.param_groups:
@@ -276,78 +257,7 @@ class DPTrainer(transformers.Trainer):
         self._make_private(self.state.max_steps)
         return self.optimizer
 
-    def _make_private(self, steps: int) -> None:
-        """The optimizer made private, unless it is already (a later ``train()`` of the same
-        model): a new one (``model_init`` builds a new model for each ``train()``) gets the same
-        noise and the same accountant, whose steps count against the budget."""
-        from opacus.accountants.utils import get_noise_multiplier
-
-        if self._dp_optimizer is not None and self._dp_optimizer in (self.optimizer,
-                                                                     getattr(self.optimizer, "optimizer", None)):
-            return  # as it is, or inside accelerate's wrapper
-        self._check_optimizer(self.optimizer)
-        privacy = self.privacy_args
-        if privacy.target_epsilon is not None:
-            if self.noise_multiplier is None:
-                self.noise_multiplier = get_noise_multiplier(
-                    target_epsilon=privacy.target_epsilon, target_delta=self.target_delta,
-                    sample_rate=self.sample_rate, steps=steps, accountant=privacy.accountant)
-            self.allowed_steps = self._allowed_steps(steps)
-        if self.world_size > 1 and self._sharded():
-            # FSDP2: each rank adds the noise of its own shards (Opacus's FSDP optimizer, as
-            # make_private uses it); the sharded gradients were reduce-scattered by FSDP.
-            from opacus.optimizers import FSDPOptimizerFastGradientClipping as optimizer_class
-        elif self.world_size > 1:
-            # Noise on rank 0 only, then the ranks' sums added (Opacus's distributed optimizer,
-            # as make_private uses it): its expected batch size is per rank, as Opacus has it.
-            from opacus.optimizers import DistributedDPOptimizerFastGradientClipping as optimizer_class
-        else:
-            from dpgrad.opacus import DPOptimizerFastGradientClipping as optimizer_class
-
-        optimizer = optimizer_class(
-            self.optimizer, noise_multiplier=self.noise_multiplier, max_grad_norm=privacy.max_grad_norm,
-            expected_batch_size=self.expected_batch_size / self.world_size, loss_reduction="mean")
-        optimizer.attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=self.sample_rate))
-        self.optimizer = self._dp_optimizer = optimizer
-        if self._wrapper is not None:  # its loss wrapper knows the optimizer: made anew at the next step
-            self._wrapper.remove_hooks()
-            self._wrapper = None
-        logger.info("DPTrainer: noise multiplier %.4f, sample rate %.6g, %d planned steps, delta %.3g",
-                    self.noise_multiplier, self.sample_rate, steps, self.target_delta)
-
-    # ------------------------------------------------------------------ checkpoints
-    def _privacy_file(self, directory: str) -> str:
-        return os.path.join(directory, f"{PRIVACY_STATE}-rank{self.rank}.json" if self.world_size > 1
-                            else f"{PRIVACY_STATE}.json")
-
-    def _save_checkpoint(self, model, trial) -> None:
-        """The Trainer's checkpoint, and with it the privacy spent (the accountant's steps, the
-        noise, the sampling) and the Poisson sampler's generator: a run resumed from it goes on
-        spending the same budget and drawing fresh batches."""
-        super()._save_checkpoint(model, trial)
-        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-        directory = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        os.makedirs(directory, exist_ok=True)
-        state = {"format": PRIVACY_FORMAT, "accountant": self.privacy_args.accountant,
-                 "history": [list(entry) for entry in self.accountant.history],
-                 "noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate,
-                 "target_delta": self.target_delta, "max_grad_norm": self.privacy_args.max_grad_norm,
-                 "world_size": self.world_size, "rank": self.rank,
-                 "generator": base64.b64encode(self._resume_state().numpy().tobytes()).decode("ascii")}
-        with open(self._privacy_file(directory), "w") as f:
-            json.dump(state, f, indent=1)
-
-    def _resume_state(self) -> torch.Tensor:
-        """The sampler's generator state a resumed run starts from: where it stands, at the end
-        of an epoch; in the middle of one, where that epoch began, since the Trainer, resuming,
-        draws and drops the epoch's batches already taken (``skip_first_batches``), and then
-        goes on with exactly the uninterrupted run's next draws."""
-        sampler = self._sampler
-        if sampler is not None and sampler.epoch_start is not None and self.state.global_step % sampler.steps:
-            return sampler.epoch_start
-        return self._generator.get_state()
-
+    # ------------------------------------------------------------------ checkpoints, privacy spent
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
         """The Trainer's, but for a model the caller sharded by ``fully_shard``: every rank
         gathers the full state dict (a collective), rank 0 writes it."""
@@ -359,71 +269,6 @@ class DPTrainer(transformers.Trainer):
         if self.args.should_save:
             self._save(output_dir or self.args.output_dir, state_dict=state)
 
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """For a model the caller sharded, each rank's optimizer state (its shards') in a file of
-        its own; otherwise the Trainer's."""
-        if not self._sharded_by_caller():
-            return super()._save_optimizer_and_scheduler(output_dir)
-        os.makedirs(output_dir, exist_ok=True)  # each rank writes here, whichever comes first
-        torch.save(self.optimizer.state_dict(), os.path.join(output_dir, f"optimizer-rank{self.rank}.pt"))
-        if self.args.should_save:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        """For a model the caller sharded, the checkpoint's full weights put into every rank's
-        shards; otherwise the Trainer's."""
-        if not self._sharded_by_caller():
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        from safetensors.torch import load_file
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        state = load_file(os.path.join(resume_from_checkpoint, "model.safetensors"))
-        set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True, strict=False))
-
-    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
-        if checkpoint is not None and self._sharded_by_caller():
-            self.optimizer.load_state_dict(torch.load(os.path.join(checkpoint, f"optimizer-rank{self.rank}.pt"),
-                                                      weights_only=False))
-            self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=False))
-        else:
-            super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is not None:
-            self._load_privacy_state(checkpoint)
-
-    def _load_privacy_state(self, checkpoint: str) -> None:
-        """What ``_save_checkpoint`` saved, checked against this run's settings: the accountant's
-        steps, the noise (under ``target_epsilon``, the budget's), the generator's state."""
-        path = self._privacy_file(checkpoint)
-        try:
-            with open(path) as f:
-                state = json.load(f)
-        except FileNotFoundError:
-            raise ValueError(f"checkpoint {checkpoint} holds no privacy state ({os.path.basename(path)}): the "
-                             "privacy spent before it is unknown, so DPTrainer cannot resume from it") from None
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{path}: not a readable privacy state ({exc})") from exc
-        problem = privacy_state_problem(state)
-        if problem is not None:
-            raise ValueError(f"{path}: {problem}")
-        mine = {"accountant": self.privacy_args.accountant, "sample_rate": self.sample_rate,
-                "target_delta": self.target_delta, "world_size": self.world_size}
-        for key, value in mine.items():
-            if state[key] != value and not (isinstance(value, float) and math.isclose(state[key], value, rel_tol=1e-12)):
-                raise ValueError(f"{path}: the checkpoint's run had {key} {state[key]!r}, this one has {value!r}: "
-                                 "resume with the same dataset, batch size, privacy arguments and processes")
-        try:
-            generator = torch.frombuffer(bytearray(base64.b64decode(state["generator"], validate=True)),
-                                         dtype=torch.uint8)
-            self._generator.set_state(generator.clone())
-        except (ValueError, RuntimeError) as exc:
-            raise ValueError(f"{path}: the sampler's generator state cannot be restored ({exc})") from exc
-        self.accountant.history = [tuple(entry) for entry in state["history"]]
-        if self.privacy_args.target_epsilon is not None:  # the budget was planned with this noise
-            self.noise_multiplier = self._dp_optimizer.noise_multiplier = state["noise_multiplier"]
-            self.allowed_steps = self._allowed_steps(self.state.max_steps)
-        logger.info("DPTrainer: resumed from %s after %d DP steps (epsilon %.4g)", checkpoint, self.steps_taken(),
-                    self.privacy_spent()[0])
-
     def privacy_spent(self) -> Tuple[float, float]:
         """``(epsilon, delta)`` spent by the steps taken so far."""
         if not self.accountant.history:
@@ -433,53 +278,9 @@ class DPTrainer(transformers.Trainer):
         # epsilon is at least 0; the accountants' numerics can go a little below.
         return max(0.0, float(self.accountant.get_epsilon(delta=self.target_delta))), self.target_delta
 
-    def _epsilon_after(self, steps: int) -> float:
-        """epsilon after the steps taken and ``steps`` more at this run's noise and rate."""
-        accountant = type(self.accountant)()
-        accountant.history = list(self.accountant.history) + [(self.noise_multiplier, self.sample_rate, steps)]
-        return float(accountant.get_epsilon(delta=self.target_delta))
-
-    def _allowed_steps(self, planned: int) -> int:
-        """The steps in all (those taken included) ``target_epsilon`` allows, at most
-        ``planned``: all of them when the noise was chosen for them (within Opacus's 1%
-        tolerance), fewer if they would spend more (a resumed run planning more steps)."""
-        target = self.privacy_args.target_epsilon * 1.01
-        taken = self.steps_taken()
-        low, high = 0, max(planned - taken, 0)  # the most more steps: epsilon grows with them
-        if self._epsilon_after(high) <= target:
-            return taken + high
-        while low < high:
-            middle = (low + high + 1) // 2
-            if self._epsilon_after(middle) <= target:
-                low = middle
-            else:
-                high = middle - 1
-        return taken + low
-
     def steps_taken(self) -> int:
         """The DP steps taken (counted by the accountant)."""
         return sum(n for *_, n in self.accountant.history)
-
-    def _next_step_overspends(self) -> bool:
-        return self.allowed_steps is not None and self.steps_taken() + 1 > self.allowed_steps
-
-    def _get_grad_norm(self, model, grad_norm=None):
-        """None: the norm of the clipped sum before its noise is not private, so it is neither
-        computed nor logged."""
-        return None
-
-    def log(self, logs: Dict[str, float], start_time: Optional[float] = None) -> None:
-        logs = dict(logs)
-        logs["epsilon"] = self.privacy_spent()[0]
-        super().log(logs, start_time)
-
-    def _wrap_model(self, model, training=True, dataloader=None):
-        """A model the caller sharded by ``fully_shard`` is trained through dpgrad's wrapper as it
-        is: Accelerate would put DistributedDataParallel around it (its collectives and FSDP2's
-        would both reduce). Otherwise the Trainer's own."""
-        if training and self._sharded_by_caller():
-            return self._wrapped(self.model)
-        return super()._wrap_model(model, training, dataloader)
 
     # ------------------------------------------------------------------ the step
     def _wrapped(self, model: nn.Module) -> GradSampleModuleFastGradientClipping:

@@ -6,7 +6,8 @@ tuner.py for how it decides and ``DPGRAD_TUNE`` / ``DPGRAD_TUNE_DIR`` for the co
 
 from .candidates import CANDIDATES, KINDS, Candidate, Shape
 from .store import TuneStore
-from .tuner import Decision, Recording, Tuner, bucket, get_tuner, measure_ms, tune_mode
+from .timing import Decision, measure_ms
+from .tuner import Recording, Tuner, bucket, get_tuner, tune_mode
 
 __all__ = ["CANDIDATES", "KINDS", "Candidate", "Decision", "Recording", "Shape", "TuneStore", "Tuner", "bucket",
            "get_tuner", "measure_ms", "tune_mode"]

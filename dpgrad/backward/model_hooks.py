@@ -1,0 +1,96 @@
+"""The hooks a backward path puts on the model itself (``ModelHooks``, a mixin of
+``dpgrad.backward.backward_pass.BackwardPath``): the pre-hook that begins each forward pass
+(what the last one left reset, the model's layout looked at again, the finite checks that
+arrived reported), and the post-hook that ends it with the guarantee's check of its graph when
+its layout is new (``dpgrad.checks.guarantee``) and the independence probes
+(``dpgrad.checks.independence_check``). The hooks of the layers are the path's own."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch.nn as nn
+
+from dpgrad.backward.autograd_graph import eager_when_compiled
+from dpgrad.checks.guarantee import input_nodes, sequence_number, tensors_in, unclipped_error, uncovered_uses
+
+
+class ModelHooks:
+    """The hooks on the model itself, for a ``BackwardPath``: a forward pass begun
+    (``begin_forward``) and ended (``end_forward``, with the guarantee's check, ``_verify``).
+    The state they use and the ``UNCLIPPED`` message are the path's."""
+
+    @eager_when_compiled
+    def _on_model_call(self, module: nn.Module, args, kwargs) -> None:
+        if self.inert or self.independence.rerunning:
+            return None  # a copy of the model alone, or a forward probe's run (dpgrad.checks.forward_probe)
+        self.begin_forward()
+        if self.check_independence:
+            self.independence.begin_forward(args, kwargs)
+        return None
+
+    def begin_forward(self) -> None:
+        """A forward pass of the model begins: what the last one left is reset."""
+        if self._pass_open:
+            # A backward pass that raised (in any hook, not only ours) never reached its
+            # end-of-pass callback; its partial per-sample state must not leak into this step.
+            self._abort_pass()
+        self.finite_reports.poll()
+        self._sync_with_model()
+        self._check_probe()
+        self._forward_batch = None
+        self._forward_seen = set()
+        self._edges.begin_forward()
+
+    @eager_when_compiled
+    def _on_model_output(self, module: nn.Module, args, output) -> None:
+        if not (self.inert or self.independence.rerunning):
+            self.end_forward(output)
+
+    def end_forward(self, output) -> None:
+        """The end of a forward pass: the guarantee's check of its graph, when its layout is
+        new (``dpgrad.checks.guarantee``)."""
+        edges = self._edges
+        calls, edges.calls = edges.calls, []
+        found = tensors_in(output)
+        if calls and not found:
+            # Nothing to check the guarantee from: the loss could reach the layers unseen.
+            raise TypeError(
+                f"the model's output is a {type(output).__name__}, in which dpgrad finds no tensor: it checks "
+                "the graph from the model's outputs (that every trainable parameter is clipped and each "
+                "sample's outputs are its own), so return a tensor, or tuples, lists, dicts, dataclasses or "
+                "SimpleNamespaces of them (Hugging Face's ModelOutput is a dict)")
+        tensors = [t for t in found if t.grad_fn is not None]
+        edges.set_outputs(tensors)
+        if not calls or not edges.outputs:
+            self.independence.call = None
+            return
+        key = (self._scan_version, tuple(call[0] for call in calls), edges.output_seq - sequence_number(calls[0][1]))
+        if key not in self._verified:
+            self._verify(edges.outputs, calls, edges.marked_elsewhere)
+            self._verified.add(key)
+        if self.check_independence:
+            self.independence.end_forward(key, tensors)
+
+    def _verify(self, roots: list, calls: list, stop: Callable, in_loss: bool = False) -> None:
+        """Raise ``UnclippedGradientError`` if a trainable parameter is reached from ``roots``
+        other than through the hooked ``calls``."""
+        canonical = None
+        if self.sharded is not None:  # the graph holds FSDP's unsharded copies
+            canonical = lambda t: self.sharded.canonical((t,))[0]  # noqa: E731
+        uses = uncovered_uses(roots, [(node, input_nodes(inputs), set(params)) for _, node, inputs, params in calls],
+                              self._checked, stop=stop, canonical=canonical, visit=self._visit_node)
+        if uses:
+            names = {p: n.removeprefix("_module.") for n, p in self.root.named_parameters()}
+            names.update(self._param_names)
+            raise unclipped_error(self.UNCLIPPED, uses, names, self._owners, self.layer_names,
+                                  {call[0] for call in calls}, in_loss)
+
+    def probes_model_at_forward(self) -> bool:
+        """Whether the model's probe runs at the end of a forward pass of a new layout (else the
+        probe of the per-sample losses, in a backward pass dpgrad runs, takes the model too)."""
+        return True
+
+    def _visit_node(self, node) -> None:
+        """Called on every node the guarantee's check walks; a path raises for nodes it cannot
+        clip through."""
