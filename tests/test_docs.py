@@ -1,4 +1,4 @@
-"""The README and the guides in docs/: every Python example in them runs (Sybil; a page's
+"""The README, CONTRIBUTING.md and the guides in docs/: every Python example in them runs (Sybil; a page's
 examples share one namespace, invisible setup blocks give them a model and data), and the
 guides build into a site with mkdocs in strict mode (a broken link or reference fails)."""
 
@@ -17,7 +17,7 @@ sybil = pytest.importorskip("sybil")
 from sybil.parsers.markdown import PythonCodeBlockParser, SkipParser  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
 PARSER = sybil.Sybil(parsers=[PythonCodeBlockParser(), SkipParser()])
 
 
