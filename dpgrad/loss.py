@@ -85,6 +85,23 @@ def _first_dim(args, kwargs) -> Optional[int]:
     return None
 
 
+def _check_one_loss_per_sample(loss_per_sample: torch.Tensor, batch: Optional[int], shape) -> None:
+    """Refuse, where the criterion is called, losses that are not one per sample of the last
+    forward pass's batch (``batch``; None where it is not known), naming the fix."""
+    if batch is None or loss_per_sample.shape == (batch,):
+        return
+    got = tuple(loss_per_sample.shape)
+    if loss_per_sample.dim() == 1 and got[0] > batch and got[0] % batch == 0 and shape is None:
+        raise ValueError(
+            f"the criterion gave {got[0]} losses for a batch of {batch} samples: one per token, from outputs "
+            f"flattened to (B*T, ...). Give the outputs' shape before flattening, so that each sequence's loss "
+            f"is its sample's: criterion(logits.reshape(-1, V), labels.reshape(-1), shape=logits.shape[:2]); "
+            f"or use a criterion that returns one loss per sample")
+    raise ValueError(
+        f"the criterion gave losses of shape {got} for a batch of {batch} samples: give one loss per sample, "
+        f"shape ({batch},) (for a loss per token, pass shape=(B, T) of the outputs before they were flattened)")
+
+
 class DPTensorFastGradientClipping:
     """Per-sample losses (B,) whose ``backward()`` is the clipped backward of ghost clipping.
 
@@ -113,6 +130,9 @@ class DPTensorFastGradientClipping:
 
     def item(self) -> float:
         return self.detach().item()
+
+    def __float__(self) -> float:
+        return self.item()
 
     def _with(self, loss_per_sample: torch.Tensor) -> "DPTensorFastGradientClipping":
         return DPTensorFastGradientClipping(self.module, self.optimizer, loss_per_sample, self.loss_reduction,
@@ -229,6 +249,9 @@ class DPLossFastGradientClipping:
         """
         loss_per_sample = self._losses(args, kwargs, shape)
         wrapper = clipping_wrapper(self.module)
+        if self.batches is None:  # (a padded batch's losses are checked against its size below)
+            _check_one_loss_per_sample(loss_per_sample, getattr(getattr(wrapper, "_path", None), "_forward_batch",
+                                                                None), shape)
         if isinstance(wrapper, GradSampleModuleFastGradientClipping) and wrapper.check_independence:
             # For the loss's forward probe (dpgrad.checks.forward_probe), run where it is due.
             modules = [self.criterion] if isinstance(self.criterion, torch.nn.Module) else []

@@ -169,6 +169,57 @@ def test_one_step_matches_opacus_ghost_clipping(mode):
         torch.testing.assert_close(u_ours, u_theirs, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("accountant", ["rdp", "prv"])
+@pytest.mark.parametrize("mode", ["ghost", "ghost-single"])
+def test_make_private_with_epsilon_reaches_the_budget(mode, accountant):
+    """The noise multiplier is Opacus's own for the budget (its make_private_with_epsilon on the
+    same model and loader), and epochs * len(loader) steps spend the budget to within the
+    tolerance of the search, from below."""
+    target_epsilon, target_delta, epochs = 4.0, 1e-3, 2
+    torch.manual_seed(0)
+    model = _model()
+    theirs = PrivacyEngine(accountant=accountant).make_private_with_epsilon(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.CrossEntropyLoss(),
+        data_loader=DataLoader(_dataset(), batch_size=BATCH), target_epsilon=target_epsilon,
+        target_delta=target_delta, epochs=epochs, max_grad_norm=1.0, grad_sample_mode="ghost")[1]
+
+    torch.manual_seed(0)
+    engine = PrivacyEngine(accountant=accountant)
+    model = _model()
+    grad_sample_mode, single = MODES[mode]
+    module, optimizer, criterion, loader = dpgrad.opacus.make_private_with_epsilon(
+        engine, module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.CrossEntropyLoss(),
+        data_loader=DataLoader(_dataset(), batch_size=BATCH), target_epsilon=target_epsilon,
+        target_delta=target_delta, epochs=epochs, max_grad_norm=1.0, grad_sample_mode=grad_sample_mode,
+        single_backward=single)
+    assert type(module) is dpgrad.GradSampleModuleFastGradientClipping and module.single_backward == single
+    assert optimizer.noise_multiplier == theirs.noise_multiplier > 0
+
+    steps = sum(_train(module, optimizer, criterion, loader, steps=len(loader)) for _ in range(epochs))
+    assert steps == epochs * len(loader)
+    spent = engine.get_epsilon(target_delta)
+    assert target_epsilon - 0.05 <= spent <= target_epsilon * 1.001, spent
+
+
+def test_make_private_with_epsilon_checks_the_budget():
+    def call(engine=None, **kwargs):
+        settings = dict(target_epsilon=2.0, target_delta=1e-3, epochs=1) | kwargs
+        model = _model()
+        return dpgrad.opacus.make_private_with_epsilon(
+            engine or PrivacyEngine(), module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(_dataset(), batch_size=BATCH), max_grad_norm=1.0, **settings)
+
+    for bad in (dict(epochs=0), dict(epochs=1.5), dict(target_epsilon=0.0), dict(target_delta=1.0)):
+        with pytest.raises(ValueError, match="epochs|budget"):
+            call(**bad)
+    with pytest.warns(UserWarning, match=r"at least 1/N for N=64 samples.*1/N\^1.1"):
+        call(target_delta=1 / 64)
+    engine = PrivacyEngine()
+    engine.accountant.history.append((1.0, 0.1, 3))
+    with pytest.warns(UserWarning, match="budget already spent"):
+        call(engine)
+
+
 def test_make_private_default_criterion_follows_loss_reduction():
     model = _model()
     _, _, criterion, _ = dpgrad.opacus.make_private(

@@ -577,6 +577,42 @@ def test_dp_loss_checks_reductions():
     assert criterion.reduction == "mean" and loss.loss_reduction == "mean"
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_the_readme_recipe_on_a_language_model(mode):
+    """The README's recipe as a language model's user writes it: the flattened logits' token
+    losses are refused where the criterion is called, the message naming shape=; with it, each
+    sequence is a sample, and p.grad is the clipped sum of the sequences' own gradients. The
+    loss converts with float() as with item()."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(13)
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=29, n_positions=8,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    net = transformers.GPT2LMHeadModel(cfg)
+    B, T, V = 4, 6, cfg.vocab_size
+    ids = torch.randint(0, V, (B, T))
+    reference = copy.deepcopy(net)
+    model = wrap(net, mode, max_grad_norm=0.05)
+    criterion = dpgrad.DPLossFastGradientClipping(model, None, nn.CrossEntropyLoss())
+
+    logits = model(ids).logits
+    with pytest.raises(ValueError, match=r"24 losses for a batch of 4 samples.*shape=logits.shape\[:2\]"):
+        criterion(logits.reshape(-1, V), ids.reshape(-1))
+    with pytest.raises(ValueError, match=r"shape \(4, 6\) for a batch of 4 samples: give one loss per sample"):
+        dpgrad.DPLossFastGradientClipping(model, None, nn.MSELoss())(logits[..., 0], ids.float())
+    loss = criterion(logits.reshape(-1, V), ids.reshape(-1), shape=logits.shape[:2])
+    loss.backward()
+
+    params = [p for p in reference.parameters() if p.requires_grad]
+    grads = [torch.autograd.grad(F.cross_entropy(reference(ids[b:b + 1]).logits[0], ids[b]), params) for b in range(B)]
+    norms = torch.stack([torch.sqrt(sum(g.double().square().sum() for g in sample)) for sample in grads])
+    coefs = (0.05 / (norms + 1e-6)).clamp(max=1.0)
+    # p.grad holds the clipped sum; the optimizer divides by the expected batch size.
+    expected = [sum(coefs[b] * grads[b][i].double() for b in range(B)) for i in range(len(params))]
+    for (name, p), want in zip(((n, p) for n, p in net.named_parameters() if p.requires_grad), expected):
+        torch.testing.assert_close(p.grad.double(), want, rtol=1e-4, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    assert float(loss) == loss.item() == pytest.approx(F.cross_entropy(logits.reshape(-1, V), ids.reshape(-1)).item())
+
+
 def test_dp_loss_per_sequence_and_arithmetic():
     """shape=(B, T): one loss per sequence, the mean over the tokens not equal to
     ignore_index; scalar arithmetic acts on every sample's loss."""

@@ -333,3 +333,57 @@ def make_private(
                                                    batches=data_loader if physical_batch_size is not None else None)
         return module, optimizer, criterion, data_loader
     return module, optimizer, data_loader
+
+
+def make_private_with_epsilon(
+    privacy_engine,
+    *,
+    module: nn.Module,
+    optimizer,
+    data_loader,
+    target_epsilon: float,
+    target_delta: float,
+    epochs: int,
+    max_grad_norm,
+    epsilon_tolerance: float = 0.01,
+    **kwargs,
+):
+    """``PrivacyEngine.make_private_with_epsilon`` with the model wrapped by dpgrad.
+
+    The noise multiplier is the one Opacus's ``make_private_with_epsilon`` computes: the
+    smallest that the engine's accountant says reaches ``(target_epsilon, target_delta)``
+    (within ``epsilon_tolerance`` below the target) after ``epochs`` passes over
+    ``data_loader``, at Opacus's sample rate ``1 / len(data_loader)``. Then
+    ``make_private(privacy_engine, ..., noise_multiplier=that)``: every other keyword
+    (``criterion``, ``grad_sample_mode``, ``single_backward``, ``clipping``, ...) is
+    ``make_private``'s, with its defaults. ``privacy_engine.get_epsilon(target_delta)`` after
+    ``epochs * len(data_loader)`` steps is then at most ``target_epsilon``.
+
+    As in Opacus, a warning when the accountant has recorded steps already (the noise is
+    planned from none), and a ValueError for a budget or a number of epochs that is not
+    positive. A warning also when ``target_delta`` is at least ``1 / len(dataset)``: a
+    mechanism that published one sample at random would meet such a delta.
+    """
+    import warnings
+
+    from opacus.accountants.utils import get_noise_multiplier
+
+    if not target_epsilon > 0 or not 0 < target_delta < 1:
+        raise ValueError(f"the budget needs target_epsilon > 0 and 0 < target_delta < 1, not "
+                         f"({target_epsilon!r}, {target_delta!r})")
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+        raise ValueError(f"epochs must be a positive integer, not {epochs!r}")
+    if len(privacy_engine.accountant) > 0:
+        warnings.warn("make_private_with_epsilon with privacy budget already spent: the noise is planned for "
+                      "the new steps alone, so the whole training spends more than target_epsilon", stacklevel=2)
+    rows = len(getattr(data_loader, "dataset", ()) or ())
+    if rows and target_delta >= 1 / rows:
+        warnings.warn(f"target_delta={target_delta:g} is at least 1/N for N={rows} samples: a mechanism that "
+                      f"published one sample outright would meet it; take target_delta well below 1/N "
+                      f"(for instance 1/N^1.1 = {rows ** -1.1:.2g})", stacklevel=2)
+    noise_multiplier = get_noise_multiplier(
+        target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=1 / len(data_loader),
+        epochs=epochs, accountant=privacy_engine.accountant.mechanism(), epsilon_tolerance=epsilon_tolerance,
+    )
+    return make_private(privacy_engine, module=module, optimizer=optimizer, data_loader=data_loader,
+                        noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, **kwargs)
