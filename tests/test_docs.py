@@ -195,3 +195,52 @@ def test_guides_show_an_example_early(page):
     else:
         pytest.fail(f"{page.name} has no code block")
     assert words <= 200, f"{page.name}: {words} words before the first example"
+
+
+# ------------------------------------------------------------------ the defaults table
+def _defaults_table() -> dict:
+    """What docs/supported.md's "Defaults" table says: {setting: [wrappers, make_private, DPTrainer]}."""
+    text = (ROOT / "docs" / "supported.md").read_text(encoding="utf-8")
+    section = text.split("## Defaults\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line.strip("|").split("|") for line in section.splitlines() if line.startswith("| ")]
+    return {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in rows[1:]}
+
+
+def test_the_defaults_table_is_the_code():
+    import dataclasses
+    import inspect
+
+    opacus = pytest.importorskip("opacus")
+    import dpgrad
+    import dpgrad.opacus
+    from dpgrad.hf.privacy import PrivacyArguments
+    from dpgrad.opacus.budget import default_delta
+
+    def literal(value) -> str:  # as the docs write it
+        return f'`"{value}"`' if isinstance(value, str) else f"`{value!r}`"
+
+    def default(function, name):
+        value = inspect.signature(function).parameters[name].default
+        return "given" if value is inspect.Parameter.empty else literal(value)
+
+    trainer = {f.name: literal(f.default) for f in dataclasses.fields(PrivacyArguments)}
+    wrapper = dpgrad.GradSampleModuleFastGradientClipping.__init__
+    engine = dpgrad.opacus.make_private
+    table = _defaults_table()
+    for setting in ("single_backward", "clipping", "max_grad_norm", "check_independence"):
+        cells = table[f"`{setting}`"]
+        assert cells[0] == default(wrapper, setting), setting
+        assert cells[1] == default(engine, setting), setting
+        if setting == "clipping":  # DPTrainer clips flat, with no option
+            assert cells[2] == literal("flat") and setting not in trainer
+        else:
+            assert cells[2] == trainer[setting], setting
+    for setting in ("max_grad_norm", "target_delta"):  # make_private_with_epsilon: no default
+        assert default(dpgrad.opacus.make_private_with_epsilon, setting) == "given"
+    assert table["clipping mode"][0].endswith(f"(`use_ghost_clipping={default(wrapper, 'use_ghost_clipping')[1:-1]}`)")
+    assert table["clipping mode"][1] == f"ghost (`grad_sample_mode={default(engine, 'grad_sample_mode')[1:-1]}`)"
+    engine_accountant = inspect.signature(opacus.PrivacyEngine).parameters["accountant"].default
+    assert table["accountant"][1] == f"the `PrivacyEngine`'s ({literal(engine_accountant)})"
+    assert table["accountant"][2] == trainer["accountant"]
+    assert table["`target_delta`"][2] == "N^-1.1" and trainer["target_delta"] == "`None`"
+    assert default_delta(1000) == pytest.approx(1000 ** -1.1)

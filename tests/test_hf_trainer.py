@@ -181,8 +181,8 @@ def test_epsilon_equals_opacus_accountant_and_is_logged(tmp_path, accountant, cl
     for _ in range(3):
         reference.step(noise_multiplier=1.1, sample_rate=8 / 24)
     epsilon, delta = t.privacy_spent()
-    assert delta == 1 / 24 and t.sample_rate == 8 / 24
-    assert epsilon == pytest.approx(reference.get_epsilon(delta=1 / 24), rel=1e-6)
+    assert delta == 24 ** -1.1 and t.sample_rate == 8 / 24  # the default delta, N^-1.1
+    assert epsilon == pytest.approx(reference.get_epsilon(delta=24 ** -1.1), rel=1e-6)
     logged = [entry["epsilon"] for entry in t.state.log_history if "epsilon" in entry and "loss" in entry]
     assert len(logged) == 3 and logged[-1] == pytest.approx(epsilon, rel=1e-6)
     assert all("grad_norm" not in entry for entry in t.state.log_history)  # the unnoised norm is not private
@@ -200,6 +200,31 @@ def test_target_epsilon_is_spent_by_the_planned_steps_and_never_exceeded(tmp_pat
     t.train()  # the budget is spent: no further step is taken
     assert steps(t) == 4 and t.privacy_spent()[0] == epsilon
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_a_delta_of_1_over_n_is_warned_of_and_prv_runs_without_rdp_warnings(tmp_path):
+    """A given target_delta of 1/N or more is warned of (the default, N^-1.1, is not); the PRV
+    accountant's calls (the noise for target_epsilon, epsilon in the logs) give no warning of
+    RDP's, which concerns an inner bound of PRV's only; under RDP that warning is kept."""
+    import warnings
+
+    with pytest.warns(UserWarning, match=r"target_delta=0.0416667 is at least 1/N for N=24 samples"):
+        trainer(tmp_path, gpt2(), rows(), privacy=PrivacyArguments(noise_multiplier=1.0, target_delta=1 / 24))
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        t = trainer(tmp_path, gpt2(), rows(), max_steps=2,
+                    privacy=PrivacyArguments(target_epsilon=8.0, max_grad_norm=1.0, accountant="prv"))
+        t.train()
+        epsilon, delta = t.privacy_spent()
+    assert steps(t) == 2 and 0 < epsilon <= 8.0 * 1.01 and delta == 24 ** -1.1
+    assert not [w for w in seen if "1/N" in str(w.message) or "largest alpha" in str(w.message)]
+    from dpgrad.opacus.budget import accountant_quiet
+
+    with pytest.warns(UserWarning, match="largest alpha"), accountant_quiet("rdp"):
+        reference = RDPAccountant()
+        reference.history = [(20.0, 0.01, 10)]
+        reference.get_epsilon(delta=1e-5)
 
 
 def _clipped_sum(tmp_path, data, user_column):
@@ -229,7 +254,7 @@ def test_users_are_sampled_with_all_their_rows(tmp_path):
     users = [i // 3 for i in range(24)]
     t = trainer(tmp_path, gpt2(), rows(24, users), privacy=PrivacyArguments(noise_multiplier=1.0, user_column="user"),
                 per_device_train_batch_size=2, gradient_accumulation_steps=1)
-    assert len(t._units) == 8 and t.sample_rate == 2 / 8 and t.target_delta == 1 / 8
+    assert len(t._units) == 8 and t.sample_rate == 2 / 8 and t.target_delta == 8 ** -1.1
     for batch in t.get_train_dataloader():
         taken = {users[i] for i in batch.indices}
         assert sorted(batch.indices) == [i for i in range(24) if users[i] in taken]
@@ -464,6 +489,7 @@ def test_a_mid_epoch_resume_takes_the_uninterrupted_run_s_batches(tmp_path):
 @pytest.mark.parametrize("problem, message", [
     ("missing", "holds no privacy state"), ("corrupt", "not a readable privacy state"),
     ("ill_typed", "a 'history' that is not a list"), ("other_rate", "the checkpoint's run had sample_rate"),
+    ("old_default_delta", r"had target_delta 0.041666.*it was 1 / N before\): pass PrivacyArguments\(target_delta=0.041666"),
 ])
 def test_a_checkpoint_without_a_sound_privacy_state_is_refused(tmp_path, problem, message):
     import json
@@ -483,6 +509,8 @@ def test_a_checkpoint_without_a_sound_privacy_state_is_refused(tmp_path, problem
         state.write_text(json.dumps(dict(json.loads(state.read_text()), history=[["1", 0.3, 1]])))
     elif problem == "other_rate":
         kw["per_device_train_batch_size"] = 2
+    elif problem == "old_default_delta":  # a run saved when the default delta was 1 / N
+        state.write_text(json.dumps(dict(json.loads(state.read_text()), target_delta=1 / 24)))
     resumed = trainer(tmp_path, gpt2(), rows(), privacy=privacy, max_steps=2, **kw)
     with pytest.raises(ValueError, match=message):
         resumed.train(resume_from_checkpoint=str(checkpoint))

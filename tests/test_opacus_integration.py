@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 
@@ -187,11 +188,16 @@ def test_make_private_with_epsilon_reaches_the_budget(mode, accountant):
     engine = PrivacyEngine(accountant=accountant)
     model = _model()
     grad_sample_mode, single = MODES[mode]
-    module, optimizer, criterion, loader = dpgrad.opacus.make_private_with_epsilon(
-        engine, module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.CrossEntropyLoss(),
-        data_loader=DataLoader(_dataset(), batch_size=BATCH), target_epsilon=target_epsilon,
-        target_delta=target_delta, epochs=epochs, max_grad_norm=1.0, grad_sample_mode=grad_sample_mode,
-        single_backward=single)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        module, optimizer, criterion, loader = dpgrad.opacus.make_private_with_epsilon(
+            engine, module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            criterion=nn.CrossEntropyLoss(), data_loader=DataLoader(_dataset(), batch_size=BATCH),
+            target_epsilon=target_epsilon, target_delta=target_delta, epochs=epochs, max_grad_norm=1.0,
+            grad_sample_mode=grad_sample_mode, single_backward=single)
+    # RDP's warning about its orders is about PRV's inner bound under PRV: left out there only.
+    if accountant == "prv":
+        assert not [w for w in seen if "largest alpha" in str(w.message)]
     assert type(module) is dpgrad.GradSampleModuleFastGradientClipping and module.single_backward == single
     assert optimizer.noise_multiplier == theirs.noise_multiplier > 0
 
@@ -212,7 +218,7 @@ def test_make_private_with_epsilon_checks_the_budget():
     for bad in (dict(epochs=0), dict(epochs=1.5), dict(target_epsilon=0.0), dict(target_delta=1.0)):
         with pytest.raises(ValueError, match="epochs|budget"):
             call(**bad)
-    with pytest.warns(UserWarning, match=r"at least 1/N for N=64 samples.*1/N\^1.1"):
+    with pytest.warns(UserWarning, match=r"at least 1/N for N=64 samples.*N\^-1.1 = 0.01"):
         call(target_delta=1 / 64)
     engine = PrivacyEngine()
     engine.accountant.history.append((1.0, 0.1, 3))

@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 from typing import Dict, Optional
 
+from dpgrad.opacus.budget import accountant_quiet
+
 logger = logging.getLogger(__name__)
 
 
@@ -29,9 +31,10 @@ class PrivacyAccounting:
         privacy = self.privacy_args
         if privacy.target_epsilon is not None:
             if self.noise_multiplier is None:
-                self.noise_multiplier = get_noise_multiplier(
-                    target_epsilon=privacy.target_epsilon, target_delta=self.target_delta,
-                    sample_rate=self.sample_rate, steps=steps, accountant=privacy.accountant)
+                with accountant_quiet(privacy.accountant):
+                    self.noise_multiplier = get_noise_multiplier(
+                        target_epsilon=privacy.target_epsilon, target_delta=self.target_delta,
+                        sample_rate=self.sample_rate, steps=steps, accountant=privacy.accountant)
             self.allowed_steps = self._allowed_steps(steps)
         if self.world_size > 1 and self._sharded():
             # FSDP2: each rank adds the noise of its own shards (Opacus's FSDP optimizer, as
@@ -59,7 +62,8 @@ class PrivacyAccounting:
         """epsilon after the steps taken and ``steps`` more at this run's noise and rate."""
         accountant = type(self.accountant)()
         accountant.history = list(self.accountant.history) + [(self.noise_multiplier, self.sample_rate, steps)]
-        return float(accountant.get_epsilon(delta=self.target_delta))
+        with accountant_quiet(self.privacy_args.accountant):
+            return float(accountant.get_epsilon(delta=self.target_delta))
 
     def _allowed_steps(self, planned: int) -> int:
         """The steps in all (those taken included) ``target_epsilon`` allows, at most

@@ -108,8 +108,11 @@ class PrivacyCheckpoints:
                 "target_delta": self.target_delta, "world_size": self.world_size}
         for key, value in mine.items():
             if state[key] != value and not (isinstance(value, float) and math.isclose(state[key], value, rel_tol=1e-12)):
+                hint = ("; the default target_delta is N^-1.1 (it was 1 / N before): pass "
+                        f"PrivacyArguments(target_delta={state[key]!r}) to resume that run"
+                        if key == "target_delta" and self.privacy_args.target_delta is None else "")
                 raise ValueError(f"{path}: the checkpoint's run had {key} {state[key]!r}, this one has {value!r}: "
-                                 "resume with the same dataset, batch size, privacy arguments and processes")
+                                 f"resume with the same dataset, batch size, privacy arguments and processes{hint}")
         try:
             generator = torch.frombuffer(bytearray(base64.b64decode(state["generator"], validate=True)),
                                          dtype=torch.uint8)

@@ -44,14 +44,16 @@ class PrivacyArguments:
     """The privacy settings of ``DPTrainer`` (``transformers.HfArgumentParser`` reads them).
 
     Exactly one of ``target_epsilon`` and ``noise_multiplier``; ``target_delta`` defaults to
-    1 / N (N rows, or users with ``user_column``)."""
+    N^-1.1 (N rows, or users with ``user_column``), and a given one of 1 / N or more is warned
+    of."""
 
     target_epsilon: Optional[float] = field(default=None, metadata={
         "help": "Privacy budget: the noise is chosen so that the planned steps spend exactly it, "
                 "and training stops before a step that would spend more."})
     noise_multiplier: Optional[float] = field(default=None, metadata={
         "help": "Noise standard deviation over max_grad_norm (instead of target_epsilon)."})
-    target_delta: Optional[float] = field(default=None, metadata={"help": "delta; default 1 / N."})
+    target_delta: Optional[float] = field(default=None, metadata={
+        "help": "delta; default N^-1.1 for N rows (or users); a warning at 1 / N or more."})
     max_grad_norm: float = field(default=1.0, metadata={
         "help": "Per-sample clipping bound C (per user with user_column)."})
     accountant: str = field(default="prv", metadata={"help": "Opacus accountant: 'prv' or 'rdp'."})

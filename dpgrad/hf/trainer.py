@@ -76,6 +76,7 @@ from dpgrad.hf.privacy import PrivacyArguments
 from dpgrad.hf.sampling import Indexed, LogicalBatch, PoissonSampler, sampling_generator, sampling_units
 from dpgrad.hf.sharding import FSDP2Sharding
 from dpgrad.loss import DPLossFastGradientClipping
+from dpgrad.opacus.budget import accountant_quiet, default_delta, warn_if_delta_large
 
 logger = logging.getLogger(__name__)
 
@@ -153,11 +154,13 @@ class DPTrainer(PrivacyAccounting, PrivacyCheckpoints, FSDP2Sharding, transforme
         if not self._units:
             raise ValueError("DPTrainer: the training dataset is empty")
         self.sample_rate = min(1.0, self.expected_batch_size / len(self._units))
-        self.target_delta = privacy_args.target_delta or 1 / len(self._units)
+        self.target_delta = privacy_args.target_delta or default_delta(len(self._units))
         if self.target_delta >= 1:
-            raise ValueError(f"target_delta defaults to 1 / N, which is {self.target_delta} for N = {len(self._units)} "
+            raise ValueError(f"target_delta defaults to N^-1.1, which is {self.target_delta} for N = {len(self._units)} "
                              f"{'users' if privacy_args.user_column else 'rows'}: a delta of 1 guarantees nothing; "
                              "give PrivacyArguments.target_delta")
+        if privacy_args.target_delta is not None:
+            warn_if_delta_large(self.target_delta, len(self._units))
         from opacus.accountants import create_accountant
 
         self.accountant = create_accountant(privacy_args.accountant)
@@ -276,7 +279,8 @@ class DPTrainer(PrivacyAccounting, PrivacyCheckpoints, FSDP2Sharding, transforme
         if any(noise == 0 for noise, *_ in self.accountant.history):
             return math.inf, self.target_delta  # a step without noise is not private
         # epsilon is at least 0; the accountants' numerics can go a little below.
-        return max(0.0, float(self.accountant.get_epsilon(delta=self.target_delta))), self.target_delta
+        with accountant_quiet(self.privacy_args.accountant):
+            return max(0.0, float(self.accountant.get_epsilon(delta=self.target_delta))), self.target_delta
 
     def steps_taken(self) -> int:
         """The DP steps taken (counted by the accountant)."""

@@ -368,6 +368,8 @@ def make_private_with_epsilon(
 
     from opacus.accountants.utils import get_noise_multiplier
 
+    from dpgrad.opacus.budget import accountant_quiet, warn_if_delta_large
+
     if not target_epsilon > 0 or not 0 < target_delta < 1:
         raise ValueError(f"the budget needs target_epsilon > 0 and 0 < target_delta < 1, not "
                          f"({target_epsilon!r}, {target_delta!r})")
@@ -377,13 +379,12 @@ def make_private_with_epsilon(
         warnings.warn("make_private_with_epsilon with privacy budget already spent: the noise is planned for "
                       "the new steps alone, so the whole training spends more than target_epsilon", stacklevel=2)
     rows = len(getattr(data_loader, "dataset", ()) or ())
-    if rows and target_delta >= 1 / rows:
-        warnings.warn(f"target_delta={target_delta:g} is at least 1/N for N={rows} samples: a mechanism that "
-                      f"published one sample outright would meet it; take target_delta well below 1/N "
-                      f"(for instance 1/N^1.1 = {rows ** -1.1:.2g})", stacklevel=2)
-    noise_multiplier = get_noise_multiplier(
-        target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=1 / len(data_loader),
-        epochs=epochs, accountant=privacy_engine.accountant.mechanism(), epsilon_tolerance=epsilon_tolerance,
-    )
+    warn_if_delta_large(target_delta, rows)
+    mechanism = privacy_engine.accountant.mechanism()
+    with accountant_quiet(mechanism):
+        noise_multiplier = get_noise_multiplier(
+            target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=1 / len(data_loader),
+            epochs=epochs, accountant=mechanism, epsilon_tolerance=epsilon_tolerance,
+        )
     return make_private(privacy_engine, module=module, optimizer=optimizer, data_loader=data_loader,
                         noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, **kwargs)
