@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from dpgrad.tools.cli import number_in
+from dpgrad.tools.cli_common import number_in
 from dpgrad.tools.models import TinyTransformer, TinyTransformerConfig
 from privacy_engine import train  # the example beside this one
 

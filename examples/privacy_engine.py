@@ -13,7 +13,7 @@ from opacus import PrivacyEngine
 from torch.utils.data import DataLoader, TensorDataset
 
 import dpgrad.opacus
-from dpgrad.tools.cli import number_in
+from dpgrad.tools.cli_common import number_in
 from dpgrad.tools.models import TinyTransformer, TinyTransformerConfig, synthetic_batch
 
 

@@ -5,6 +5,8 @@ auditing like the idealised Gaussian mechanism, and faults injected here caught.
 from __future__ import annotations
 
 import math
+import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -175,27 +177,66 @@ def test_noise_at_half_its_scale_is_caught(monkeypatch):
     _fault_caught(dict(noise_multiplier=1.1597, sample_rate=1.0, steps=1, canaries=10000, samples=100))
 
 
-def test_cli_prints_and_writes_both_mechanisms_and_refuses_what_it_cannot_do(tmp_path, capsys):
+def test_cli_prints_and_writes_both_mechanisms_and_refuses_what_it_cannot_do(tmp_path, capsys, monkeypatch):
+    import time
+
     from dpgrad.tools.cli import main
 
+    monkeypatch.setenv("DPGRAD_PROGRESS", "1")  # the bar on captured stderr too
     out = tmp_path / "audit.json"
     assert main(["audit", "--noise-multiplier", "2", "--canaries", "100", "--samples", "100", "--steps", "10",
                  "--json", str(out)]) == 0
-    printed = capsys.readouterr().out
-    assert "accountant eps" in printed and "idealised" in printed
+    captured = capsys.readouterr()
+    table, verdicts = captured.out.split("\n\n")
+    lines = table.splitlines()
+    assert lines[:2] == ["audit: delta 1e-05, sample rate 0.1, 10 steps, 100 canaries, 100 samples",
+                         "       white-box, make_private, flat clipping, single backward, model linear"]
+    assert lines[2].split()[:3] == ["noise", "mechanism", "accountant"]
+    assert [line.split()[:2] for line in lines[3:]] == [["2", "dpgrad"], ["2", "idealised"]]
+    assert re.fullmatch(r"noise 2: audited \d+\.\d{3} <= accountant 0\.936: consistent\n", verdicts)
+    # The bar counted the 10 steps on stderr; the libraries' warnings went there too, once each.
+    assert "audit: " in captured.err and "/10 [" in captured.err and "noise 2" in captured.err
+    assert captured.err.count("Secure RNG turned off") == 1
+    assert "Warning" not in captured.out
     audits = __import__("json").loads(out.read_text())["audits"]
     assert [a["mechanism"] for a in audits] == ["dpgrad", "idealised"]
     for a in audits:
         assert a["accountant_epsilon"] > 0 and 0 <= a["epsilon_one_run"] <= a["accountant_epsilon"]
         assert {"epsilon_fdp", "canaries", "guesses_one_run", "correct_one_run", "confidence"} <= set(a)
-    assert main(["audit", "--canaries", "100", "--samples", "100", "--steps", "2",
-                 "--json", str(tmp_path / "missing" / "a.json")]) == 1
-    with pytest.raises(SystemExit):
-        main(["audit", "--sample-rate", "0.3"])
-    with pytest.raises(SystemExit):
-        main(["audit", "--model", "no-such-model"])
+    # Refused before the first step: an unwritable --json, a rate that is not 1/k, an unknown model.
+    for bad, message in ((["--json", str(tmp_path / "missing" / "a.json")], "its directory .* does not exist"),
+                         (["--sample-rate", "0.3"], "1 / k for an integer k"),
+                         (["--model", "no-such-model"], "no-such-model")):
+        start = time.perf_counter()
+        with pytest.raises(SystemExit) as exit_:
+            main(["audit", "--steps", "1000", *bad])
+        assert exit_.value.code == 2 and time.perf_counter() - start < 5
+        assert re.search(message, capsys.readouterr().err)
+    monkeypatch.setenv("DPGRAD_PROGRESS", "0")
     assert main(["audit", "--model", "tiny", "--seq-len", "8", "--canaries", "100", "--samples", "100",
                  "--steps", "5"]) == 0
+    assert "audit: " not in capsys.readouterr().err
+
+
+def test_the_verdict_says_in_words_whether_the_audit_is_consistent_and_exits_3_when_not(monkeypatch, capsys):
+    """dpgrad's audited bound above its accountant's epsilon is reported as not consistent (exit
+    status 3); at or below, consistent. The idealised row does not decide it."""
+    from dpgrad.tools import cli_audit
+    from dpgrad.tools.cli import main
+
+    def result(mechanism, eps, one_run, fdp):
+        return SimpleNamespace(mechanism=mechanism, accountant_epsilon=eps, epsilon_one_run=one_run, epsilon_fdp=fdp,
+                               guesses_one_run=10, correct_one_run=9, to_json=lambda: {})
+
+    line, ok = cli_audit.verdict(1.0, [result("dpgrad", 2.0, 1.5, 1.9), result("idealised", 2.0, 3.0, 3.0)])
+    assert ok and line == "noise 1: audited 1.900 <= accountant 2.000: consistent"
+    line, ok = cli_audit.verdict(1.0, [result("dpgrad black-box", 2.0, 2.5, 0.1)])
+    assert not ok and line.startswith("noise 1: audited 2.500 > accountant 2.000: NOT consistent")
+
+    fake = {"dpgrad": result("dpgrad", 1.0, 1.2, 0.4), "idealised": result("idealised", 1.0, 0.5, 0.5)}
+    monkeypatch.setattr("dpgrad.audit.run.audit", lambda config, mechanism, *a, **k: fake[mechanism])
+    assert main(["audit", "--steps", "2"]) == cli_audit.INCONSISTENT == 3
+    assert "NOT consistent" in capsys.readouterr().out
 
 
 # The built-in transformer trained on synthetic sequences, the canaries' audit rows beside it.

@@ -138,27 +138,77 @@ def test_markdown_is_a_table_with_a_row_per_layer(tiny):
     assert [line.split("|")[1].strip() for line in body] == TINY_LAYERS
 
 
-def test_progress_goes_to_stderr_and_the_environment_is_restored(tiny):
-    progress = [line for line in tiny["err"].splitlines() if line.startswith("autotune ")]
-    assert progress and all(f"/{len(TINY_LAYERS)} " in line for line in progress)
-    assert progress[-1].startswith(f"autotune {len(TINY_LAYERS)}/{len(TINY_LAYERS)}")
-    assert any("blocks.0.qkv" in line for line in progress)
-    assert not any(line.startswith("autotune ") for line in tiny["out"].splitlines())
+def test_no_progress_without_a_terminal_and_the_environment_is_restored(tiny):
+    """The report's progress bar is off where stderr is not a terminal (captured here): stderr
+    holds the notices and nothing drawn."""
+    assert "autotune" not in tiny["err"].replace("autotune report", "") and "\r" not in tiny["err"]
     assert tiny["env_after"] is None  # the report set DPGRAD_TUNE=on only while it ran
 
 
-def test_progress_redraws_in_place_on_a_terminal():
-    class Terminal(io.StringIO):
-        def isatty(self):
-            return True
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
 
-    stream = Terminal()
+
+def test_progress_redraws_in_place_on_a_terminal(monkeypatch):
+    monkeypatch.delenv("DPGRAD_PROGRESS", raising=False)
+    stream = _Terminal()
     bar = report.Progress(4, stream)
     bar.update("head: eager-gram")
     bar.update("rest", 3)
     bar.close()
     text = stream.getvalue()
-    assert text.count("\r") == 2 and "4/4" in text and "#" * 24 in text and text.endswith("\n")
+    assert "\r" in text and "4/4" in text and "rest" in text
+    monkeypatch.setenv("DPGRAD_PROGRESS", "0")  # turned off on a terminal too
+    quiet = _Terminal()
+    report.Progress(4, quiet).update("head")
+    assert quiet.getvalue() == ""
+
+
+def test_the_tuner_shows_the_shapes_it_measures_on_a_terminal_and_closes_at_the_end_of_the_pass(
+        tmp_path, monkeypatch):
+    """DPGRAD_TUNE=on, a new shape: a bar on stderr naming the layer while it is measured, gone
+    (closed) once the backward pass ends; none on the next step (nothing measured), none where
+    stderr is not a terminal."""
+    import dpgrad
+    from dpgrad.tuning.progress import TUNING_PROGRESS
+
+    monkeypatch.setenv("DPGRAD_TUNE", "on")
+    monkeypatch.setenv("DPGRAD_TUNE_DIR", str(tmp_path))
+    monkeypatch.delenv("DPGRAD_PROGRESS", raising=False)
+    get_tuner().forget()
+
+    def step(model):
+        x = torch.randn(16, 10, 64)
+        model(x).square().mean(dim=(1, 2)).sum().backward()
+
+    for terminal in (False, True):
+        stream = _Terminal() if terminal else io.StringIO()
+        monkeypatch.setattr(sys, "stderr", stream)
+        get_tuner().forget()
+        monkeypatch.setenv("DPGRAD_TUNE_DIR", str(tmp_path / str(terminal)))
+        model = dpgrad.GradSampleModuleFastGradientClipping(
+            torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 8)))
+        step(model)
+        assert TUNING_PROGRESS.bar is None  # closed with the pass
+        drawn = stream.getvalue()
+        if terminal:
+            assert "dpgrad autotune" in drawn and "'0' (Linear)" in drawn, drawn
+        else:
+            assert drawn == ""
+        before = stream.getvalue()
+        step(model)
+        assert stream.getvalue() == before
+
+
+def test_an_unknown_command_is_named_with_the_commands_listed(capsys):
+    assert cli.main(["bogus-command"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dpgrad: unknown command 'bogus-command'; the commands are:\n")
+    listed = [line.split()[0] for line in err.splitlines()[1:] if line.startswith("  ")]
+    assert listed == list(cli.COMMANDS)
+    assert cli.main(["autotune-reprot"]) == 2
+    assert "(did you mean 'autotune-report'?)" in capsys.readouterr().err
 
 
 def test_an_explicit_tune_mode_is_kept(tmp_path):
@@ -288,7 +338,8 @@ def test_python_dash_m_prints_json_on_stdout(tmp_path):
     data = json.loads(proc.stdout)
     assert [r["name"] for r in data["rows"]] == TINY_LAYERS
     assert data["settings"]["tune_mode"] == "on" and data["settings"]["seq_len"] == 8
-    assert "CUDA is not available" in proc.stderr and "autotune 16/16" in proc.stderr
+    # stderr is a pipe: the notice, and no progress bar
+    assert proc.stderr.startswith("CUDA is not available") and "autotune:" not in proc.stderr
 
 
 def test_a_doctored_store_does_not_change_the_displayed_speedup(monkeypatch, tmp_path):

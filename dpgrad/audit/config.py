@@ -56,6 +56,9 @@ class AuditConfig:
         need(self.samples >= 0 and self.steps >= 1 and self.dim >= 1 and self.features >= 1 and self.seq_len >= 2,
              "samples >= 0, steps >= 1, dim >= 1, features >= 1 and seq_len >= 2")
         need(finite(self.sample_rate) and 0 < self.sample_rate <= 1, f"sample_rate = {self.sample_rate}: in (0, 1]")
+        need(abs(1 / max(1, round(1 / self.sample_rate)) - self.sample_rate) <= 1e-12,
+             f"sample_rate = {self.sample_rate}: the audit takes 1 / k for an integer k (1, 0.5, 0.25, 0.1, ...), "
+             "the rate of Poisson sampling over k batches")
         need(finite(self.noise_multiplier) and self.noise_multiplier > 0,
              f"noise_multiplier = {self.noise_multiplier}: a finite number > 0 (without noise there is no "
              "epsilon to audit)")

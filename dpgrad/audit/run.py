@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -95,8 +95,8 @@ def idealised_scores(config: AuditConfig) -> Tuple[List[float], List[bool]]:
     return scores.tolist(), included.tolist()
 
 
-def white_box_scores(config: AuditConfig, language_model: Optional[LanguageModel] = None
-                     ) -> Tuple[List[float], List[bool], float]:
+def white_box_scores(config: AuditConfig, language_model: Optional[LanguageModel] = None,
+                     on_step: Optional[Callable[[], None]] = None) -> Tuple[List[float], List[bool], float]:
     """Trains the audit model with ``dpgrad.opacus.make_private`` (ghost clipping, Poisson
     sampling, Opacus's accountant) and returns the canaries' scores, memberships and the
     accountant's epsilon after the run."""
@@ -108,18 +108,19 @@ def white_box_scores(config: AuditConfig, language_model: Optional[LanguageModel
         raise ValueError(f"AuditConfig.model is {config.model!r}, and {'no' if language_model is None else 'a'} "
                          "language model was given: give one exactly when the model is not 'linear'")
     if config.path == "trainer":
-        return _white_box_through_trainer(config, language_model, g, included, directions)
+        return _white_box_through_trainer(config, language_model, g, included, directions, on_step)
     model, criterion, inputs, rows, target = audit_task(config, g, torch.nonzero(included).flatten(), directions,
                                                         language_model)
     start = model.audit.weight.detach().clone()
-    engine, expected = train_private(config, model, criterion, torch.utils.data.TensorDataset(inputs, rows, target))
+    engine, expected = train_private(config, model, criterion, torch.utils.data.TensorDataset(inputs, rows, target),
+                                     on_step)
     moved = (start - model.audit.weight.detach())[1:]
     scores = (moved * directions).sum(dim=1) * (expected / config.lr)
     return scores.double().tolist(), included.tolist(), engine.get_epsilon(config.delta)
 
 
 def _white_box_through_trainer(config: AuditConfig, language_model: LanguageModel, g: torch.Generator,
-                               included: torch.Tensor, directions: torch.Tensor):
+                               included: torch.Tensor, directions: torch.Tensor, on_step=None):
     """``white_box_scores`` through ``DPTrainer`` (``TrainerAuditModel``): a canary's row holds
     an ordinary sequence, its labels -100 but at position 1 (``target``), so that its loss is
     the audit logit's alone."""
@@ -132,14 +133,14 @@ def _white_box_through_trainer(config: AuditConfig, language_model: LanguageMode
     torch.manual_seed(config.seed)
     model = TrainerAuditModel(language_model, directions, config.scale * config.max_grad_norm, target)
     start = model.audit.weight.detach().clone()
-    trainer = train_with_trainer(config, model, rows, expected)
+    trainer = train_with_trainer(config, model, rows, expected, on_step)
     moved = (model.audit.weight.detach() - start)[1:]
     scores = (moved * directions).sum(dim=1) * (expected / config.lr)
     return scores.double().tolist(), included.tolist(), trainer.privacy_spent()[0]
 
 
-def black_box_scores(config: AuditConfig, language_model: Optional[LanguageModel] = None
-                     ) -> Tuple[List[float], List[bool], float]:
+def black_box_scores(config: AuditConfig, language_model: Optional[LanguageModel] = None,
+                     on_step: Optional[Callable[[], None]] = None) -> Tuple[List[float], List[bool], float]:
     """Input canaries scored by the final model alone: canary c is a sample of its own (random
     features and a random label for the linear classifier, a random sequence for a language
     model), in the training data with probability 1/2, trained on like any other; its score is
@@ -168,7 +169,7 @@ def black_box_scores(config: AuditConfig, language_model: Optional[LanguageModel
             rows, expected = trainer_rows(config, language_model, g,
                                           [{"input_ids": c, "labels": c} for c in members], {})
             model = LogitsOf(language_model, flat=False)
-            trainer = train_with_trainer(config, model, rows, expected)
+            trainer = train_with_trainer(config, model, rows, expected, on_step)
             with torch.no_grad():
                 scores = -sequence_losses(model(canaries).logits, canaries, language_model.padding_idx)
             return scores.double().tolist(), included.tolist(), trainer.privacy_spent()[0]
@@ -181,24 +182,25 @@ def black_box_scores(config: AuditConfig, language_model: Optional[LanguageModel
             return SequenceLoss(language_model, reduction="none")(mod(x), y)
     members = torch.cat([torch.arange(n), n + torch.nonzero(included).flatten()])
     engine, _ = train_private(config, model, criterion,
-                              torch.utils.data.TensorDataset(inputs[members], labels[members]))
+                              torch.utils.data.TensorDataset(inputs[members], labels[members]), on_step)
     with torch.no_grad():
         scores = -losses(model, inputs[n:], labels[n:])
     return scores.double().tolist(), included.tolist(), engine.get_epsilon(config.delta)
 
 
 def audit(config: AuditConfig, mechanism: str = "dpgrad", language_model: Optional[LanguageModel] = None,
-          mode: str = "white-box") -> AuditResult:
+          mode: str = "white-box", on_step: Optional[Callable[[], None]] = None) -> AuditResult:
     """The audit of ``mechanism``: "dpgrad" (the real training path, of ``language_model``
     where one is given, else of the linear classifier; ``mode`` "white-box",
     ``white_box_scores``, or "black-box", ``black_box_scores``) or "idealised"
     (``idealised_scores``: the white-box audit of the Gaussian mechanism with the same
-    sampling rate, noise, steps and canaries)."""
+    sampling rate, noise, steps and canaries). ``on_step()`` runs after each training step of
+    the real path (a progress display)."""
     if mode not in ("white-box", "black-box"):
         raise ValueError(f"mode {mode!r}: use 'white-box' or 'black-box'")
     if mechanism == "dpgrad":
         scores_of = white_box_scores if mode == "white-box" else black_box_scores
-        scores, included, epsilon = scores_of(config, language_model)
+        scores, included, epsilon = scores_of(config, language_model, on_step)
     elif mechanism == "idealised":
         scores, included = idealised_scores(config)
         epsilon = accountant_epsilon(config)

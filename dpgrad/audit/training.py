@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -65,19 +65,18 @@ def clipping_arguments(config: AuditConfig, model: nn.Module) -> Dict[str, objec
     return dict(clipping="groups", clipping_groups=rule, max_grad_norm=bounds)
 
 
-def train_private(config: AuditConfig, model: nn.Module, criterion: nn.Module, dataset) -> Tuple[object, float]:
+def train_private(config: AuditConfig, model: nn.Module, criterion: nn.Module, dataset,
+                  on_step: Optional[Callable[[], None]] = None) -> Tuple[object, float]:
     """``config.steps`` steps of DP-SGD (plain SGD at ``config.lr``) on ``dataset`` through
     ``dpgrad.opacus.make_private``: ghost clipping, Poisson sampling at ``config.sample_rate``,
-    Opacus's RDP accountant. Each dataset row is (model inputs..., target). Returns the privacy
-    engine and the expected batch size."""
+    Opacus's RDP accountant. Each dataset row is (model inputs..., target); ``on_step()`` runs
+    after each step (a progress display). Returns the privacy engine and the expected batch size."""
     import opacus
 
     import dpgrad.opacus
 
     # make_private's Poisson sampling draws at 1 / len(loader): batches that make it the audit's rate.
     per_epoch = max(1, round(1 / config.sample_rate))
-    if abs(1 / per_epoch - config.sample_rate) > 1e-12:
-        raise ValueError(f"sample_rate {config.sample_rate}: the audit takes 1 / k for an integer k")
     loader = torch.utils.data.DataLoader(dataset, batch_size=math.ceil(len(dataset) / per_epoch))
     if len(loader) != per_epoch:
         raise ValueError(f"{len(dataset)} samples cannot be split into "
@@ -95,6 +94,8 @@ def train_private(config: AuditConfig, model: nn.Module, criterion: nn.Module, d
             criterion(module(*inputs), target).backward()
             optimizer.step()
             done += 1
+            if on_step is not None:
+                on_step()
             if done == config.steps:
                 break
     return engine, len(dataset) / per_epoch
@@ -108,8 +109,6 @@ def trainer_rows(config: AuditConfig, language_model: LanguageModel, g: torch.Ge
     ``ordinary`` columns; then a row per canary, on a sequence of its own, with the canary's
     columns over those. Returns the rows and the expected batch size."""
     per_epoch = max(1, round(1 / config.sample_rate))
-    if abs(1 / per_epoch - config.sample_rate) > 1e-12:
-        raise ValueError(f"sample_rate {config.sample_rate}: the audit takes 1 / k for an integer k")
     n = config.samples + (-(config.samples + len(canaries))) % per_epoch
     ids = language_model.sequences(n + len(canaries), config.seq_len, g)
     labels = ids.masked_fill(ids == language_model.padding_idx, -100)  # padding is not predicted
@@ -118,9 +117,11 @@ def trainer_rows(config: AuditConfig, language_model: LanguageModel, g: torch.Ge
     return rows, len(rows) / per_epoch
 
 
-def train_with_trainer(config: AuditConfig, model: nn.Module, rows: list, expected: float):
+def train_with_trainer(config: AuditConfig, model: nn.Module, rows: list, expected: float,
+                       on_step: Optional[Callable[[], None]] = None):
     """``config.steps`` DP steps of ``dpgrad.hf.DPTrainer`` on ``rows``: plain SGD at
-    ``config.lr`` (constant), Opacus's RDP accountant at ``config.delta``. Returns the trainer."""
+    ``config.lr`` (constant), Opacus's RDP accountant at ``config.delta``; ``on_step()`` after
+    each step. Returns the trainer."""
     import tempfile
 
     import transformers
@@ -143,6 +144,12 @@ def train_with_trainer(config: AuditConfig, model: nn.Module, rows: list, expect
                                    single_backward=config.single_backward)
         trainer = DPTrainer(model=model, args=args, train_dataset=rows, data_collator=collate,
                             optimizers=(optimizer, constant), privacy_args=privacy)
+        if on_step is not None:
+            class Steps(transformers.TrainerCallback):
+                def on_step_end(self, args, state, control, **kwargs):
+                    on_step()
+
+            trainer.add_callback(Steps())
         trainer.train()
     if trainer.steps_taken() != config.steps:
         raise RuntimeError(f"DPTrainer took {trainer.steps_taken()} DP steps, not {config.steps}")

@@ -56,6 +56,7 @@ from dpgrad.backward.layer_inputs import batch_to_front, broadcast_inputs, check
 from dpgrad.checks.model_checks import refuse_wrapped
 from dpgrad.samplers.functorch import _first_tensor
 from dpgrad.samplers.groups import Record
+from dpgrad.tuning.progress import TUNING_PROGRESS
 
 
 class PendingCalls(dict):
@@ -293,6 +294,8 @@ class BackwardPath(HookedLayers, ModelHooks):
         loss is never recorded)."""
         self._pass_open = False
         self._forward_batch = None
+        if TUNING_PROGRESS.bar is not None:  # shapes were measured in this pass
+            TUNING_PROGRESS.end()
         self._edges.release()
         for forward_id in self._pass_forwards:
             self._unrecorded.pop(forward_id, None)

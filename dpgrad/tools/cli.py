@@ -32,68 +32,14 @@ from typing import List, Optional
 import torch
 
 from dpgrad.fast_gradient_clipping import GradSampleModuleFastGradientClipping
+from dpgrad.tools.cli_audit import audit_command
+from dpgrad.tools.cli_common import device_arg, hf_overrides, number_in, unwritable, write_text
 from dpgrad.tools.models import TinyTransformer, TinyTransformerConfig, dp_sgd_step, per_sample_lm_loss, synthetic_batch
 
 
 def _doc(paragraph: int) -> str:
     """A paragraph of this module's docstring, for help texts."""
     return __doc__.split("\n\n")[paragraph].replace("``", "")
-
-
-def number_in(kind: type, low: float, high: Optional[float] = None, low_open: bool = False):
-    """An argparse ``type`` for numbers of ``kind`` from ``low`` (excluded if ``low_open``) to
-    ``high``: every out-of-range value is refused the same way, as a usage error (exit 2)."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}")
-        if value < low or (low_open and value == low) or (high is not None and value > high):
-            span = f"above {low}" if low_open else f"at least {low}" if high is None else f"from {low} to {high}"
-            raise argparse.ArgumentTypeError(f"{text} is out of range: pass a value {span}")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in its messages
-    return parse
-
-
-def device_arg(text: str) -> str:
-    """An argparse ``type`` for the report's device: cpu, cuda or cuda:N."""
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device: pass cpu, cuda or cuda:N")
-    if device.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"{text!r}: the report runs a model on cpu or cuda (cuda:N)")
-    return text
-
-
-def unwritable(path: str) -> Optional[str]:
-    """Why ``path`` cannot be written, or None: looked at before a long run, not after it."""
-    target = Path(path)
-    if target.is_dir():
-        return "it is a directory"
-    if not target.parent.is_dir():
-        return f"its directory {target.parent} does not exist"
-    existed = target.exists()
-    try:
-        with open(target, "a", encoding="utf-8"):
-            pass
-    except OSError as exc:
-        return exc.strerror or type(exc).__name__
-    if not existed:
-        target.unlink(missing_ok=True)
-    return None
-
-
-def write_text(path: str, text: str, what: str) -> bool:
-    """Write ``text`` to ``path``; on failure say so on stderr (no traceback) and return False."""
-    try:
-        Path(path).write_text(text, encoding="utf-8")
-    except OSError as exc:
-        print(f"dpgrad: cannot write the {what} to {path}: {exc.strerror or exc}", file=sys.stderr)
-        return False
-    return True
 
 
 def demo(argv: List[str]) -> int:
@@ -187,7 +133,7 @@ def autotune_report(argv: List[str]) -> int:
     parser.add_argument("--hf-config", metavar="KEY=VALUE", action="append", default=[],
                         help="override a config field of an hf: model, e.g. num_hidden_layers=2 (repeatable)")
     args = parser.parse_args(argv)
-    hf_config = _hf_overrides(parser, args.hf_config)
+    hf_config = hf_overrides(parser, args.hf_config)
 
     on_cuda = args.device.startswith("cuda")
     if on_cuda and not cuda:
@@ -307,90 +253,12 @@ def dashboard(argv: List[str]) -> int:
     return status
 
 
-def _hf_overrides(parser: argparse.ArgumentParser, items: List[str]) -> dict:
-    """``--hf-config KEY=VALUE`` items as config overrides (values read as JSON where they are)."""
-    hf_config = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            parser.error(f"--hf-config {item!r}: write KEY=VALUE, e.g. num_hidden_layers=2")
-        try:
-            hf_config[key] = json.loads(value)
-        except ValueError:
-            hf_config[key] = value  # a plain string such as hidden_act=silu
-    return hf_config
-
-
-def audit_command(argv: List[str]) -> int:
-    from dpgrad.audit.run import AuditConfig, audit
-    from dpgrad.tools import presets
-
-    parser = argparse.ArgumentParser(prog="dpgrad audit", description=_doc(4))
-    parser.add_argument("--noise-multiplier", type=number_in(float, 0, low_open=True), nargs="+", default=[1.0],
-                        help="one audit per noise multiplier (default 1.0)")
-    parser.add_argument("--canaries", type=number_in(int, 2), default=1000, help="canaries (default 1000)")
-    parser.add_argument("--samples", type=number_in(int, 0), default=1000, help="ordinary samples (default 1000)")
-    parser.add_argument("--features", type=number_in(int, 1), default=8,
-                        help="the linear model's input features (default 8)")
-    parser.add_argument("--steps", type=number_in(int, 1), default=100, help="training steps (default 100)")
-    parser.add_argument("--sample-rate", type=number_in(float, 0, 1, low_open=True), default=0.1,
-                        help="Poisson sampling rate, 1/k for an integer k (default 0.1)")
-    parser.add_argument("--delta", type=number_in(float, 0, 1, low_open=True), default=1e-5,
-                        help="delta (default 1e-5)")
-    parser.add_argument("--mode", choices=["white-box", "black-box"], default="white-box",
-                        help="white-box: gradient canaries, every update observed (default); black-box: input "
-                             "canaries scored by the final model's loss (the idealised row stays white-box)")
-    parser.add_argument("--backward", choices=["single", "double"], default="single", help="backward passes per step")
-    parser.add_argument("--clipping", choices=["flat", "per_layer", "per_block", "automatic"], default="flat",
-                        help="flat: one bound for the whole gradient (default); per_layer, per_block: the audit "
-                             "embedding C/sqrt(2), the model's parameters or blocks sharing the rest of C^2; "
-                             "automatic: automatic clipping at C (gamma 0.01)")
-    parser.add_argument("--path", choices=["make_private", "trainer"], default="make_private",
-                        help="the training path audited: dpgrad.opacus.make_private (default) or dpgrad.hf.DPTrainer "
-                             "(a language model, flat clipping)")
-    parser.add_argument("--model", default="linear",
-                        help="linear (a classifier on random features, the default) or a language model: "
-                             f"{presets.model_names()}")
-    parser.add_argument("--seq-len", type=number_in(int, 2), default=16, help="tokens per sequence (default 16)")
-    parser.add_argument("--hf-config", metavar="KEY=VALUE", action="append", default=[],
-                        help="override a config field of an hf: model, e.g. num_hidden_layers=2 (repeatable)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, help="write the audits as JSON to this file")
-    args = parser.parse_args(argv)
-    hf_config = _hf_overrides(parser, args.hf_config)
-    language_model = None
-    if args.model != "linear":
-        try:
-            presets.check_name(args.model)
-            presets.check_hf_config(args.model, hf_config)
-            language_model = presets.audit_language_model(args.model, args.seq_len, **hf_config)
-        except ValueError as exc:
-            parser.error(str(exc))
-    rows = []
-    print(f"{'noise':>6} {'mechanism':>16} {'accountant eps':>15} {'audited (one run)':>18} {'audited (f-DP)':>15} "
-          f"{'guesses':>8} {'correct':>8}")
-    for noise in args.noise_multiplier:
-        try:
-            config = AuditConfig(canaries=args.canaries, samples=args.samples, steps=args.steps, features=args.features,
-                                 sample_rate=args.sample_rate, noise_multiplier=noise, delta=args.delta,
-                                 single_backward=args.backward == "single", clipping=args.clipping, model=args.model,
-                                 seq_len=args.seq_len, seed=args.seed, path=args.path)
-            found = [audit(config, mechanism, language_model, args.mode) for mechanism in ("dpgrad", "idealised")]
-        except ValueError as err:
-            parser.error(str(err))
-        for r in found:
-            print(f"{noise:>6g} {r.mechanism:>16} {r.accountant_epsilon:>15.3f} {r.epsilon_one_run:>18.3f} "
-                  f"{r.epsilon_fdp:>15.3f} {r.guesses_one_run:>8} {r.correct_one_run:>8}")
-            rows.append(r.to_json())
-    if args.json:
-        try:
-            args.json.write_text(json.dumps({"audits": rows}, indent=1))
-        except OSError as err:
-            print(f"dpgrad audit: cannot write {args.json}: {err}", file=sys.stderr)
-            return 1
-    return 0
-
-
+SUMMARIES = {
+    "autotune-report": "per layer, the kernel the autotuner chose and its time against Opacus's (the default)",
+    "demo": "a short DP-SGD training run of the built-in transformer",
+    "dashboard": "one HTML page of charts and tables from benchmark results files",
+    "audit": "a one-run privacy audit of DP-SGD as dpgrad trains",
+}
 COMMANDS = {"autotune-report": autotune_report, "demo": demo, "dashboard": dashboard, "audit": audit_command}
 USAGE = f"usage: dpgrad {{{','.join(COMMANDS)}}} [options]   (dpgrad COMMAND --help; no command: autotune-report)"
 
@@ -405,6 +273,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("\n".join("  " + " ".join(_doc(i).split()) for i in (1, 2, 3, 4)))
         return 0
     if argv[0] not in COMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+        print(f"dpgrad: unknown command {argv[0]!r}{f' (did you mean {close[0]!r}?)' if close else ''}; "
+              "the commands are:", file=sys.stderr)
+        for name, summary in SUMMARIES.items():
+            print(f"  {name:<16} {summary}", file=sys.stderr)
         print(USAGE, file=sys.stderr)
         return 2
     return COMMANDS[argv[0]](argv[1:])

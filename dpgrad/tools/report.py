@@ -30,6 +30,7 @@ from dpgrad.tools.presets import DTYPES, build_model
 from dpgrad.tools.results import git_commit, warm_up
 from dpgrad.tuning import get_tuner, store, tune_mode
 from dpgrad.tuning.tuner import ENV_VAR as TUNE_ENV_VAR
+from dpgrad.tuning.progress import TUNING_PROGRESS, progress_wanted
 
 SCHEMA = 1
 NO_CHOICE = "dpgrad sampler (no kernel choice)"
@@ -53,29 +54,27 @@ class ReportSettings:
 
 
 class Progress:
-    """A text progress bar on ``stream`` (stderr): redrawn in place on a terminal, else one
-    line per layer so logs stay readable."""
+    """The report's progress bar (tqdm) on ``stream`` (stderr), a step per layer decided; off
+    where the stream is not a terminal (``DPGRAD_PROGRESS=1`` shows it anyway), so logs keep
+    the report alone."""
 
-    def __init__(self, total: int, stream: Optional[TextIO] = None, width: int = 24):
-        self.total, self.done, self.width = total, 0, width
-        self.stream = stream if stream is not None else sys.stderr
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+    def __init__(self, total: int, stream: Optional[TextIO] = None):
+        self.bar = None
+        stream = stream if stream is not None else sys.stderr
+        if progress_wanted(stream):
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="autotune", unit=" layers", leave=False, file=stream,
+                            dynamic_ncols=True, mininterval=0)
 
     def update(self, label: str, steps: int = 1) -> None:
-        self.done = min(self.total, self.done + steps)
-        count = f"{self.done:>{len(str(self.total))}}/{self.total}"
-        if self.tty:
-            filled = self.width * self.done // max(1, self.total)
-            bar = "#" * filled + "." * (self.width - filled)
-            self.stream.write(f"\rautotune [{bar}] {count} {label[:60]:<60}")
-        else:
-            self.stream.write(f"autotune {count} {label}\n")
-        self.stream.flush()
+        if self.bar is not None:
+            self.bar.set_postfix_str(label[:60], refresh=False)
+            self.bar.update(steps)
 
     def close(self) -> None:
-        if self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
+        if self.bar is not None:
+            self.bar.close()
 
 
 @contextmanager
@@ -157,7 +156,7 @@ def _run(settings: ReportSettings, device: torch.device, dtype: torch.dtype, pro
             tuner.forget()  # this process's decisions too
         tuner.retune, retune_before = settings.retune, tuner.retune
         try:
-            with tuner.recording(settings.opacus, on_layer) as rec:
+            with tuner.recording(settings.opacus, on_layer) as rec, TUNING_PROGRESS.hidden():
                 dp_sgd_step(model, optimizer, built.per_sample_loss(model, ids), noise_multiplier=1.0)
                 _sync(device)
         finally:

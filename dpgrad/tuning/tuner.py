@@ -25,6 +25,7 @@ from dpgrad.kernels import backend
 
 from . import cost_model, store
 from .candidates import CANDIDATES, Candidate, Shape, applicable, shape_of
+from .progress import TUNING_PROGRESS
 from .timing import CandidateTiming, Decision, _describe, _far_off, _stored, _time_opacus, measure_ms
 
 ENV_VAR = "DPGRAD_TUNE"
@@ -277,7 +278,11 @@ class Tuner(CandidateTiming):
         if mode != "on" or shape.B == 0:
             decision.choice, decision.source = by_estimate, "cost model"
             return decision
-        self._measure(decision, shape, candidates, inputs, layer)
+        TUNING_PROGRESS.measuring(_describe_shape(shape, layer))
+        try:
+            self._measure(decision, shape, candidates, inputs, layer)
+        finally:
+            TUNING_PROGRESS.measured()
         if decision.timings_ms:
             decision.source = "measured"
             decision.config = next(c for c in candidates if c.name == decision.choice).triton_config()
@@ -354,3 +359,10 @@ def get_tuner() -> Tuner:
         _TUNER = Tuner()
     return _TUNER
 
+
+
+def _describe_shape(shape: Shape, layer: Optional[torch.nn.Module]) -> str:
+    """"linear_norm d=768,p=3072 B=8 T=1024 at 'h.0.mlp.c_fc' (Conv1D)", for the progress bar."""
+    dims = ",".join(f"{k}={v}" for k, v in shape.dims)
+    where = f" at {backend.layer_name(layer)}" if layer is not None else ""
+    return f"{shape.kind} {dims} B={shape.B} T={shape.T}{where}"
