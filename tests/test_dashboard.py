@@ -24,6 +24,9 @@ import pytest
 import torch
 
 from dpgrad.tools import cli, dashboard, results, results_tables
+from dpgrad.tools import dashboard_charts as charts
+from dpgrad.tools import dashboard_colours as colour_check
+from dpgrad.tools import dashboard_tables as units
 
 REPO = Path(__file__).parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -228,18 +231,135 @@ def test_readme_headline_figures_are_the_committed_gpu_results():
             assert figure in table, (figure, line)
 
 
+# ---------------------------------------------------------------------------- the page's parts
+# CIEDE2000 test pairs published with the formula's implementation notes (Sharma, Wu and Dalal
+# 2005, Table 1): Lab, Lab, difference.
+SHARMA = [((50.0, 2.6772, -79.7751), (50.0, 0.0, -82.7485), 2.0425),
+          ((50.0, 3.1571, -77.2803), (50.0, 0.0, -82.7485), 2.8615),
+          ((50.0, 0.0, 0.0), (50.0, -1.0, 2.0), 2.3669),
+          ((50.0, 2.5, 0.0), (73.0, 25.0, -18.0), 27.1492),
+          ((50.0, 2.5, 0.0), (61.0, -5.0, 29.0), 22.8977),
+          ((50.0, 2.5, 0.0), (56.0, -27.0, -3.0), 31.9030),
+          ((50.0, 2.5, 0.0), (58.0, 24.0, 15.0), 19.4535)]
+
+
+@pytest.mark.parametrize("lab1, lab2, expected", SHARMA)
+def test_colour_difference_is_ciede2000(lab1, lab2, expected):
+    assert colour_check.ciede2000(lab1, lab2) == pytest.approx(expected, abs=5e-5)
+    assert colour_check.ciede2000(lab2, lab1) == pytest.approx(expected, abs=5e-5)
+
+
+def test_the_contrast_check_refuses_pairs_a_colour_blind_reader_cannot_tell_apart():
+    """matplotlib's default red and green differ by 72 to normal vision and by under 5 to a
+    deuteranope; its orange and green by under 2 to a protanope: both refused, named with the
+    view. The dashboard's palette passes, white stays white under the simulations, and a
+    colour too close to the white page is refused."""
+    assert colour_check.difference("#d62728", "#2ca02c") > 70
+    bad = colour_check.pair_problems({"a": "#d62728", "b": "#2ca02c", "c": "#ff7f0e"})
+    assert any("a (#d62728) and b (#2ca02c)" in p and "(deuteranopia)" in p for p in bad), bad
+    assert any("b (#2ca02c) and c (#ff7f0e)" in p and "(protanopia)" in p for p in bad), bad
+    assert not any("(normal)" in p for p in bad), bad
+    assert colour_check.pair_problems(dict(enumerate(colour_check.PALETTE))) == []
+    for view in colour_check.VIEWS:
+        assert colour_check.lab("#ffffff", view) == pytest.approx((100.0, 0.0, 0.0), abs=0.05)
+    assert colour_check.pair_problems({"pale grey": "#dddddd"}) != []
+
+
+def test_colours_are_one_per_series_and_differ_within_each_chart():
+    charts_ = [["a", "b", "c"], ["c", "d"], ["e", "f", "g", "h", "i", "j", "k", "l", "m", "n"]]
+    colour_of = colour_check.assign(charts_)
+    for chart in charts_:
+        assert len({colour_of[s] for s in chart}) == len(chart)
+    assert colour_of["e"] == colour_check.PALETTE[0]  # the busiest chart chooses first
+
+
+def test_units_fit_the_values():
+    assert units.byte_unit([12e6, 30e6]) == ("MiB", 2**20)  # a CPU run's steps
+    assert units.byte_unit([10 * 2**30, 512]) == ("GiB", 2**30)
+    assert units.byte_unit([900]) == ("B", 1)
+    assert units.human_bytes(1.18e8) == "113 MiB" and units.human_bytes(1064960) == "1.02 MiB"
+    assert units.human_bytes(0) == "0 B"
+    assert units.human_ms(0.315) == "315 µs" and units.human_ms(1.2918) == "1.29 ms"
+    assert units.human_ms(2500) == "2.50 s"
+    assert units.human(1.18e8, "bytes") == "113 MiB" and units.human(396, "ops") == "396"
+
+
+def test_a_ratios_whisker_is_the_widest_its_two_rows_spreads_allow():
+    """throughput / non-private = base time / own time: from base p20 / own p80 to base p80 / own p20."""
+    base, own = results.metric("step_time", 100.0, 90.0, 120.0), results.metric("step_time", 125.0, 110.0, 150.0)
+    low, high = charts.interval(100.0 / 125.0, base, own)
+    assert (low, high) == (pytest.approx(90.0 / 150.0), pytest.approx(120.0 / 110.0))
+    assert charts.interval(0.5, None, own) == (pytest.approx(0.5 * 125 / 150), pytest.approx(0.5 * 125 / 110))
+    assert charts.interval(1.0, base, results.metric("step_time", 1.0, 0.0, 2.0)) == (None, None)
+
+
+def test_without_plotly_the_page_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    paths = [str(p) for p in _write(tmp_path, sample_docs())]
+    monkeypatch.setitem(sys.modules, "plotly", None)  # import plotly raises ImportError
+    out = tmp_path / "new" / "index.html"
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["dashboard", *paths, "-o", str(out), "--records", str(tmp_path / "r.json")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and 'pip install "dpgrad[dashboard]"' in err and "plotly" in err, err
+    assert not out.parent.exists() and not (tmp_path / "r.json").exists()
+    with pytest.raises(ImportError, match=re.escape('pip install "dpgrad[dashboard]"')):
+        dashboard.render(results.load(paths))
+    assert cli.main(["dashboard", *paths, "--markdown"]) == 0  # the tables need no plotly
+
+
 # ---------------------------------------------------------------------------- the page in a browser
-class _Figures(HTMLParser):
+class _Page(HTMLParser):
+    """What a test reads back from the page as Chromium left it: every element's id, the table
+    of contents' links, the charts (their attributes, whether plotly drew them, their bar labels
+    and axis titles) and the first cell of each row of the autotune table."""
+
     def __init__(self):
         super().__init__()
-        self.figures, self.body = [], {}
+        self.ids, self.toc, self.figures, self.body, self.autotune = set(), [], {}, {}, []
+        self._in, self._figure, self._text = [], None, None
 
     def handle_starttag(self, tag, attrs):
         attrs = dict(attrs)
-        if tag == "figure" and "chart" in (attrs.get("class") or ""):
-            self.figures.append(attrs)
+        cls = (attrs.get("class") or "").split()
+        if attrs.get("id"):
+            self.ids.add(attrs["id"])
         if tag == "body":
             self.body = attrs
+        if tag == "nav" and attrs.get("id") == "toc":
+            self._in.append("toc")
+        if tag == "a" and "toc" in self._in:
+            self.toc.append(attrs["href"])
+        if tag == "table" and attrs.get("id") == "autotune-layers":
+            self._in.append("autotune")
+        if tag == "tr" and "autotune" in self._in:
+            self._text = "autotune-row"
+        if tag == "td" and self._text == "autotune-row":
+            self._text = "autotune-cell"
+        if tag == "figure" and "chart" in cls:
+            self._figure = {"attrs": attrs, "plotly": False, "traces": 0, "labels": [], "axes": []}
+            self.figures[attrs["id"]] = self._figure
+        if self._figure is not None:
+            self._figure["plotly"] |= "js-plotly-plot" in cls
+            self._figure["traces"] += tag == "g" and {"trace", "bars"} <= set(cls)
+            if tag == "text" and "bartext" in cls:
+                self._figure["labels"].append(attrs.get("data-unformatted", ""))
+            if tag == "text" and "xtitle" in cls:
+                self._text = "axis"
+
+    def handle_endtag(self, tag):
+        if tag == "figure":
+            self._figure = None
+        if tag in ("nav", "table") and self._in:
+            self._in.pop()
+        if tag == "text" and self._text == "axis":
+            self._text = None
+
+    def handle_data(self, data):
+        if self._text == "axis":
+            self._figure["axes"].append(data)
+        if self._text == "autotune-cell":
+            self.autotune.append(data)
+            self._text = None
 
 
 def _chromium():
@@ -255,93 +375,194 @@ def _run_chromium(tmp_path, page: Path, *mode):
     args = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
             "--disable-background-networking", "--disable-component-update", "--disable-sync",
             f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0",
-            "--window-size=1400,2600", "--virtual-time-budget=5000", *mode, page.as_uri()]
-    return subprocess.run(args, capture_output=True, text=True, timeout=120)
+            "--window-size=1400,2600", "--virtual-time-budget=10000", *mode, page.as_uri()]
+    return subprocess.run(args, capture_output=True, text=True, timeout=180)
 
 
-@pytest.mark.skipif(_chromium() is None and not os.environ.get("DPGRAD_REQUIRE_CHROMIUM"),
-                    reason="needs Chromium (Debian: apt-get install chromium)")
+def _opened(tmp_path, page: Path) -> _Page:
+    """The page as Chromium drew it, with no console error."""
+    dom = _run_chromium(tmp_path, page, "--dump-dom")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    errors = [line for line in dom.stderr.splitlines() if ":CONSOLE" in line and ("Uncaught" in line or "rror" in line)]
+    assert not errors, errors
+    parsed = _Page()
+    parsed.feed(dom.stdout)
+    drawn = [f for f in parsed.figures.values() if "data-marks" in f["attrs"]]
+    assert any(f"dashboard: {len(drawn)} charts drawn" in line for line in dom.stderr.splitlines()), dom.stderr[-2000:]
+    return parsed
+
+
+def _hex(rgb: str) -> str:
+    return "#" + "".join(f"{int(v):02X}" for v in re.findall(r"\d+", rgb)[:3])
+
+
+needs_chromium = pytest.mark.skipif(_chromium() is None and not os.environ.get("DPGRAD_REQUIRE_CHROMIUM"),
+                                    reason="needs Chromium (Debian: apt-get install chromium)")
+
+
+@needs_chromium
 def test_dashboard_draws_every_chart_in_chromium(tmp_path):
     docs = results.load(_write(tmp_path, sample_docs()))
     page = tmp_path / "report.html"
     page.write_text(dashboard.render(docs))
-
-    dom = _run_chromium(tmp_path, page, "--dump-dom")
-    assert dom.returncode == 0, dom.stderr[-2000:]
-    parsed = _Figures()
-    parsed.feed(dom.stdout)
-    assert parsed.body.get("data-charts") == "8"  # four charts for each of the two machines
-    assert len(parsed.figures) == 8
-    empty = [f for f in parsed.figures if "data-empty" in f]
-    assert [f["id"] for f in empty] == ["speedup-1", "roofline-1", "memory-1"], empty  # the CPU run has none
-    drawn = {f["id"]: int(f["data-marks"]) for f in parsed.figures if "data-marks" in f}
+    parsed = _opened(tmp_path, page)
+    figures = parsed.figures
+    assert len(figures) == 8  # four charts for each of the two machines
+    assert parsed.body.get("data-charts") == "5"  # drawn by plotly: all but the CPU run's empty three
+    empty = [name for name, f in figures.items() if "data-empty" in f["attrs"]]
+    assert empty == ["speedup-1", "roofline-1", "memory-1"], empty
+    assert not any(figures[name]["plotly"] for name in empty)
+    drawn = {name: int(f["attrs"]["data-marks"]) for name, f in figures.items() if "data-marks" in f["attrs"]}
     # Kernels: 2 + 1 bars, and the one row with a roofline fraction; DP steps over non-private:
     # dpgrad-single (Opacus refused), and the CPU run's two; memory: non-private and dpgrad-single.
     assert drawn == {"speedup-0": 3, "roofline-0": 1, "throughput-0": 1, "memory-0": 2, "throughput-1": 2}
+    for name in drawn:
+        f = figures[name]
+        assert f["plotly"] and f["traces"] == 2 * len(json.loads(f["attrs"]["data-colours"])), name
+    assert figures["memory-0"]["axes"] == ["peak memory (GiB)"]  # 10 GiB steps
+    assert "10.5 GiB" in figures["memory-0"]["labels"]
 
     shot = tmp_path / "shot.png"
     run = _run_chromium(tmp_path, page, f"--screenshot={shot}")
     assert run.returncode == 0 and shot.exists(), run.stderr[-2000:]
-    console = [line for line in run.stderr.splitlines() if ":CONSOLE" in line]
-    assert any("dashboard: 8 charts drawn" in line for line in console), console
-    errors = [line for line in run.stderr.splitlines()
-              if ":CONSOLE" in line and ("Uncaught" in line or "Error" in line)]
-    assert not errors, errors
-
     from PIL import Image
 
     image = Image.open(shot).convert("RGB")
-    for figure in parsed.figures:
-        x, y, w, h = (int(v) for v in figure["data-rect"].split(","))
-        assert w > 0 and h > 0, figure["id"]
+    for name, f in figures.items():
+        x, y, w, h = (int(v) for v in f["attrs"]["data-rect"].split(","))
+        assert w > 0 and h > 0, name
         if y + h > image.height:
             continue  # below the window
-        region = image.crop((x, y, x + w, y + h))
-        colours = region.getcolors(maxcolors=1 << 16) or []
+        colours = image.crop((x, y, x + w, y + h)).getcolors(maxcolors=1 << 16) or []
         coloured = sum(n for n, (r, g, b) in colours if max(r, g, b) - min(r, g, b) > 60)
-        if "data-marks" in figure:
-            assert coloured > 100, f"{figure['id']}: no bars on the screenshot"
+        if name in drawn:
+            assert coloured > 100, f"{name}: no bars on the screenshot"
         else:
-            assert len(colours) > 2, f"{figure['id']}: blank"  # the note's text
+            assert len(colours) > 2, f"{name}: blank"  # the note's text
 
 
-class _Series(HTMLParser):
-    """Each chart's legend (series -> colour) and its bars' (series, fill) pairs."""
-
-    def __init__(self):
-        super().__init__()
-        self.legends, self.bars, self._figure = {}, [], None
-
-    def handle_starttag(self, tag, attrs):
-        attrs = dict(attrs)
-        if tag == "figure" and "chart" in (attrs.get("class") or ""):
-            self._figure = attrs["id"]
-            self.legends[self._figure] = {}
-        elif tag == "span" and "data-series" in attrs:
-            self.legends[self._figure][attrs["data-series"]] = attrs["data-color"]
-        elif tag == "rect" and "data-series" in attrs:
-            self.bars.append((self._figure, attrs["data-series"], attrs["fill"]))
+def _spread(name, p50, p20, p80):
+    return results.metric(name, p50, p20, p80)
 
 
-@pytest.mark.skipif(_chromium() is None and not os.environ.get("DPGRAD_REQUIRE_CHROMIUM"),
-                    reason="needs Chromium (Debian: apt-get install chromium)")
-def test_each_series_has_one_colour_of_its_own_in_every_chart(tmp_path):
+def rich_docs():
+    """sample_docs, and on the CPU machine: a DP-step run with peak memory of a few MiB, a
+    flagged row of each kind (faster than non-private; a wide spread), one that failed; FSDP2
+    memory; an audit. Times with spreads, so whiskers have length."""
+    docs = sample_docs()
+    cpu = _machine("cpu: test cpu x 2 threads")
+    shape = dict(model="tiny", batch=8, seq_len=64, dtype="fp32")
+    steps = []
+    for provider, (p20, p50, p80), peak in (("non-private", (13.0, 14.0, 15.0), 12e6),
+                                            ("opacus-ghost", (33.0, 34.0, 36.0), 14e6),
+                                            ("dpgrad-single", (25.0, 26.0, 28.0), 25e6),
+                                            ("dpgrad-double", (11.0, 12.0, 13.0), 30e6),  # faster: impossible
+                                            ("dpgrad-single-per-block", (10.0, 20.0, 40.0), 16e6)):  # noisy
+        row = _row("dp_step", shape, provider, peak_memory=peak, throughput_over_non_private=14.0 / p50)
+        row["metrics"]["step_time"] = _spread("step_time", p50, p20, p80)
+        steps.append(row)
+    steps.append(_row("dp_step", shape, "torch-func", "error: vmap cannot trace this model"))
+    docs[2]["results"] = steps
+    fshape = dict(model="tiny", world=2, batch=4, seq_len=64, dtype="fp32")
+    fsdp = [_row("fsdp_memory", fshape, "ddp-non-private", peak_memory=118e6, state_memory=84e6),
+            _row("fsdp_memory", fshape, "ddp-dpgrad-single", peak_memory=140e6, state_memory=84e6),
+            _row("fsdp_memory", fshape, "fsdp2-non-private", peak_memory=82e6, state_memory=42e6,
+                 peak_memory_over_ddp=82 / 118, state_memory_over_ddp=0.5),
+            _row("fsdp_memory", fshape, "fsdp2-dpgrad-single", peak_memory=97e6, state_memory=42e6,
+                 peak_memory_over_ddp=97 / 140, state_memory_over_ddp=0.5)]
+    ashape = dict(noise_multiplier=1.0, canaries=1000, steps=100, sample_rate=0.1)
+    audit = []
+    for provider in ("dpgrad-single", "idealised"):
+        row = _row("audit", ashape, provider, accountant_epsilon=7.9)
+        row["metrics"]["epsilon_one_run"] = _spread("epsilon_one_run", 1.6, 1.5, 1.9)
+        row["metrics"]["epsilon_fdp"] = _spread("epsilon_fdp", 2.2, 2.1, 2.7)
+        audit.append(row)
+    return docs + [{"schema": results.SCHEMA, "suite": suite, "machine": cpu, "settings": {}, "results": rows}
+                   for suite, rows in (("fsdp_memory", fsdp), ("audit", audit))]
+
+
+AUTOTUNE = {"model": {"name": "tiny", "parameters": 560640, "trainable_layers": 3}, "device": "cpu-test",
+            "backend": "eager", "notice": None, "date": "2026-11-27T22:07:27+00:00", "commit": "4552cdc",
+            "rows": [{"name": "tok", "type": "Embedding", "shape": "512x128", "kind": "embedding_norm",
+                      "choice": "eager-sort", "chosen_ms": 0.48, "opacus_ms": 4.41, "speedup": 9.19,
+                      "source": "measured", "rounds": 3, "extra_bytes": 1064960},
+                     {"name": "blocks.0.qkv", "type": "Linear", "shape": "128x384", "kind": "linear_norm",
+                      "choice": "eager-direct", "chosen_ms": 1.29, "opacus_ms": 1.76, "speedup": 1.36,
+                      "source": "measured", "rounds": 3, "extra_bytes": 3670016},
+                     {"name": "blocks.0.ln1", "type": "LayerNorm", "shape": "128", "kind": None,
+                      "choice": "dpgrad sampler (no kernel choice)", "chosen_ms": None, "opacus_ms": None,
+                      "speedup": None, "source": None}]}
+
+
+@needs_chromium
+def test_the_page_marks_flags_draws_spreads_and_units_and_its_colours_can_be_told_apart(tmp_path, capsys):
+    """The full page through the CLI, in Chromium: a contents list linking every section and
+    chart; the run summary and the autotune report's every layer; every chart drawn by plotly
+    with p20-p80 whiskers on its timing-derived bars; flagged rows drawn, hatched and labelled,
+    with a note saying how many and why, and the failed row listed; memory in MiB for MiB-sized
+    figures; the FSDP2 charts where there are FSDP2 results; and every two colours of a chart
+    (as drawn) far enough apart in normal vision, deuteranopia and protanopia."""
+    paths = [str(p) for p in _write(tmp_path, rich_docs())]
+    (tmp_path / "autotune.json").write_text(json.dumps(AUTOTUNE))
+    page = tmp_path / "out" / "index.html"
+    assert cli.main(["dashboard", *paths, "-o", str(page), "--summary", str(tmp_path / "autotune.json")]) == 0
+    capsys.readouterr()
+    parsed = _opened(tmp_path, page)
+    figures = parsed.figures
+
+    sections = {"summary", "autotune", "machine-0", "machine-1", "raw-figures", "machine-info"}
+    targets = {href.lstrip("#") for href in parsed.toc}
+    assert targets <= parsed.ids, targets - parsed.ids  # every link goes somewhere
+    assert sections | set(figures) <= targets, (sections | set(figures)) - targets
+    assert "fsdp-memory-1" in figures and "fsdp-ratio-1" in figures and "fsdp-memory-0" not in figures
+    assert parsed.autotune == [row["name"] for row in AUTOTUNE["rows"]]
+    text = page.read_text()
+    assert "tiny on cpu-test (eager backend), 3 trainable layers" in text  # the run summary
+
+    for name, f in figures.items():
+        attrs = f["attrs"]
+        if "data-empty" in attrs:
+            continue
+        assert f["plotly"] and int(attrs["data-marks"]) == int(attrs["data-bars"]) > 0, name
+        assert attrs["data-errorbars"] == attrs["data-spread"], name  # a whisker on each bar with a spread
+        if attrs["data-timing"] == "1" and name.endswith("-1"):  # the CPU run: every time has a spread
+            assert attrs["data-spread"] == attrs["data-bars"], name
+        used = json.loads(attrs["data-colours"])
+        drawn = {series: _hex(rgb) for series, rgb in json.loads(attrs["data-drawn-colours"]).items()}
+        assert drawn == {series: colour.upper() for series, colour in used.items()}, name
+        assert colour_check.pair_problems(drawn) == [], name
+    assert int(figures["audit-1"]["attrs"]["data-errorbars"]) == 5  # spreads over seeds too
+
+    throughput = figures["throughput-1"]
+    assert throughput["attrs"]["data-hatched"] == "2"  # both flagged rows drawn, hatched
+    assert sum("⚠ impossible" in label for label in throughput["labels"]) == 1
+    assert sum("⚠ noisy: p20-p80 150% of median" in label for label in throughput["labels"]) == 1
+    assert "2 of 4 bars flagged, drawn faded and hatched" in text and "1 impossible: faster than" in text
+    assert "1 row not drawn</b>: error: vmap cannot trace this model" in text
+    memory = figures["memory-1"]
+    assert memory["axes"] == ["peak memory (MiB)"] and "11.4 MiB" in memory["labels"]  # 12e6 bytes
+    assert memory["attrs"]["data-hatched"] == "0"  # bytes do not depend on timing: not flagged
+    assert figures["fsdp-memory-1"]["axes"] == ["bytes per rank (MiB)"] and figures["fsdp-memory-1"]["traces"] == 8
+
+
+@needs_chromium
+def test_each_series_has_one_colour_in_every_chart(tmp_path):
     """On the dashboard of the committed results, drawn by Chromium: a provider (or an audit's
-    series) has the same colour in every chart, no two share one, and every bar is its
-    series' colour."""
+    series) has the same colour in every chart, two series of one chart never share one, and
+    every chart's colours (as drawn) can be told apart."""
     page = tmp_path / "results.html"
     page.write_text(dashboard.render(results.load(COMMITTED)))
-    dom = _run_chromium(tmp_path, page, "--dump-dom")
-    assert dom.returncode == 0, dom.stderr[-2000:]
-    parsed = _Series()
-    parsed.feed(dom.stdout)
+    parsed = _opened(tmp_path, page)
     colour_of: dict = {}
-    for figure, legend in parsed.legends.items():
-        for series, colour in legend.items():
-            assert colour_of.setdefault(series, colour) == colour, (series, figure, colour, colour_of[series])
+    for name, f in parsed.figures.items():
+        if "data-drawn-colours" not in f["attrs"]:
+            continue
+        drawn = {series: _hex(rgb) for series, rgb in json.loads(f["attrs"]["data-drawn-colours"]).items()}
+        for series, colour in drawn.items():
+            assert colour_of.setdefault(series, colour) == colour, (series, name, colour, colour_of[series])
+        assert len(set(drawn.values())) == len(drawn), (name, drawn)
+        assert colour_check.pair_problems(drawn) == [], name
     assert len(colour_of) >= 8, colour_of
-    assert len(set(colour_of.values())) == len(colour_of), colour_of
-    assert parsed.bars and all(colour_of[series] == fill for _, series, fill in parsed.bars)
 
 
 # ---------------------------------------------------------------------------- the suites' writer
@@ -445,10 +666,10 @@ def test_parts_of_one_run_merge_into_one_file_and_other_runs_are_refused(tmp_pat
     assert merge.main([str(out)]) == 2
 
 
-def test_implausible_and_noisy_rows_are_flagged_not_shown_as_figures():
+def test_implausible_and_noisy_rows_are_flagged_and_drawn_marked():
     """A DP step faster than its non-private baseline (a cold or disturbed baseline), or a time
-    whose p20-p80 spans more than half its median, is flagged in the results, and the README's
-    tables and the dashboard show the flag instead of the figure."""
+    whose p20-p80 spans more than half its median, is flagged in the results; the README's
+    tables show the flag instead of the figure, and the dashboard draws the figure marked."""
     dshape = dict(model="hf-gpt2", batch=8, seq_len=1024, dtype="bf16")
     rows = [
         _row("dp_step", dshape, "non-private", step_time=100.0, throughput_over_non_private=1.0),
@@ -477,8 +698,14 @@ def test_implausible_and_noisy_rows_are_flagged_not_shown_as_figures():
     table = results_tables.markdown(docs)
     assert "| - | flagged | - |" in table and "1.11" not in table and "| flagged |" in table.split("host_overhead")[1]
     assert "flagged: dpgrad-single (model=hf-gpt2, batch=8, seq_len=1024, dtype=bf16): impossible" in table
+    throughput = charts.dp_step_charts(docs[:1], 0)[0]
+    assert [(b.series, b.value, b.flags) for b in throughput.bars] == [
+        ("dpgrad-single", 100.0 / 90.0, [results.IMPOSSIBLE]), ("dpgrad-double", 0.5, rows[2]["flags"])]
+    notes = charts.notes(throughput)
+    assert "2 of 2 bars flagged" in notes and "1 impossible: faster than the non-private step" in notes
+    assert "1 wide spread (p20 to p80 of its time over 50% of the median)" in notes
     page = dashboard.render(docs)
-    assert "impossible: faster than the non-private step" in page and "flagged, not shown as figures" in page
+    assert "impossible: faster than the non-private step" in page and "⚠ dpgrad-single (model=m" in page
 
 
 def test_summary_names_the_machine_choices_ratios_and_page():
@@ -511,8 +738,12 @@ def test_fsdp_memory_table_shows_bytes_and_ratios_to_ddp_even_when_timing_is_fla
     table = results_tables.markdown([doc])
     assert "| tiny | 2 | fsdp2-dpgrad-single | 88.0 MB | 42.0 MB | 0.63 | 0.50 |" in table, table
     assert "| tiny | 2 | ddp-dpgrad-single | 140.0 MB | 84.0 MB | - | - |" in table, table
-    counts = re.search(r'<script type="application/json" id="counts">(.*?)</script>', dashboard.render([doc]))
-    assert {"peak_memory", "peak_memory_over_ddp", "state_memory"} <= set(json.loads(counts.group(1)))
+    per_rank, ratios = charts.fsdp_charts([doc], 0)
+    assert per_rank.unit == "MiB" and not any(b.flags for b in per_rank.bars + ratios.bars)
+    assert [(b.group, round(b.value, 1)) for b in per_rank.bars if b.series == "fsdp2-dpgrad-single"] == [
+        ("tiny | 2 ranks | peak", round(88e6 / 2**20, 1)), ("tiny | 2 ranks | state", round(42e6 / 2**20, 1))]
+    assert [(b.group, b.value) for b in ratios.bars] == [("tiny | 2 ranks | peak / DDP", 88 / 140),
+                                                        ("tiny | 2 ranks | state / DDP", 0.5)]
 
 
 def _bench_conftest():

@@ -202,6 +202,9 @@ def dashboard(argv: List[str]) -> int:
     args = parser.parse_args(argv)
     if not (args.output or args.records or args.markdown or args.update_readme):
         parser.error("say what to write: -o report.html, --records FILE, --markdown or --update-readme README")
+    missing = page.plotly_missing() if args.output else None  # before anything is read or made
+    if missing is not None:
+        parser.error(f"-o {args.output}: {missing}")
     if args.output:
         try:  # the page's directory is made if missing
             Path(args.output).parent.mkdir(parents=True, exist_ok=True)
@@ -226,7 +229,7 @@ def dashboard(argv: List[str]) -> int:
             parser.error(f"--summary {args.summary}: not an autotune report's JSON ({problem})")
     status = 0
     if args.output:
-        if write_text(args.output, page.render(docs), "dashboard"):
+        if write_text(args.output, page.render(docs, autotune), "dashboard"):
             print(f"wrote the dashboard to {args.output}", file=sys.stderr)
         else:
             status = 1

@@ -1,345 +1,209 @@
 """``dpgrad dashboard``: one self-contained HTML page from benchmark results files.
 
-The page embeds the results as JSON and draws its charts with a few lines of its own
-JavaScript into SVG: nothing is fetched, so it opens offline. Per machine:
-- speedup over Opacus per kernel and layer shape (the kernels suite);
-- throughput of each DP step over the non-private step's, per model and T (dp_step);
-- peak memory per model, T and provider (dp_step; on a CPU the most a step allocates at once);
-- a table of each DP step's host overhead against the non-private step's (host_overhead:
-  operations dispatched and host waits per step, per hooked layer, host and step times),
-  where the machine has such results;
-then a table of every raw figure and one of the machines. Each chart, once drawn, carries
-``data-marks`` (bars drawn) or ``data-empty`` (why there is nothing to draw); the page logs
-``dashboard: N charts drawn`` to the console, and any script error as a console error.
+The charts are plotly figures, with plotly.js inlined once in the page: nothing is fetched,
+so it opens offline (plotly: ``pip install "dpgrad[dashboard]"``). From the top: a table of
+contents, the run summary (the lines ``--summary`` prints) and the autotune report's layer
+table, then per machine:
+- speedup over Opacus and fraction of the roofline per kernel and layer shape (kernels);
+- throughput of each DP step over the non-private step's, and peak memory, per model and T
+  (dp_step);
+- memory per rank under FSDP2 and DDP, and their ratio (fsdp_memory), where there are such results;
+- audited epsilons against the accountant's (audit), where there are such results;
+- a table of each DP step's host overhead (host_overhead), where there are such results;
+then a table of every raw figure and one of the machines.
+
+Timing-derived bars carry p20-p80 whiskers; flagged rows are drawn faded and hatched, with
+the flag in their label and a note under the chart; rows that did not run are listed under
+it (``dpgrad.tools.dashboard_charts``). Colours: ``dpgrad.tools.dashboard_colours``.
+
+Each chart's ``<figure class="chart">`` records ``data-colours`` (series -> colour); once
+plotly has drawn it, the page sets ``data-marks`` (bars drawn), ``data-errorbars`` (whiskers
+drawn), ``data-hatched`` (flagged bars drawn hatched) and ``data-drawn-colours`` (each
+series' fill as drawn). A chart with nothing to draw
+has ``data-empty`` (why) instead, and says it. When every chart is drawn the body gets
+``data-charts`` and the console ``dashboard: N charts drawn``; a script error is a console error.
 """
 
 from __future__ import annotations
 
 import html
 import json
-from typing import List
+from typing import List, Optional, Tuple
 
-from dpgrad.tools.results import COUNTS
+from dpgrad.tools import dashboard_charts as charts
+from dpgrad.tools import dashboard_colours as colours
+from dpgrad.tools import dashboard_tables as tables
 
 TITLE = "dpgrad benchmarks"
+INSTALL = 'pip install "dpgrad[dashboard]"'
+
+
+def plotly_missing() -> Optional[str]:
+    """Why the page cannot be drawn here (plotly not importable), or None."""
+    try:
+        import plotly.io  # noqa: F401
+        import plotly.offline  # noqa: F401
+    except ImportError as exc:
+        return (f"the dashboard's charts need plotly, which is not installed here ({exc}): "
+                f"run {INSTALL}")
+    return None
+
 
 _STYLE = """
-body { font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #222; background: #fff; }
+body { font: 14px/1.45 system-ui, sans-serif; margin: 24px; color: #222; background: #fff; }
 h1 { font-size: 22px; } h2 { font-size: 18px; margin-top: 32px; } h3 { font-size: 15px; }
+nav#toc { border: 1px solid #ddd; border-radius: 4px; padding: 4px 16px; background: #fafafa; }
+nav#toc ul { margin: 4px 0; padding-left: 20px; } nav#toc li { margin: 1px 0; }
 figure.chart { margin: 12px 0 24px; padding: 8px; border: 1px solid #ddd; border-radius: 4px; }
 figure.chart figcaption { font-weight: 600; margin-bottom: 6px; }
-figure.chart .empty { color: #777; font-style: italic; padding: 12px; }
+figure.chart .empty, p.empty { color: #666; font-style: italic; padding: 12px; }
+p.note { margin: 4px 8px; font-size: 12px; color: #444; }
+p.note.flagged[data-flagged]:not([data-flagged="0"]) { color: #8a4b00; }
+ul.not-run, ul.flags { font-size: 12px; color: #555; margin: 4px 8px; }
+ul.not-run .who { color: #777; }
 table { border-collapse: collapse; font-size: 12px; margin: 8px 0; }
 th, td { border: 1px solid #ddd; padding: 3px 6px; text-align: left; vertical-align: top; }
 th { background: #f4f4f4; }
-.legend span { display: inline-block; margin-right: 12px; font-size: 12px; }
-.legend i { display: inline-block; width: 10px; height: 10px; margin-right: 4px; }
 """
 
-# Draws every chart from DATA; no library, no network.
+# Counts what plotly drew in each chart; no drawing of its own.
 _SCRIPT = r"""
-(function () {
-  // One colour per series (a provider, an audit's estimate), the same in every chart of the
-  // page, given in the order the series are first drawn; past the palette, hues a golden angle apart.
-  const COLORS = ["#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377", "#bbbbbb", "#332288",
-                  "#117733", "#882255", "#999933", "#dd7788", "#44aa99", "#661100", "#e69f00", "#000000",
-                  "#6699cc", "#aa4499", "#ddcc77", "#8c564b"];
-  const SERIES = [];
-  function colorOf(name) {
-    let i = SERIES.indexOf(name);
-    if (i < 0) { SERIES.push(name); i = SERIES.length - 1; }
-    return i < COLORS.length ? COLORS[i] : "hsl(" + Math.round((i * 137.508) % 360) + ", 65%, 40%)";
+window.addEventListener("error", function (e) { console.error("dashboard: " + e.message); });
+window.dpgradCharts = {drawn: 0, loaded: false, done: false};
+// Once every chart is drawn and the whole page is parsed (a chart can finish before the rest).
+function dpgradDone() {
+  const state = window.dpgradCharts;
+  if (state.done || !state.loaded || state.drawn !== Number(document.body.dataset.chartsExpected)) return;
+  state.done = true;
+  for (const f of document.querySelectorAll("figure.chart")) {
+    const box = f.getBoundingClientRect();
+    f.dataset.rect = [box.left + window.scrollX, box.top + window.scrollY, box.width, box.height]
+      .map(Math.round).join(",");
   }
-  const SVG = "http://www.w3.org/2000/svg";
-  // A flagged row's timings are not figures: only its counts (and bytes) are shown.
-  const COUNTS = new Set(JSON.parse(document.getElementById("counts").textContent));
-  const flagged = row => Boolean(row.flags && row.flags.length);
-  const p50 = (row, name) => (row.status === "ok" && row.metrics[name] && (!flagged(row) || COUNTS.has(name)))
-    ? row.metrics[name].p50 : null;
-  const shapeKey = (s, keys) => keys.map(k => s[k]).join(" | ");
-
-  function el(tag, attrs, parent) {
-    const node = document.createElementNS(SVG, tag);
-    for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
-    if (parent) parent.appendChild(node);
-    return node;
-  }
-
-  // Horizontal grouped bars: groups [{label, bars: [{series, value}]}], a reference line at ref.
-  function bars(figure, groups, series, unit, ref) {
-    if (!groups.length) return 0;
-    const longest = Math.max(...groups.map(g => g.label.length));
-    const barH = 14, gap = 8, left = 12 + 6.5 * longest, width = 520, right = 80;
-    const rows = groups.reduce((n, g) => n + g.bars.length, 0);
-    const height = rows * barH + groups.length * gap + 40;
-    const max = Math.max(ref || 0, ...groups.flatMap(g => g.bars.map(b => b.value))) * 1.05 || 1;
-    const svg = el("svg", {width: left + width + right, height: height, role: "img"}, figure);
-    let y = 10, marks = 0;
-    for (const g of groups) {
-      el("text", {x: 4, y: y + 11, "font-size": 12}, svg).textContent = g.label;
-      for (const b of g.bars) {
-        const w = Math.max(1, width * b.value / max);
-        el("rect", {x: left, y: y, width: w, height: barH - 2,
-                    fill: colorOf(b.series), "class": "bar", "data-series": b.series}, svg);
-        el("text", {x: left + w + 4, y: y + 11, "font-size": 11}, svg).textContent =
-          b.value.toFixed(b.value < 10 ? 2 : 0) + " " + unit;
-        y += barH; marks += 1;
-      }
-      y += gap;
+  document.body.dataset.charts = window.dpgradCharts.drawn;
+  console.log("dashboard: " + window.dpgradCharts.drawn + " charts drawn");
+}
+document.addEventListener("DOMContentLoaded", function () {
+  window.dpgradCharts.loaded = true;
+  dpgradDone();
+});
+window.dpgradDrawn = function (plotId) {
+  const gd = document.getElementById(plotId);
+  const figure = gd.closest("figure.chart");
+  // Each series is two traces: its bars, then an unseen one holding their labels (meta "label").
+  const traces = Array.from(gd.querySelectorAll(".barlayer .trace"));
+  const bars = traces.filter(function (t, i) { return gd.data[i].meta !== "label"; });
+  figure.dataset.marks = bars.reduce(function (n, t) { return n + t.querySelectorAll(".point").length; }, 0);
+  figure.dataset.errorbars = gd.querySelectorAll("g.errorbar path.xerror").length;
+  figure.dataset.traces = bars.length;
+  figure.dataset.hatched = bars.reduce(function (n, t) {
+    return n + t.querySelectorAll("path.pattern_filled").length;
+  }, 0);
+  const drawn = {};
+  traces.forEach(function (trace, i) {
+    if (gd.data[i].meta === "label") return;
+    // A solid bar's fill; a hatched (flagged) bar's outline, drawn in the series' colour.
+    for (const path of trace.querySelectorAll(".point path")) {
+      const fill = path.style.fill, stroke = path.style.stroke;
+      if (fill && fill.startsWith("rgb")) { drawn[gd.data[i].name] = fill; break; }
+      if (stroke && stroke.startsWith("rgb")) drawn[gd.data[i].name] = stroke;
     }
-    if (ref) {
-      const x = left + width * ref / max;
-      el("line", {x1: x, x2: x, y1: 4, y2: y, stroke: "#333", "stroke-dasharray": "4 3"}, svg);
-      el("text", {x: x + 3, y: y + 14, "font-size": 11}, svg).textContent = ref + " " + unit;
-    }
-    const legend = document.createElement("div");
-    legend.className = "legend";
-    for (const s of series) {
-      const item = document.createElement("span");
-      item.innerHTML = '<i style="background:' + colorOf(s) + '"></i>';
-      item.dataset.series = s;
-      item.dataset.color = colorOf(s);
-      item.appendChild(document.createTextNode(s));
-      legend.appendChild(item);
-    }
-    figure.appendChild(legend);
-    return marks;
-  }
-
-  function chart(section, id, caption, draw, emptyWhy) {
-    const figure = document.createElement("figure");
-    figure.className = "chart"; figure.id = id;
-    const cap = document.createElement("figcaption");
-    cap.textContent = caption;
-    figure.appendChild(cap);
-    section.appendChild(figure);
-    const marks = draw(figure);
-    if (marks > 0) { figure.dataset.marks = marks; }
-    else {
-      figure.dataset.empty = emptyWhy;
-      const note = document.createElement("div");
-      note.className = "empty"; note.textContent = emptyWhy;
-      figure.appendChild(note);
-    }
-  }
-
-  // Where each chart is on the page, for checks on a screenshot.
-  function recordRects() {
-    for (const figure of document.querySelectorAll("figure.chart")) {
-      const box = figure.getBoundingClientRect();
-      figure.dataset.rect = [box.left + window.scrollX, box.top + window.scrollY, box.width, box.height]
-        .map(Math.round).join(",");
-    }
-  }
-
-  function rowsOf(docs, suite) { return docs.filter(d => d.suite === suite).flatMap(d => d.results); }
-
-  // A kernels metric per kernel, layer shape and provider (times scale).
-  function kernelMetric(figure, docs, metric, scale, unit, ref) {
-    const groups = [], series = [];
-    for (const r of rowsOf(docs, "kernels")) {
-      const v = p50(r, metric);
-      if (v === null || r.shape.kernel === "roofline") continue;
-      if (!series.includes(r.provider)) series.push(r.provider);
-      const label = shapeKey(r.shape, ["kernel", "layer"]) + " | T=" + r.shape.T;
-      let g = groups.find(g => g.label === label);
-      if (!g) { g = {label: label, bars: []}; groups.push(g); }
-      g.bars.push({series: r.provider, value: v * scale});
-    }
-    return bars(figure, groups, series, unit, ref);
-  }
-
-  function dpStep(figure, docs, metric, scale, unit, ref) {
-    const groups = [], series = [];
-    for (const r of rowsOf(docs, "dp_step")) {
-      const v = p50(r, metric);
-      if (v === null || (metric === "throughput_over_non_private" && r.provider === "non-private")) continue;
-      if (!series.includes(r.provider)) series.push(r.provider);
-      const label = r.shape.model + " | B=" + r.shape.batch + " T=" + r.shape.seq_len + " " + r.shape.dtype;
-      let g = groups.find(g => g.label === label);
-      if (!g) { g = {label: label, bars: []}; groups.push(g); }
-      g.bars.push({series: r.provider, value: v * scale});
-    }
-    return bars(figure, groups, series, unit, ref);
-  }
-
-  // Audited epsilons (medians over seeds) beside the accountant's, per noise multiplier.
-  function audits(figure, docs) {
-    const groups = [], series = [];
-    for (const r of rowsOf(docs, "audit")) {
-      if (r.status !== "ok") continue;
-      const label = "noise " + r.shape.noise_multiplier + " | " + r.shape.canaries + " canaries, " + r.shape.steps +
-        " steps";
-      let g = groups.find(g => g.label === label);
-      if (!g) { g = {label: label, bars: []}; groups.push(g); }
-      const pairs = [[r.provider + " one-run", "epsilon_one_run"], [r.provider + " f-DP", "epsilon_fdp"]];
-      if (!g.bars.some(b => b.series === "accountant")) pairs.unshift(["accountant", "accountant_epsilon"]);
-      for (const [name, metric] of pairs) {
-        const v = p50(r, metric);
-        if (v === null) continue;
-        if (!series.includes(name)) series.push(name);
-        g.bars.push({series: name, value: v});
-      }
-    }
-    return bars(figure, groups, series, "eps", 0);
-  }
-
-  function cell(tr, text, tag) {
-    const td = document.createElement(tag || "td");
-    td.textContent = text;
-    tr.appendChild(td);
-  }
-
-  // One row per model and provider: what the host is asked to do in a step, and the times.
-  function hostOverhead(section, docs, i) {
-    const rows = rowsOf(docs, "host_overhead");
-    if (!rows.length) return 0;
-    const title = document.createElement("h3");
-    title.textContent = "Host overhead per DP step (counts of one step; times: medians; extra: over non-private)";
-    section.appendChild(title);
-    const table = document.createElement("table");
-    table.id = "host-overhead-" + i;
-    const head = document.createElement("tr");
-    const columns = [["hooked_layers", "hooked layers", 0], ["ops", "ops", 0],
-                     ["extra_ops_per_layer", "extra ops / layer", 1], ["syncs", "syncs", 0],
-                     ["extra_syncs", "extra syncs", 0], ["first_step_probe_ops", "first step: probe ops", 0],
-                     ["first_step_probe_syncs", "first step: probe syncs", 0],
-                     ["first_step_probe_time", "first step: probe time (ms)", 1],
-                     ["cuda_syncs", "CUDA syncs", 0], ["launches", "launches", 0],
-                     ["host_time", "host time (ms)", 2], ["host_time_per_layer", "host time / layer (ms)", 3],
-                     ["step_time", "step time (ms)", 2], ["step_time_over_non_private", "step time / non-private", 2]];
-    for (const h of ["model", "B", "T", "dtype", "provider", ...columns.map(c => c[1])]) cell(head, h, "th");
-    table.appendChild(head);
-    for (const r of rows) {
-      const tr = document.createElement("tr");
-      for (const v of [r.shape.model, r.shape.batch, r.shape.seq_len, r.shape.dtype, r.provider]) cell(tr, String(v));
-      if (r.status !== "ok") {
-        cell(tr, r.status);
-        tr.lastChild.colSpan = columns.length;
-      } else {
-        for (const [name, , digits] of columns) {
-          const v = p50(r, name);
-          cell(tr, v === null ? "-" : v.toFixed(digits));
-        }
-      }
-      table.appendChild(tr);
-    }
-    section.appendChild(table);
-    return rows.length;
-  }
-
-  function rawTable(section, docs) {
-    const table = document.createElement("table");
-    table.id = "raw";
-    const head = document.createElement("tr");
-    for (const h of ["suite", "benchmark", "shape", "provider", "status", "metric", "p20", "p50", "p80", "unit"]) cell(head, h, "th");
-    table.appendChild(head);
-    for (const d of docs) for (const r of d.results) {
-      const metrics = Object.entries(r.metrics);
-      const lines = metrics.length ? metrics : [[null, null]];
-      for (const [name, m] of lines) {
-        const tr = document.createElement("tr");
-        const shape = Object.entries(r.shape).map(([k, v]) => k + "=" + v).join(", ");
-        const status = flagged(r) ? r.status + " (flagged: " + r.flags.join("; ") + ")" : r.status;
-        for (const v of [d.suite, r.benchmark, shape, r.provider, status, name || "",
-                         m ? m.p20.toPrecision(4) : "", m ? m.p50.toPrecision(4) : "", m ? m.p80.toPrecision(4) : "",
-                         m ? m.unit : ""]) cell(tr, v);
-        table.appendChild(tr);
-      }
-    }
-    section.appendChild(table);
-  }
-
-  function machines(section, docs) {
-    const keys = Array.from(new Set(docs.flatMap(d => Object.keys(d.machine))));
-    const table = document.createElement("table");
-    table.id = "machines";
-    const head = document.createElement("tr");
-    cell(head, "file", "th");
-    for (const k of keys) cell(head, k, "th");
-    table.appendChild(head);
-    for (const d of docs) {
-      const tr = document.createElement("tr");
-      cell(tr, d.path || d.suite);
-      for (const k of keys) cell(tr, d.machine[k] === null || d.machine[k] === undefined ? "-" : String(d.machine[k]));
-      table.appendChild(tr);
-    }
-    section.appendChild(table);
-  }
-
-  const docs = JSON.parse(document.getElementById("data").textContent);
-  const root = document.getElementById("charts");
-  const devices = Array.from(new Set(docs.map(d => d.machine.device)));
-  let drawn = 0;
-  for (const [i, device] of devices.entries()) {
-    const mine = docs.filter(d => d.machine.device === device);
-    const section = document.createElement("section");
-    const h = document.createElement("h2");
-    h.textContent = device;
-    section.appendChild(h);
-    const m = mine[0].machine;
-    const about = document.createElement("p");
-    about.textContent = "run " + m.date + ", commit " + m.commit + ", torch " + m.torch +
-      (m.cuda ? ", CUDA " + m.cuda : "") + (m.triton ? ", Triton " + m.triton : "") +
-      (m.opacus ? ", Opacus " + m.opacus : "");
-    section.appendChild(about);
-    root.appendChild(section);
-    chart(section, "speedup-" + i, "Speedup over Opacus per layer shape (Opacus time / dpgrad time, medians)",
-          f => kernelMetric(f, mine, "speedup_over_opacus", 1, "x", 1), "no kernel results for this machine");
-    chart(section, "roofline-" + i, "Fraction of the roofline per layer shape (the least time the work takes " +
-          "at the GEMM FLOP/s and copy bytes/s measured in the same run, over the time, medians)",
-          f => kernelMetric(f, mine, "roofline_fraction", 100, "%", 100), "no roofline figures for this machine");
-    chart(section, "throughput-" + i, "Throughput of each DP step over the non-private step's, per model and T",
-          f => dpStep(f, mine, "throughput_over_non_private", 1, "x", 1), "no DP-step results for this machine");
-    chart(section, "memory-" + i, "Peak memory per step (GiB)",
-          f => dpStep(f, mine, "peak_memory", 1 / 2 ** 30, "GiB", 0),
-          "no peak-memory figures for this machine");
-    drawn += 4;
-    if (rowsOf(mine, "audit").length) {
-      chart(section, "audit-" + i, "Audited epsilon (one-run and f-DP bounds, 95%) against the accountant's, " +
-            "dpgrad's training and the idealised Gaussian mechanism", f => audits(f, mine), "no audit results");
-      drawn += 1;
-    }
-    hostOverhead(section, mine, i);
-    const bad = mine.flatMap(d => d.results).filter(flagged);
-    if (bad.length) {
-      const list = document.createElement("ul");
-      list.className = "flags";
-      for (const r of bad) {
-        const li = document.createElement("li");
-        li.textContent = "flagged, not shown as figures: " + r.provider + " (" +
-          Object.entries(r.shape).map(([k, v]) => k + "=" + v).join(", ") + "): " + r.flags.join("; ");
-        list.appendChild(li);
-      }
-      section.appendChild(list);
-    }
-  }
-  rawTable(document.getElementById("raw-figures"), docs);
-  machines(document.getElementById("machine-info"), docs);
-  recordRects();
-  document.body.dataset.charts = drawn;
-  console.log("dashboard: " + drawn + " charts drawn");
-})();
+  });
+  figure.dataset.drawnColours = JSON.stringify(drawn);
+  window.dpgradCharts.drawn += 1;
+  dpgradDone();
+};
 """
 
 
-def render(docs: List[dict]) -> str:
-    """The dashboard page for results files loaded by ``dpgrad.tools.results.load``."""
-    # "</" would end the script element early; JSON allows the escaped form.
-    data = json.dumps(docs).replace("</", "<\\/")
+def _short(title: str) -> str:
+    """A chart's title up to its first bracket, for the table of contents."""
+    return title.split(" (", 1)[0]
+
+
+def _chart_html(chart: "charts.Chart", colour_of: dict) -> Tuple[str, bool]:
+    """A chart's <figure>; whether plotly draws it (not when empty)."""
+    import plotly.io as pio
+
+    used = {s: colour_of[s] for s in chart.series()}
+    attrs = (f'class="chart" id="{chart.id}" data-colours="{html.escape(json.dumps(used))}" '
+             f'data-bars="{len(chart.bars)}" data-spread="{sum(b.low is not None for b in chart.bars)}" '
+             f'data-timing="{int(chart.timing)}" data-unit="{html.escape(chart.unit)}"')
+    caption = f"<figcaption>{html.escape(chart.title)}</figcaption>"
+    if not chart.bars:
+        return (f'<figure {attrs} data-empty="{html.escape(chart.empty)}">\n{caption}\n'
+                f'<div class="empty">{html.escape(chart.empty)}</div>\n{charts.notes(chart)}</figure>'), False
+    plot = pio.to_html(charts.plotly_figure(chart, colour_of), full_html=False, include_plotlyjs=False,
+                       div_id=f"plot-{chart.id}", default_width="100%",
+                       default_height=f"{charts.bar_height(chart)}px",
+                       config={"displaylogo": False, "responsive": True, "displayModeBar": False},
+                       post_script="window.dpgradDrawn('{plot_id}');")
+    clash = "".join(f'<p class="note clash">Colours hard to tell apart: {html.escape(p)}</p>'
+                    for p in colours.pair_problems(used))  # only past the palette's thirteen series
+    return f"<figure {attrs}>\n{caption}\n{plot}\n{charts.notes(chart)}{clash}</figure>", True
+
+
+def _machine_parts(docs: List[dict]) -> List[Tuple[str, List[dict], list]]:
+    """Per machine (device): its title, its results files and its charts in page order."""
+    parts = []
+    devices = list(dict.fromkeys(d["machine"]["device"] for d in docs))
+    for i, device in enumerate(devices):
+        mine = [d for d in docs if d["machine"]["device"] == device]
+        found = charts.kernel_charts(mine, i) + charts.dp_step_charts(mine, i) + charts.fsdp_charts(mine, i)
+        audit = charts.audit_chart(mine, i)
+        parts.append((device, mine, found + ([audit] if audit else [])))
+    return parts
+
+
+def render(docs: List[dict], report: Optional[dict] = None) -> str:
+    """The dashboard page for results files loaded by ``dpgrad.tools.results.load``, with an
+    autotune report's JSON (``dpgrad autotune-report --json``) when given. Raises ImportError
+    naming the install command where plotly is missing."""
+    missing = plotly_missing()
+    if missing:
+        raise ImportError(missing)
+    import plotly.offline
+
+    parts = _machine_parts(docs)
+    colour_of = colours.assign([c.series() for _, _, found in parts for c in found])
+    toc = ['<li><a href="#summary">Run summary</a></li>', '<li><a href="#autotune">Autotune report</a></li>']
+    body, expected = [], 0
+    for i, (device, mine, found) in enumerate(parts):
+        m = mine[0]["machine"]
+        about = (f"run {m['date']}, commit {m['commit']}, torch {m['torch']}"
+                 + "".join(f", {name} {m[key]}" for key, name in (("cuda", "CUDA"), ("triton", "Triton"),
+                                                                   ("opacus", "Opacus")) if m.get(key)))
+        body.append(f'<section id="machine-{i}"><h2>{html.escape(device)}</h2>\n<p>{html.escape(about)}</p>')
+        links = []
+        for chart in found:
+            text, drawn = _chart_html(chart, colour_of)
+            body.append(text)
+            expected += drawn
+            links.append(f'<li><a href="#{chart.id}">{html.escape(_short(chart.title))}</a></li>')
+        host = charts.rows_of(mine, "host_overhead")
+        if host:
+            body.append(f'<h3 id="host-{i}">Host overhead per DP step (counts of one step; times: medians; extra: '
+                        f'over non-private; ⚠: a flagged row\'s timing)</h3>')
+            body.append(tables.host_overhead_table(host, f"host-overhead-{i}"))
+            links.append(f'<li><a href="#host-{i}">Host overhead per DP step</a></li>')
+        body.append("</section>")
+        toc.append(f'<li><a href="#machine-{i}">{html.escape(device)}</a><ul>{"".join(links)}</ul></li>')
+    toc += ['<li><a href="#raw-figures">Raw figures</a></li>', '<li><a href="#machine-info">Machines</a></li>']
     sources = ", ".join(html.escape(d.get("path", d["suite"])) for d in docs)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{TITLE}</title>
-<style>{_STYLE}</style></head>
-<body>
+<style>{_STYLE}</style>
+<script type="text/javascript">{plotly.offline.get_plotlyjs()}</script>
+<script>{_SCRIPT}</script></head>
+<body data-charts-expected="{expected}">
 <h1>{TITLE}</h1>
 <p>From {sources}. Medians of synchronised runs (host times: of the host issuing a step, not waiting for its
-end); ratios are to the baselines of the same run.</p>
-<div id="charts"></div>
-<h2>Raw figures</h2><div id="raw-figures"></div>
-<h2>Machines</h2><div id="machine-info"></div>
-<script type="application/json" id="data">{data}</script>
-<script type="application/json" id="counts">{json.dumps(list(COUNTS))}</script>
-<script>{_SCRIPT}</script>
+end); ratios are to the baselines of the same run. Whiskers: p20 to p80. Hover a bar for its figures.</p>
+<nav id="toc"><h2>Contents</h2><ul>{"".join(toc)}</ul></nav>
+<section id="summary"><h2>Run summary</h2>{tables.summary_section(docs, report)}</section>
+<section id="autotune"><h2>Autotune report</h2>{tables.autotune_section(report)}</section>
+{chr(10).join(body)}
+<section id="raw-figures"><h2>Raw figures</h2>{tables.raw_table(docs)}</section>
+<section id="machine-info"><h2>Machines</h2>{tables.machines_table(docs)}</section>
 </body></html>
 """
