@@ -9,6 +9,10 @@ Drop-in replacements for Opacus's wrappers: ``GradSampleModule`` (per-sample gra
 (``dpgrad.hooks``).
 """
 
+from .supported_versions import warn_if_unsupported
+
+warn_if_unsupported()  # first: an unsupported torch may break the imports below
+
 from . import _moved, samplers  # noqa: F401  (the earlier module paths; the built-in samplers registered)
 from .clipping.adaptive import DPLossFastGradientAdaptiveClipping, DPTensorFastGradientAdaptiveClipping
 from .fast_gradient_clipping import GradSampleModuleFastGradientClipping, GradSampleModuleFastGradientClippingFSDP

@@ -102,6 +102,7 @@ BACKEND_INDEPENDENT = {
     "test_cli_report.py", "test_dashboard.py", "test_package.py", "test_tuning.py",
     "test_tuning_store.py",
     "test_run_suites.py",  # the benchmark runner's display and log
+    "test_install.py",  # builds, installs and imports the package
     # The Trainer's sampling, accounting and losses around the wrapper, whose backends the
     # modules of the second pass cover (it passes on the Triton interpreter too, in minutes).
     "test_hf_trainer.py",
