@@ -20,12 +20,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from dpgrad.tuning.progress import progress_wanted
+
 HERE = Path(__file__).resolve().parent
-
-
-def _progress_wanted() -> bool:
-    setting = os.environ.get("DPGRAD_PROGRESS", "")
-    return setting == "1" or (setting != "0" and sys.stderr.isatty())
 
 
 class Suites:
@@ -34,7 +31,7 @@ class Suites:
     def __init__(self, out=sys.stderr):
         self.out, self.bars, self.totals = out, {}, {}
         self.counts, self.started, self.width = {}, {}, 0
-        self.tty = _progress_wanted()
+        self.tty = progress_wanted(out)
 
     def collected(self, totals: dict) -> None:
         self.totals = totals

@@ -9,7 +9,8 @@ The text is English that ships with Python itself: the reference pages of ``help
 (``pydoc_data.topics``, about 450 KB), read as bytes (a vocabulary of 256: no tokenizer to
 download) and cut into rows of 64 bytes; the last tenth is held out. The model is a four-layer
 GPT-2 built from a config with random weights. Each row is one privacy unit. The script prints
-the held-out perplexity per byte before and after, and the epsilon spent (delta = 1 / rows).
+the held-out perplexity per byte before and after, and the epsilon spent (delta = rows^-1.1,
+DPTrainer's default).
 """
 
 from __future__ import annotations
