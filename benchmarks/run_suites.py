@@ -20,7 +20,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from dpgrad.tuning.progress import progress_wanted
+from dpgrad.tuning.progress import progress_bar, progress_wanted
 
 HERE = Path(__file__).resolve().parent
 
@@ -48,11 +48,9 @@ class Suites:
             self._close(other)
         self.started[suite] = time.monotonic()
         if self.tty:
-            from tqdm import tqdm
-
-            self.bars[suite] = tqdm(total=self.totals.get(suite, 0), desc=suite.ljust(self.width), unit=" cases",
-                                    file=self.out, dynamic_ncols=True, mininterval=0,
-                                    bar_format="{desc} {bar:20} {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}")
+            self.bars[suite] = progress_bar(
+                suite.ljust(self.width), self.totals.get(suite, 0), " cases", self.out, dynamic_ncols=True,
+                bar_format="{desc} {bar:20} {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}")
 
     def ended(self, suite: str, outcome: str) -> None:
         self.start(suite)

@@ -95,7 +95,7 @@ def verdict(noise: float, results: list) -> tuple:
 def audit_command(argv: List[str]) -> int:
     from dpgrad.audit.run import AuditConfig, audit
     from dpgrad.tools import presets
-    from dpgrad.tuning.progress import progress_wanted
+    from dpgrad.tuning.progress import progress_bar
 
     parser = parser_of()
     args = parser.parse_args(argv)
@@ -118,12 +118,7 @@ def audit_command(argv: List[str]) -> int:
     except ValueError as exc:
         parser.error(str(exc))
 
-    bar = None
-    if progress_wanted():
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(configs) * args.steps, desc="audit", unit=" steps", leave=False, file=sys.stderr,
-                   dynamic_ncols=True)
+    bar = progress_bar("audit", len(configs) * args.steps, " steps", leave=False, dynamic_ncols=True)
     found = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")

@@ -30,7 +30,7 @@ from dpgrad.tools.presets import DTYPES, build_model
 from dpgrad.tools.results import git_commit, warm_up
 from dpgrad.tuning import get_tuner, store, tune_mode
 from dpgrad.tuning.tuner import ENV_VAR as TUNE_ENV_VAR
-from dpgrad.tuning.progress import TUNING_PROGRESS, progress_wanted
+from dpgrad.tuning.progress import TUNING_PROGRESS, progress_bar
 
 SCHEMA = 1
 NO_CHOICE = "dpgrad sampler (no kernel choice)"
@@ -59,13 +59,7 @@ class Progress:
     the report alone."""
 
     def __init__(self, total: int, stream: Optional[TextIO] = None):
-        self.bar = None
-        stream = stream if stream is not None else sys.stderr
-        if progress_wanted(stream):
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, desc="autotune", unit=" layers", leave=False, file=stream,
-                            dynamic_ncols=True, mininterval=0)
+        self.bar = progress_bar("autotune", total, " layers", stream, leave=False, dynamic_ncols=True)
 
     def update(self, label: str, steps: int = 1) -> None:
         if self.bar is not None:

@@ -31,6 +31,17 @@ def progress_wanted(stream=None) -> bool:
     return bool(getattr(stream, "isatty", lambda: False)())
 
 
+def progress_bar(desc: str, total: Optional[int] = None, unit: str = "", stream=None, **options):
+    """A tqdm bar on ``stream`` (stderr) where ``progress_wanted`` says so, else None. Redrawn
+    at each update (``mininterval=0``: the steps counted here take seconds)."""
+    stream = sys.stderr if stream is None else stream
+    if not progress_wanted(stream):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(desc=desc, total=total, unit=unit, file=stream, mininterval=0, **options)
+
+
 class TuningProgress:
     """The bar of the shapes measured in the current backward pass."""
 
@@ -50,12 +61,12 @@ class TuningProgress:
     def measuring(self, label: str) -> None:
         """A shape is about to be measured: open the bar (once per pass) and name the shape."""
         if self.bar is None:
-            if self.hidden_by or not progress_wanted():
+            if self.hidden_by:
                 return
-            from tqdm import tqdm
-
-            self.bar = tqdm(desc="dpgrad autotune", unit=" shapes", leave=False, file=sys.stderr, mininterval=0,
-                            bar_format="{desc}: {n_fmt} shapes measured [{elapsed}]{postfix}")
+            self.bar = progress_bar("dpgrad autotune", unit=" shapes", leave=False,
+                                    bar_format="{desc}: {n_fmt} shapes measured [{elapsed}]{postfix}")
+            if self.bar is None:
+                return
         self.bar.set_postfix_str(label, refresh=False)
         self.bar.refresh()
 
