@@ -17,6 +17,8 @@ Each sequence is one sample (``shape=`` of the loss wrappers). Models:
 - ``hf-llama-1b``, ``hf-llama-1b-lora16``: a Llama-3.2-1B-shaped Hugging Face model, fully
   fine-tuned, or with PEFT LoRA adapters of rank 16 on every projection (only they train); at
   B=8 T=1024, and fully fine-tuned at B=1 T=8192 (long context);
+- ``hf-qwen3-moe-small``: a small Qwen3-MoE (eight layers of 16 experts, top-2 routing, hidden
+  size 1024), every parameter trained, experts and router included;
 - ``-tiny`` variants of the Hugging Face models: the same architectures at two layers;
 - ``-ckpt`` variants: GPT-2 with Hugging Face's non-reentrant activation checkpointing of
   every block, for the non-private step and dpgrad's (the memory checkpointing saves);
@@ -72,12 +74,13 @@ DEVICE = torch.device("cuda" if CUDA else "cpu")
 CASES = (
     [("tiny", 8, 64, "fp32"), ("tiny", 8, 256, "fp32"), ("hf-gpt2-tiny", 8, 64, "fp32"),
      ("hf-gpt2-tiny-ckpt", 8, 64, "fp32"), ("hf-llama-tiny", 8, 64, "fp32"), ("hf-llama-tiny-lora16", 8, 64, "fp32"),
-     ("hf-llama-tiny-lora16", 8, 64, "amp"), ("hf-llama-tiny", 1, 1024, "fp32"), ("wrn-16-1", 32, 32, "fp32"),
+     ("hf-llama-tiny-lora16", 8, 64, "amp"), ("hf-llama-tiny", 1, 1024, "fp32"), ("hf-qwen3-moe-tiny", 8, 64, "fp32"),
+     ("wrn-16-1", 32, 32, "fp32"),
      ("vit-tiny", 16, 32, "fp32")]
     if results.quick_mode()
     else [("hf-gpt2", 64, 128, "bf16"), ("hf-gpt2", 8, 1024, "bf16"), ("hf-gpt2-ckpt", 8, 1024, "bf16"),
           ("hf-llama-1b", 8, 1024, "bf16"), ("hf-llama-1b-lora16", 8, 1024, "bf16"),
-          ("hf-llama-1b-lora16", 8, 1024, "amp"),
+          ("hf-llama-1b-lora16", 8, 1024, "amp"), ("hf-qwen3-moe-small", 8, 1024, "bf16"),
           # Long context, one sequence a step.
           ("hf-llama-1b", 1, 8192, "bf16"), ("hf-gpt2-16k", 1, 16384, "bf16"),
           ("wrn-16-4", 256, 32, "bf16"), ("vit-b16", 32, 224, "bf16")]
@@ -151,6 +154,8 @@ def _hf(name: str) -> BenchModel:
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return BenchModel(model, cfg.vocab_size, 0, hf=True)
+    if name.startswith("hf-qwen3-moe"):
+        return _qwen3_moe(name, common)
     import peft
 
     if "tiny" in name:
@@ -165,6 +170,23 @@ def _hf(name: str) -> BenchModel:
         lora = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS)
         model = peft.get_peft_model(model, lora)
     return BenchModel(model, cfg.vocab_size, 0, hf=True)
+
+
+def _qwen3_moe(name: str, common: dict) -> BenchModel:
+    """A Qwen3-MoE model, every layer a sparse block of top-2 routing over its experts."""
+    import transformers
+
+    if "tiny" in name:
+        shape = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512)
+    else:  # small: 16 experts of width 512 at hidden size 1024, eight layers
+        shape = dict(hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512, num_experts=16,
+                     num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                     vocab_size=32000)
+    cfg = transformers.Qwen3MoeConfig(**shape, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                                      mlp_only_layers=[], max_position_embeddings=2048, tie_word_embeddings=False,
+                                      **common)
+    return BenchModel(transformers.Qwen3MoeForCausalLM(cfg).train(), cfg.vocab_size, 0, hf=True)
 
 
 _models: Dict[Tuple[str, str], BenchModel] = {}
@@ -412,7 +434,7 @@ def _try_step(bench, case) -> None:
         bench.skip(f"refused: {err}".splitlines()[0][:200])
     except torch.cuda.OutOfMemoryError:
         bench.skip("out of memory")
-    except RuntimeError as err:  # torch.func cannot trace every model
+    except (RuntimeError, TypeError) as err:  # torch.func cannot trace every model, nor Opacus's hooks call it
         bench.skip(f"error: {err}".splitlines()[0][:200])
     if CUDA:
         torch.cuda.reset_peak_memory_stats()

@@ -2,13 +2,14 @@
 
 This module is both the CPU fallback and the test oracle of the Triton kernels, under the
 same names as ``triton_ops`` (``backend.ops_for`` hands out one or the other). Tensors in,
-tensors out: no modules, no hooks, no autograd. The functions live in four modules, each
+tensors out: no modules, no hooks, no autograd. The functions live in five modules, each
 importing only those listed before it, and are gathered here:
     reference_common     accumulation dtypes, autocast's operands, batch slices, squared
                          norms, fp32-accumulating batched GEMMs
     reference_linear     Linear layers, and the cross term of a parameter used twice
     reference_embedding  embedding layers
     reference_conv       convolutions (on ``conv_unfold``'s geometry)
+    reference_experts    mixture-of-experts weights (E, p, q), from per-pair factors
 A module-level setting (``CHUNK_ELEMENTS``, ``GRAM_CHUNK``, ...) is read where it is defined.
 
 Shapes (B batch, T tokens, d in-features, p out-features, V vocabulary):
@@ -76,6 +77,7 @@ from .reference_conv import (
     conv_weight_sq_norm_gram,
     conv_weight_sq_norm_unfolded,
 )
+from .reference_experts import experts_clipped_sum, experts_grad_sample, experts_sq_norms
 
 NAME = "eager"
 
@@ -104,6 +106,9 @@ __all__ = [
     "conv_weight_sq_norm_gram",
     "conv_weight_sq_norm_unfolded",
     "embedding_clipped_sum",
+    "experts_clipped_sum",
+    "experts_grad_sample",
+    "experts_sq_norms",
     "embedding_grad_sample",
     "embedding_grad_sample_warning",
     "embedding_sq_norm",

@@ -76,6 +76,37 @@ def clipped_gradients(rank: int, world: int, single: bool, order: str, per_block
 GROUPS = 2  # CFG's one block, and the rest (embeddings, final norm)
 
 
+def moe_model() -> nn.Module:
+    """A two-layer Qwen3-MoE (four experts, top-2), its experts run by their eager loop."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(3)
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=CFG.vocab_size,
+        max_position_embeddings=CFG.max_seq_len, pad_token_id=0, bos_token_id=1, eos_token_id=1,
+        tie_word_embeddings=False)
+    config._experts_implementation = "eager"
+    return transformers.Qwen3MoeForCausalLM(config)
+
+
+def moe_clipped_gradients(rank: int, world: int, single: bool) -> dict:
+    """p.grad after a clipped backward of the MoE model inside DDP, every layer clipped from
+    its norms (the experts' segment samplers), and this rank's per-sample norms."""
+    from unittest import mock
+
+    from dpgrad.backward import finish_plan
+
+    net = moe_model()
+    with mock.patch.multiple(finish_plan, GRAD_SAMPLE_MEMORY_FRACTION=0.0, TINY_GRAD_SAMPLE_ELEMENTS=-1):
+        wrapped = DDP(dpgrad.GradSampleModuleFastGradientClipping(net, max_grad_norm=C, single_backward=single))
+        criterion = dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss(), "mean")
+        lm_step(wrapped, criterion, share(global_ids(), rank, world))
+    norms = dpgrad.loss.clipping_wrapper(wrapped).per_sample_gradient_norms
+    return {"grads": _grads(net), "norms": norms.detach().numpy()}
+
+
 class ConvNet(nn.Module):
     """Convolutions (one grouped, strided, circular) and GroupNorm before a Linear head."""
 
@@ -269,10 +300,11 @@ SCENARIOS = {
     "mixing_refused": mixing_refused,
     "clipped_gradients": clipped_gradients,
     "conv_clipped_gradients": conv_clipped_gradients,
+    "moe_clipped_gradients": moe_clipped_gradients,
     "all_reduce_calls": all_reduce_calls,
     "privacy_engine_step": privacy_engine_step,
 }
 
 
-__all__ = ["C", "CFG", "GROUPS", "SCENARIOS", "center_block", "global_ids", "lm_step", "mixing_step", "model", "np",
-           "share"]
+__all__ = ["C", "CFG", "GROUPS", "SCENARIOS", "center_block", "global_ids", "lm_step", "mixing_step", "model",
+           "moe_model", "np", "share"]

@@ -2,7 +2,8 @@
 
 - ``p.grad`` after clipped backward, in both modes and with dpgrad's wrapper inside or around
   DDP, is DDP's average of the ranks' clipped sums: the one-process clipped sum / world size;
-  so for a net of convolutions and GroupNorm clipped from their norms.
+  so for a net of convolutions and GroupNorm clipped from their norms, and for a
+  mixture-of-experts model (router and 3-D experts).
 - The norm pass makes DDP reduce nothing: DDP reduces the clipped gradients, where with
   Opacus's protocol (a plain first pass) it reduces the unclipped ones instead.
 - ``dpgrad.opacus.make_private`` on the DDP model with Opacus's distributed optimizer takes
@@ -40,6 +41,8 @@ def ranks():
     jobs += [("clipped_gradients", dict(single=True, order=o, per_block=True)) for o in ORDERS]
     jobs += [("all_reduce_calls", dict(protocol=p)) for p in ("dpgrad", "opacus")]
     jobs += [("conv_clipped_gradients", dict(single=s)) for s in MODES.values()]
+    if importlib.util.find_spec("transformers") is not None:
+        jobs += [("moe_clipped_gradients", dict(single=s)) for s in MODES.values()]
     jobs += [("fsdp_refused", {})]
     jobs += [("mixing_refused", dict(order=o, where=w)) for o in ORDERS for w in ("model", "loss")]
     if OPACUS:
@@ -89,6 +92,27 @@ def test_convolutions_are_the_one_process_clipped_sum_averaged(ranks, mode):
     assert (norms > W.CONV_C).all(), "every sample should be clipped"
     ids = torch.arange(W.GLOBAL_BATCH)
     for rank, got in enumerate(_result(ranks, "conv_clipped_gradients", single=MODES[mode])):
+        assert_norms_close(torch.from_numpy(got["norms"]), norms[W.share(ids, rank, WORLD)].double(), f"rank {rank}")
+        for n, p in net.named_parameters():
+            assert_tensor_close(torch.from_numpy(got["grads"][n]), p.grad.double() / WORLD, f"rank {rank} {n}")
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_moe_gradients_are_the_one_process_clipped_sum_averaged(ranks, mode):
+    """A mixture-of-experts model (router and 3-D experts trained, clipped from their norms)
+    inside DDP: each rank's norms are the one-process norms of its samples, and p.grad the
+    one-process clipped sum / world size."""
+    pytest.importorskip("transformers")
+    from mixed_net import clipped_from_norms
+
+    net = W.moe_model()
+    with clipped_from_norms():
+        wrapped = dpgrad.GradSampleModuleFastGradientClipping(net, max_grad_norm=W.C, single_backward=MODES[mode])
+        W.lm_step(wrapped, dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss()), W.global_ids())
+    norms = wrapped.per_sample_gradient_norms
+    assert (norms > W.C).all(), "every sample should be clipped"
+    ids = torch.arange(W.GLOBAL_BATCH)
+    for rank, got in enumerate(_result(ranks, "moe_clipped_gradients", single=MODES[mode])):
         assert_norms_close(torch.from_numpy(got["norms"]), norms[W.share(ids, rank, WORLD)].double(), f"rank {rank}")
         for n, p in net.named_parameters():
             assert_tensor_close(torch.from_numpy(got["grads"][n]), p.grad.double() / WORLD, f"rank {rank} {n}")

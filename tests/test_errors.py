@@ -45,7 +45,7 @@ class Encoder(nn.Module):
         super().__init__()
         self.inp = nn.Linear(d, h)
         self.proj = nn.Linear(h, h)
-        self.fold = False  # fold the batch into the token dimension before proj (a bug)
+        self.fold = False  # fold the batch into the token dimension before proj (as MoE blocks do)
         self.reuse = False  # call proj twice
 
     def forward(self, x):
@@ -286,17 +286,34 @@ def test_embedding_scale_grad_by_freq(wrapper):
 # ---------------------------------------------------------------------------- batch dimension
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))
 def test_batch_folded_into_tokens(wrapper):
-    """(B, T, d) reshaped to (B*T, d) before a Linear: the Linear is named, nothing is computed."""
+    """(B, T, d) reshaped to (B*T, d) before a Linear (as mixture-of-experts blocks do): row i
+    is sample i // T's, and the step is the unfolded model's."""
     cls, kwargs = WRAPPERS[wrapper]
     model, pristine = make()
     wrapped = cls(model, loss_reduction="sum", **kwargs)
     x, y = batch()
     model.encoder.fold = True
-    with pytest.raises(ValueError) as err:
-        ce(wrapped(x), y).sum().backward()
-    says(err, "'encoder.proj'", "12 samples", "(B*T, d)", "batch_first")
-    model.encoder.fold = False
     assert_step_correct(wrapped, pristine, x, y)
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_rows_that_are_not_a_multiple_of_the_batch(wrapper):
+    """A Linear given another number of rows than the batch, and no multiple of it: named."""
+    cls, kwargs = WRAPPERS[wrapper]
+
+    class Drops(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.proj = nn.Linear(4, 4), nn.Linear(4, 3)
+
+        def forward(self, x):
+            h = torch.tanh(self.inp(x))
+            return self.proj(h[1:]).sum(0, keepdim=True).expand(x.shape[0], -1)
+
+    wrapped = cls(Drops(), loss_reduction="sum", **kwargs)
+    with pytest.raises(ValueError) as err:
+        wrapped(torch.randn(5, 4)).sum().backward()
+    says(err, "'proj'", "4 samples", "(B*T, d)", "batch_first")
 
 
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))

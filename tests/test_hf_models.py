@@ -3,7 +3,9 @@
 GPT-2 (Conv1D projections, the LM head tied to the token embedding), Llama fully trained and
 with PEFT LoRA adapters (RMSNorm, rotary positions, no bias; only the adapters train), Qwen3
 (RMSNorms on each head's queries and keys too), a BERT-style
-encoder with a classification head, and a ViT image classifier (a patch-embedding convolution). Causal-LM losses are per sequence, the mean over the
+encoder with a classification head, a ViT image classifier (a patch-embedding convolution), and
+the encoder-decoders T5 (a relative attention bias shared by all samples) and BART (embedding
+subclasses, tied). Causal-LM losses are per sequence, the mean over the
 tokens not labelled -100 (padding, with an attention mask), as DPLossFastGradientClipping's
 ``shape=`` gives them. The reference runs each sample alone through a float64 copy with plain
 autograd. dpgrad, in both modes: per-sample norms within fp32 rel 1e-5 (bf16 rel 1e-2), and
@@ -175,7 +177,52 @@ def qwen3(device="cpu") -> Case:
     return causal_lm(transformers.Qwen3ForCausalLM(cfg), position_ids=False, device=device)
 
 
-CASES = {"gpt2": gpt2, "llama_lora": llama_lora, "llama": llama, "qwen3": qwen3, "bert": bert, "vit": vit}
+def seq2seq(model: nn.Module, mask: bool = True) -> Case:
+    """An encoder-decoder and its batch: the encoder's ids (padded, with their attention mask
+    where ``mask``), the decoder's, and per-sequence losses over the labelled decoder tokens."""
+    ids, attention = _batch(seed=8)
+    g = torch.Generator().manual_seed(9)
+    decoder_ids = torch.randint(3, V, (B, 6), generator=g)
+    labels = torch.randint(3, V, (B, 6), generator=g)
+    labels[1, 4:] = -100
+
+    def logits_of(m, rows):
+        extra = dict(attention_mask=attention[rows]) if mask else {}
+        return m(input_ids=ids[rows], decoder_input_ids=decoder_ids[rows], **extra).logits
+
+    def forward(m, rows):
+        logits = logits_of(m, rows)
+        return (logits.reshape(-1, V), labels[rows].reshape(-1)), logits.shape[:2]
+
+    def per_sample_loss(m, rows, loss_reduction="mean"):
+        token = F.cross_entropy(logits_of(m, rows).float().transpose(1, 2), labels[rows], reduction="none")
+        return token.sum(1) / ((labels[rows] != -100).sum(1) if loss_reduction == "mean" else 1)
+
+    return Case(model, forward, per_sample_loss)
+
+
+def t5(mask: bool = True) -> Case:
+    """T5: a relative attention bias per head from an Embedding on (T, T) position buckets,
+    shared by every sample (``dpgrad.backward.shared_outputs``), in the encoder and the decoder."""
+    torch.manual_seed(10)
+    cfg = transformers.T5Config(vocab_size=V, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=2,
+                                decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0)
+    return seq2seq(transformers.T5ForConditionalGeneration(cfg), mask)
+
+
+def bart(mask: bool = True) -> Case:
+    """BART: scaled word embeddings (an nn.Embedding subclass) tied to the LM head, and learned
+    positions (another subclass, offsetting its ids), both clipped at their F.embedding calls."""
+    torch.manual_seed(11)
+    cfg = transformers.BartConfig(vocab_size=V, d_model=16, encoder_layers=1, decoder_layers=1,
+                                  encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                                  decoder_ffn_dim=32, max_position_embeddings=32, dropout=0.0, pad_token_id=1,
+                                  decoder_start_token_id=2, scale_embedding=True)
+    return seq2seq(transformers.BartForConditionalGeneration(cfg), mask)
+
+
+CASES = {"gpt2": gpt2, "llama_lora": llama_lora, "llama": llama, "qwen3": qwen3, "bert": bert, "vit": vit,
+         "t5": t5, "bart": bart}
 
 
 def autocast_on(model: nn.Module, enabled: bool):
@@ -469,37 +516,24 @@ def test_default_position_ids_give_per_sample_gradients():
     assert_tensor_close(grad_sample, ref["transformer.wpe.weight"], "wpe per-sample gradients")
 
 
-def test_a_broadcast_row_before_the_batch_is_known_is_refused_with_the_fix():
-    """Where the single row comes first (no layer has seen the batch yet), it cannot be told
-    from a batch of one: the later layer's error names the fix."""
-    class PositionsFirst(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.pos, self.tok = nn.Embedding(T, 6), nn.Embedding(V, 6)
-
-        def forward(self, ids):
-            return self.pos(torch.arange(ids.shape[1])[None]) + self.tok(ids)
-
-    wrapped = dpgrad.GradSampleModuleFastGradientClipping(PositionsFirst())
-    with pytest.raises(ValueError, match=r"layer 'tok' got 4 samples .* earlier layer of this forward pass got 1"):
-        wrapped(_batch()[0])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("name", ["t5", "bart"])
+def test_encoder_decoders_without_an_attention_mask(name, mode):
+    """Without a mask, T5's bias stays shared into every layer and meets the batch in each
+    attention: exact all the same."""
+    check(CASES[name](mask=False), MODES[mode])
 
 
-def test_one_row_into_another_layer_in_a_batched_pass_is_refused():
-    """Only an embedding's ids are expanded: a Linear given one row after the batch was seen
-    (a learned token whose output the model may also reduce over the batch) raises, naming it."""
-    class GlobalToken(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.tok, self.query = nn.Embedding(V, 6), nn.Linear(6, 6)
-            self.token = nn.Parameter(torch.randn(1, 1, 6), requires_grad=False)
-
-        def forward(self, ids):
-            return self.tok(ids) + self.query(self.token)
-
-    wrapped = dpgrad.GradSampleModuleFastGradientClipping(GlobalToken())
-    with pytest.raises(ValueError, match=r"layer 'query' got an input of shape \(1, 1, 6\), with 1 along the batch"):
-        wrapped(_batch()[0])
+def test_t5_per_sample_gradients_of_the_relative_bias():
+    """GradSampleModule: each sample's gradient of the shared relative attention bias."""
+    case = t5()
+    ref = reference(case, loss_reduction="sum")
+    model = copy.deepcopy(case.model)
+    wrapped = dpgrad.GradSampleModule(model, loss_reduction="sum")
+    case.per_sample_loss(wrapped, slice(None), "sum").sum().backward()
+    for n, p in model.named_parameters():
+        if "relative_attention_bias" in n:
+            assert_tensor_close(p.grad_sample, ref[n], f"{n} per-sample gradients")
 
 
 def gpt2_checkpointed(use_reentrant: bool) -> Case:

@@ -18,9 +18,11 @@ sums (``ClippingPath``, in ``dpgrad.backward.clipping_path``). A hook does no ar
 launch beyond what its path keeps.
 
 ``BackwardPath`` holds the layers' hooks, the records and the opening and closing of a pass;
-two mixins hold the rest: the layers hooked, and hooked anew when the model changes
-(``HookedLayers``, in ``dpgrad.backward.hooked_layers``), and the model's pre- and post-hook
-(``ModelHooks``, in ``dpgrad.backward.model_hooks``).
+three mixins hold the rest: the layers hooked, and hooked anew when the model changes
+(``HookedLayers``, in ``dpgrad.backward.hooked_layers``), the model's pre- and post-hook
+(``ModelHooks``, in ``dpgrad.backward.model_hooks``), and the calls whose samples are not one
+row each (``SplitCalls``, in ``dpgrad.backward.split_calls``: a layer shared by all samples, the
+batch's tokens flattened).
 
 Under ``loss_reduction="mean"`` the backprops are those of the mean loss, 1/B of each sample's
 own (Opacus multiplies them by B); the paths apply the factor B to (B,)-sized vectors where
@@ -52,7 +54,9 @@ from dpgrad.kernels.backend import name_layers
 from dpgrad.checks.guarantee import VerifiedLayouts
 from dpgrad.checks.independence import Probe
 from dpgrad.checks.independence_check import IndependenceCheck, check_every
-from dpgrad.backward.layer_inputs import batch_to_front, broadcast_inputs, check_batch, recomputing
+from dpgrad.backward.layer_inputs import (batch_to_front, broadcast_inputs, check_batch, folded_rows, one_row,
+                                          recomputing, shared_before, shared_call)
+from dpgrad.backward.split_calls import SplitCalls
 from dpgrad.checks.model_checks import refuse_wrapped
 from dpgrad.samplers.functorch import _first_tensor
 from dpgrad.samplers.groups import Record
@@ -69,9 +73,9 @@ class PendingCalls(dict):
         self.forward_id = forward_id
 
 
-class BackwardPath(HookedLayers, ModelHooks):
+class BackwardPath(HookedLayers, ModelHooks, SplitCalls):
     """A model's layers hooked (``HookedLayers``), its forward passes begun and ended
-    (``ModelHooks``), the records of each backward pass, and the pass finished (see the module
+    (``ModelHooks``), the calls whose samples are not their rows (``SplitCalls``), the records of each backward pass, and the pass finished (see the module
     docstring). Subclasses say what a pass keeps (``keep``) and does with it
     (``finish``). Built with the model and how its losses come (``batch_first``,
     ``loss_reduction``); checks the model at once, raising before anything is touched; hooks
@@ -84,9 +88,9 @@ class BackwardPath(HookedLayers, ModelHooks):
                  "Nothing has reached p.grad_sample from this pass.")
     # What a copy or a pickle of a path leaves out: the state of passes in flight, caches of the
     # model's layout, and autograd nodes (which cannot be copied).
-    TRANSIENT = ("_forward_batch", "_forward_seen", "_pass_open", "_edges", "_verified", "_seen_version",
-                 "_seen_layout", "_seen_flags", "_checked", "_unrecorded", "_pending", "_pass_forwards",
-                 "_probing", "independence", "finite_reports")
+    TRANSIENT = ("_forward_batch", "_input_batch", "_shared_layers", "_forward_seen", "_pass_open", "_edges",
+                 "_verified", "_seen_version", "_seen_layout", "_seen_flags", "_checked", "_unrecorded", "_pending",
+                 "_pass_forwards", "_probing", "independence", "finite_reports")
     sharded = None  # the model's FSDP2 parameter groups (dpgrad.backward.fsdp.ShardedParameters)
 
     def __init__(self, model: nn.Module, *, batch_first: bool, loss_reduction: str, check_finite: bool,
@@ -112,6 +116,9 @@ class BackwardPath(HookedLayers, ModelHooks):
     def _init_transient(self) -> None:
         """What a new path, or a copy, starts with in place of ``TRANSIENT``."""
         self._forward_batch: Optional[int] = None
+        self._input_batch = 0  # the batch size the model's first tensor input shows (0: none)
+        # The layers called without the batch dimension (and their inputs' dimensions then).
+        self._shared_layers: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
         self._forward_seen: Set[nn.Module] = set()
         # Per forward pass (its id), the hooked calls of each layer its backward has not recorded
         # yet: the wrapper's own count (zero_grad() and user code leave it alone), dropped with the
@@ -163,10 +170,14 @@ class BackwardPath(HookedLayers, ModelHooks):
 
     # ------------------------------------------------------------------ forward
     @eager_when_compiled
-    def _on_layer_call(self, layer: nn.Module, inputs, output) -> Optional[torch.Tensor]:
+    def _on_layer_call(self, layer: nn.Module, inputs, output, again=None) -> Optional[torch.Tensor]:
+        """A call of a hooked layer (its forward hook): what it gives instead of ``output``, or
+        None. ``again`` calls it again on other inputs (the layer itself where None)."""
         if self.independence.rerunning:  # a forward probe's run: the outputs changed on its rows
             perturb = self.independence.perturb
-            return None if perturb is None else perturb(output)
+            if perturb is None or shared_before(layer, inputs, self._shared_layers):
+                return None  # a layer shared by all samples has no rows of theirs to change
+            return perturb(output)
         # Whatever the layer's mode: eval() changes what a layer computes (dropout), not
         # whether its gradient must be clipped.
         if not (self.hooks_enabled and torch.is_grad_enabled()):
@@ -179,14 +190,24 @@ class BackwardPath(HookedLayers, ModelHooks):
         params = self.layer_params(layer)
         if not params:
             return None
+        if self._forward_batch is None and self.batch_first and self._input_batch > 1 and one_row(inputs):
+            # A row broadcast over the batch before any layer saw the batch: the model's input holds it.
+            self._forward_batch = self._input_batch
         widened = broadcast_inputs(layer, inputs, self._forward_batch, self.batch_first, self.functorch_layers)
         if widened is not None:
             # The layer again, on its input expanded to the batch: that call is the one its
             # hook records, and its output replaces this one.
-            return layer(*widened)
+            return (again or layer)(*widened)
         if recomputing():
             return None
         name = self.layer_names[layer]
+        leading = shared_call(layer, inputs, self._forward_batch, self.batch_first, self.functorch_layers,
+                              self._shared_layers)
+        if leading is not None and isinstance(output, torch.Tensor):
+            return self._shared_call(layer, name, params, inputs, output, leading)
+        rows = folded_rows(layer, inputs, self._forward_batch, self.batch_first)
+        if rows is not None:
+            return self._folded_call(layer, name, params, inputs, out, rows)
         self._forward_batch = check_batch(layer, name, inputs, self._forward_batch, self.batch_first)
         self._note_call(layer, name, params)
         self._edges.add(out, layer, inputs, params)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
 
+import torch
 import torch.nn as nn
 
+from dpgrad.backward.functional_calls import FunctionalHooks
 from dpgrad.samplers import registry
 from dpgrad.kernels.backend import name_layers
 from dpgrad.backward.fsdp import sharded_modules
@@ -99,7 +101,11 @@ class HookedLayers:
                 self.functorch_layers.add(layer)
             self.layer_names[layer] = name
             self._own_params[layer] = tuple(layer.parameters(recurse=whole))
-            handles.append(layer.register_forward_hook(self._on_layer_call))
+            function = None if whole else registry.functional_call(type(layer))
+            if function is None:
+                handles.append(layer.register_forward_hook(self._on_layer_call))
+            else:  # hooked at its calls of the function (dpgrad.backward.functional_calls)
+                handles += FunctionalHooks(layer, name, function, self._on_layer_call, self._recording).register()
         name_layers(self.layer_names)
         # One parameter, looked up at each forward pass: a model whose parameters were replaced
         # without a registration (sharded by fully_shard after wrapping) would get per-sample
@@ -121,6 +127,10 @@ class HookedLayers:
         handles.append(model.register_forward_pre_hook(self._on_model_call, with_kwargs=True))
         handles.append(model.register_forward_hook(self._on_model_output))
         return handles
+
+    def _recording(self) -> bool:
+        """Whether a layer's call now is recorded for a backward pass."""
+        return self.hooks_enabled and not self.inert and torch.is_grad_enabled() and not self.independence.rerunning
 
     def _sync_with_model(self, rescan: bool = True) -> None:
         """Hook the model anew (``_rescan``) if its modules or parameters, or which parameters

@@ -4,8 +4,9 @@ the batch, and the calls that are no forward pass (activation checkpointing reco
 ``BackwardPath._on_layer_call`` (``dpgrad.backward.backward_pass``) asks these at each call of a layer
 with trainable parameters: ``broadcast_inputs`` first (an Embedding given one row of ids after
 other layers saw the batch is called again on them expanded), then ``recomputing``, then
-``check_batch``, which keeps the forward pass's batch size and raises for a call that does not
-hold it.
+``shared_call``, which tells a call without the batch (a layer shared by all samples, handled
+by ``dpgrad.backward.shared_outputs``), then ``check_batch``, which keeps the forward pass's
+batch size and raises for a call that does not hold it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+
+from dpgrad.backward.shared_outputs import SharedAcrossBatch
 
 
 def broadcast_inputs(layer: nn.Module, inputs, batch: Optional[int], batch_first: bool, whole_layers
@@ -35,6 +38,83 @@ def broadcast_inputs(layer: nn.Module, inputs, batch: Optional[int], batch_first
         return None
     return tuple(a.expand(batch, *a.shape[1:]) if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] == 1 else a
                  for a in inputs)
+
+
+def shared_call(layer: nn.Module, inputs, batch: Optional[int], batch_first: bool, whole_layers, shared_before
+                ) -> Optional[bool]:
+    """Whether this call of ``layer`` is shared by all samples of the forward pass's ``batch``:
+    None where its input holds the batch (or cannot be told: the batch not known yet, inputs
+    time-first, a layer torch.func takes whole, whose samplers see one sample at a time), else
+    whether its input's leading 1 stands for the batch (True), or the batch is missing (False).
+    An input with an autograd history is computed from the batch, not shared: it folds the
+    batch (a (B*T, d) input to a Linear, ``folded_rows``) or ``check_batch`` refuses it; an input
+    computed from shared outputs is shared. ``shared_before``: the layers called without the batch in earlier forward
+    passes, whose input of as many dimensions is still without it where its first size happens
+    to be the batch's (T5's (T, T) position buckets in a batch of T samples)."""
+    if not batch_first or batch is None or layer in whole_layers:
+        return None
+    x = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
+    if x is None:
+        return None
+    if x.dim() <= feature_dims(layer):
+        return False
+    n = x.shape[0]
+    if isinstance(x, SharedAcrossBatch):
+        return n == 1
+    if x.grad_fn is not None:
+        return None  # computed from the batch: folded (``folded_rows``), or refused by ``check_batch``
+    if n == batch:
+        known = shared_before.get(layer)
+        return None if known is None or known != x.dim() else False
+    if n != 1:
+        shared_before[layer] = x.dim()
+    return n == 1
+
+
+def folded_rows(layer: nn.Module, inputs, batch: Optional[int], batch_first: bool) -> Optional[int]:
+    """The rows per sample of a call whose input folds the forward pass's ``batch`` into its
+    first dimension (a (B*T, d) view of the batch-first activations: mixture-of-experts routers
+    and experts, which take the tokens flattened), or None. The input is derived from the
+    model's differentiable inputs (it has an autograd history), its first size a multiple of the
+    batch; row i is sample i // (that multiple)'s, as a view of a batch-first tensor has it
+    (the independence check catches another order)."""
+    if not batch_first or not batch:
+        return None
+    x = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
+    if x is None or x.grad_fn is None or x.dim() <= feature_dims(layer) or isinstance(x, SharedAcrossBatch):
+        return None
+    n = x.shape[0]
+    return n // batch if n > batch and n % batch == 0 else None
+
+
+def unfold(a, batch: int, n: int):
+    """``a`` with its first dimension of ``n`` rows as (batch, n // batch); else as it is."""
+    if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] == n:
+        return a.reshape(batch, n // batch, *a.shape[1:])
+    return a
+
+
+def one_row(inputs) -> bool:
+    """Whether a layer's first tensor input has one row (batch first)."""
+    x = next((a for a in inputs if isinstance(a, torch.Tensor)), None)
+    return x is not None and x.dim() > 0 and x.shape[0] == 1
+
+
+def input_batch(args: tuple, kwargs: dict, batch_dim: int) -> int:
+    """The batch size the model's first tensor argument (positional, then keyword) shows along
+    ``batch_dim``, or 0: where the first hooked call has one row, whether it is a row
+    broadcast over the batch or a batch of one."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a.shape[batch_dim] if a.dim() > batch_dim else 0
+    return 0
+
+
+def shared_before(layer: nn.Module, inputs, shared: dict) -> bool:
+    """Whether ``layer`` was called without the batch in an earlier forward pass on an input of
+    as many dimensions as this call's (see ``shared_call``)."""
+    x = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
+    return x is not None and shared.get(layer) == x.dim()
 
 
 def check_batch(layer: nn.Module, name: str, inputs, batch: Optional[int], batch_first: bool) -> int:

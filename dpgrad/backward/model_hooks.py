@@ -12,6 +12,8 @@ from typing import Callable
 import torch.nn as nn
 
 from dpgrad.backward.autograd_graph import eager_when_compiled
+from dpgrad.backward.layer_inputs import input_batch
+from dpgrad.backward.shared_outputs import reaching_output_error, shared_outputs
 from dpgrad.checks.guarantee import input_nodes, sequence_number, tensors_in, unclipped_error, uncovered_uses
 
 
@@ -25,6 +27,7 @@ class ModelHooks:
         if self.inert or self.independence.rerunning:
             return None  # a copy of the model alone, or a forward probe's run (dpgrad.checks.forward_probe)
         self.begin_forward()
+        self._input_batch = input_batch(args, kwargs, self.batch_dim)
         if self.check_independence:
             self.independence.begin_forward(args, kwargs)
         return None
@@ -39,6 +42,7 @@ class ModelHooks:
         self._sync_with_model()
         self._check_probe()
         self._forward_batch = None
+        self._input_batch = 0
         self._forward_seen = set()
         self._edges.begin_forward()
 
@@ -60,6 +64,9 @@ class ModelHooks:
                 "the graph from the model's outputs (that every trainable parameter is clipped and each "
                 "sample's outputs are its own), so return a tensor, or tuples, lists, dicts, dataclasses or "
                 "SimpleNamespaces of them (Hugging Face's ModelOutput is a dict)")
+        shared = shared_outputs(found)
+        if shared:
+            raise reaching_output_error(shared)
         tensors = [t for t in found if t.grad_fn is not None]
         edges.set_outputs(tensors)
         if not calls or not edges.outputs:

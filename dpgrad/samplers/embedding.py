@@ -10,15 +10,21 @@ from typing import Dict, List, Tuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from dpgrad.kernels.backend import guarded
 from dpgrad.tuning import get_tuner
 from dpgrad.samplers.registry import (
+    FUNCTIONAL_CALLS,
     register_clipped_sum_sampler,
     register_factor_sampler,
     register_grad_sampler,
     register_norm_sampler,
 )
+
+# A subclass of nn.Embedding that does more in its forward (scales, offsets its ids) is hooked
+# at its F.embedding calls on its weight.
+FUNCTIONAL_CALLS[nn.Embedding] = F.embedding
 
 
 def _ids_and_backprops(layer: nn.Embedding, activations: List[torch.Tensor], backprops: torch.Tensor):

@@ -127,8 +127,9 @@ def ft_compute_per_sample_gradient(
         raise RuntimeError(
             f"layer {layer_name(layer)} has no per-sample gradient sampler, so torch.func computes its "
             f"per-sample gradients by running its forward on one sample at a time under vmap, and that "
-            f"forward cannot run so ({first_line(exc)}): it depends on the values of its inputs (a "
-            "mixture-of-experts layer picks each expert's tokens by index, with nonzero, where or .item()). "
+            f"forward cannot run so ({first_line(exc)}): it depends on the values of its inputs (it picks "
+            "rows by index, with nonzero, where or .item(), as a hand-written mixture-of-experts layer does; "
+            "transformers' grouped experts have dpgrad's samplers). "
             "Freeze the layer (requires_grad_(False)) and train the others (or adapters such as LoRA), or "
             "register a grad sampler for its type (dpgrad.register_grad_sampler)."
         ) from exc

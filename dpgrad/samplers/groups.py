@@ -230,7 +230,8 @@ class SamplerGroup(Group):
         out = []
         for part in parts:
             sums = sampler(layer, activations, backprops, coef.of(part).like(backprops))
-            out += [(p, s) for p, s in sums.items() if p.requires_grad and (len(parts) == 1 or p in part)]
+            mine = {id(q) for q in part}  # by identity: ``in`` would compare tensors by value
+            out += [(p, s) for p, s in sums.items() if p.requires_grad and (len(parts) == 1 or id(p) in mine)]
         return out
 
 

@@ -83,9 +83,35 @@ def _register(table: Dict[Type[nn.Module], Sampler], target: Target):
     return decorator
 
 
+# Layer types whose samplers a subclass of theirs takes too, with the function that computes
+# their output from their parameters: a subclass that does more in its forward (Hugging Face's
+# scaled word embeddings, learned position tables) is hooked at that function's calls on its
+# weight (``dpgrad.backward.functional_calls``).
+FUNCTIONAL_CALLS: Dict[Type[nn.Module], Callable] = {}
+# The subclasses entered so, each with its base.
+INHERITED: Dict[Type[nn.Module], Type[nn.Module]] = {}
+
+
+# Layer types told by what a module holds, not by its class (Hugging Face's grouped experts,
+# one class per model): (predicate on the module, the type whose samplers its class takes).
+STRUCTURAL: List[Tuple[Callable[[nn.Module], bool], Type[nn.Module]]] = []
+
+
+def register_structure(predicate: Callable[[nn.Module], bool]):
+    """Decorator on a layer type (a class used as the registry's key): a module's class without
+    samplers of its own takes that type's where ``predicate(module)`` holds."""
+    def decorator(template: Type[nn.Module]) -> Type[nn.Module]:
+        STRUCTURAL.append((predicate, template))
+        return template
+
+    return decorator
+
+
 def resolve(model: nn.Module) -> None:
-    """Enter in the tables the classes registered by dotted path that ``model`` uses, and the
-    classes FSDP2's ``fully_shard`` made of registered ones (``FSDPLinear`` from ``Linear``)."""
+    """Enter in the tables the classes registered by dotted path that ``model`` uses, the
+    classes FSDP2's ``fully_shard`` made of registered ones (``FSDPLinear`` from ``Linear``),
+    subclasses of a ``FUNCTIONAL_CALLS`` type that have no samplers of their own, and the
+    classes of modules a ``STRUCTURAL`` predicate recognises."""
     global version
     for cls in {type(m) for m in model.modules()}:
         origin = _unsharded_class(cls)
@@ -93,11 +119,45 @@ def resolve(model: nn.Module) -> None:
             if origin not in table:
                 table[origin] = fn
                 version += 1
+        base = _functional_base(origin)
+        if base is not None:
+            INHERITED[origin] = base
+            _inherit(origin, base)
         if origin is not cls:
-            for table in TABLES:
-                if origin in table and cls not in table:
-                    table[cls] = table[origin]
-                    version += 1
+            _inherit(cls, origin)
+    for m in model.modules():
+        cls = type(m)
+        if cls not in GRAD_SAMPLERS:
+            template = next((t for predicate, t in STRUCTURAL if predicate(m)), None)
+            if template is not None:
+                _inherit(cls, template)
+
+
+def _inherit(cls: type, origin: type) -> None:
+    global version
+    for table in TABLES:
+        if origin in table and cls not in table:
+            table[cls] = table[origin]
+            version += 1
+
+
+def _functional_base(cls: type) -> "Type[nn.Module] | None":
+    """The ``FUNCTIONAL_CALLS`` type ``cls`` derives from, where no sampler was registered for
+    ``cls`` itself (or it was entered from that type before)."""
+    if cls in INHERITED:
+        return INHERITED[cls]
+    if cls in GRAD_SAMPLERS or cls in FUNCTIONAL_CALLS:
+        return None
+    return next((base for base in cls.__mro__[1:] if base in FUNCTIONAL_CALLS), None)
+
+
+def functional_call(cls: type) -> "Callable | None":
+    """The function at whose calls a layer of type ``cls`` is hooked, or None where its own
+    forward is hooked: a subclass with its base's samplers whose forward is its own."""
+    base = INHERITED.get(cls)
+    if base is None or cls.forward is base.forward or GRAD_SAMPLERS.get(cls) is not GRAD_SAMPLERS.get(base):
+        return None
+    return FUNCTIONAL_CALLS[base]
 
 
 def _unsharded_class(cls: type) -> type:

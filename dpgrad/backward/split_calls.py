@@ -1,0 +1,64 @@
+"""The hooked calls whose samples are not one row each (``SplitCalls``, a mixin of
+``dpgrad.backward.backward_pass.BackwardPath``): a layer called without the batch, whose output
+is shared by all samples (``dpgrad.backward.shared_outputs``), and a layer called on the batch's
+tokens flattened, (B*T, ...) (``dpgrad.backward.layer_inputs.folded_rows``). Each is recorded
+as any call is, with its inputs and backprops put in the (B, ...) form every sampler takes."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import List
+
+import torch
+import torch.nn as nn
+
+from dpgrad.backward.layer_inputs import unfold
+from dpgrad.backward.shared_outputs import SharedSite, nested
+from dpgrad.samplers import registry
+
+
+class SplitCalls:
+    """Calls shared by all samples, or on the tokens flattened, for a ``BackwardPath`` (whose
+    state, ``_note_call``, ``_record`` and ``_abort_pass`` they use)."""
+
+    def _shared_call(self, layer: nn.Module, name: str, params: List[nn.Parameter], inputs, out: torch.Tensor,
+                     leading: bool) -> torch.Tensor:
+        """A call of ``layer`` shared by all samples (``dpgrad.backward.shared_outputs``): recorded
+        with its inputs expanded to the batch, its output handed on as shared."""
+        self._note_call(layer, name, params)
+        self._edges.add(out, layer, inputs, params)
+        site = SharedSite(name, out, self._forward_batch, leading)
+        keep = registry.KEPT_INPUTS.get(type(layer))
+        kept = [site.expand(a) for a in (list(inputs) if keep is None else keep(layer, inputs, out))]
+        out.register_hook(partial(self._record_shared, site, layer, params, kept, self._pending))
+        return site.shared(out)
+
+    def _folded_call(self, layer: nn.Module, name: str, params: List[nn.Parameter], inputs, out: torch.Tensor,
+                     rows: int) -> None:
+        """A call of ``layer`` on the batch folded into its first dimension, ``rows`` rows per
+        sample: recorded with its inputs and backprops unfolded to (B, rows, ...)."""
+        self._note_call(layer, name, params)
+        self._edges.add(out, layer, inputs, params)
+        batch, n = self._forward_batch, self._forward_batch * rows
+        keep = registry.KEPT_INPUTS.get(type(layer))
+        kept = [unfold(a, batch, n) for a in (list(inputs) if keep is None or layer in self.functorch_layers
+                                              else keep(layer, inputs, out))]
+        out.register_hook(partial(self._record_folded, batch, n, layer, params, kept, self._pending))
+
+    def _record_folded(self, batch: int, n: int, layer: nn.Module, params: List[nn.Parameter], activations: list,
+                       calls, grad):
+        return self._record(layer, params, activations, calls, unfold(grad, batch, n))
+
+    def _record_shared(self, site: SharedSite, layer: nn.Module, params: List[nn.Parameter], activations: list,
+                       calls, grad):
+        if nested():  # its per-sample cotangents being taken where it met the batch
+            return None
+        if self._probing is None and not self.hooks_enabled:
+            site.per_sample = None
+            return None
+        try:
+            per_sample = site.take(grad)
+        except BaseException:
+            self._abort_pass()
+            raise
+        return self._record(layer, params, activations, calls, per_sample)

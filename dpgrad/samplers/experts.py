@@ -1,0 +1,138 @@
+"""Samplers for mixture-of-experts weights stored as 3-D tensors: Hugging Face's grouped experts
+(``gate_up_proj`` (E, 2I, d) and ``down_proj`` (E, d, I), or ``up_proj``, with or without
+biases, transposed or not; Qwen3-MoE, Mixtral, DeepSeek, OLMoE and the other classes its
+``use_experts_implementation`` decorates), called on the tokens flattened, ``(hidden_states
+(N, d), top_k_index (N, k), top_k_weights (N, k))``.
+
+The hooks hand these samplers the call unfolded to (B, N / B, ...) (``dpgrad.backward.layer_inputs.
+folded_rows``): token i is sample i // (N / B)'s. Each (token, expert) pair adds ``dh ⊗ x`` to its
+expert's up projection and ``dz ⊗ u`` to its down projection, where x is the token, h its up
+projection, u the gated activation and z the down projection; the routing weight is in dz (the
+router's own gradient is the router's layer's). The samplers recompute h, u and z per pair from
+the kept inputs with the module's own gating (``_apply_gate``, ``act_fn``) and take dh and dz by
+autograd over that recomputation, then the norms, clipped sums and per-sample gradients over the
+(expert, sample) segments (``kernels.reference_experts``).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from dpgrad.kernels import reference
+from dpgrad.kernels.backend import layer_name
+from dpgrad.samplers.registry import (
+    register_clipped_sum_sampler,
+    register_grad_sampler,
+    register_norm_sampler,
+    register_structure,
+)
+
+
+def is_grouped_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is an experts module of transformers' ``use_experts_implementation``."""
+    down = getattr(module, "down_proj", None)
+    flags = (getattr(module, "has_gate", None), getattr(module, "is_transposed", None))
+    return (all(isinstance(f, bool) for f in flags)
+            and callable(getattr(module, "_apply_gate", None)) and isinstance(down, nn.Parameter) and down.dim() == 3)
+
+
+@register_structure(is_grouped_experts)
+class GroupedExperts(nn.Module):
+    """The registry's key for grouped experts modules (``is_grouped_experts``)."""
+
+
+Factors = Dict[nn.Parameter, Tuple[torch.Tensor, Optional[torch.Tensor]]]
+
+
+def _param(layer: nn.Module, name: str) -> Optional[nn.Parameter]:
+    p = getattr(layer, name, None)
+    return p if isinstance(p, nn.Parameter) else None
+
+
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], order: torch.Tensor,
+                    counts: List[int], transposed: bool) -> torch.Tensor:
+    """Each pair's row through its expert's matrix (pairs grouped by ``order``, ``counts`` per expert)."""
+    pieces = []
+    for e, rows in enumerate(x[order].split(counts)):
+        if rows.shape[0]:
+            w = weight[e]
+            y = rows @ (w if transposed else w.T)
+            pieces.append(y if bias is None else y + bias[e])
+    return torch.cat(pieces)[torch.argsort(order)]
+
+
+def expert_factors(layer: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor
+                   ) -> Tuple[Factors, torch.Tensor, torch.Tensor, int, int]:
+    """``(factors, expert, sample, B, E)``: for each trainable parameter the per-pair ``(left,
+    right)`` (right None for a bias), and each pair's expert and sample."""
+    if getattr(layer, "has_post_expert_norm", False):
+        raise NotImplementedError(
+            f"experts {layer_name(layer)} normalise each expert's output (has_post_expert_norm), which dpgrad's "
+            "experts samplers do not recompute yet: freeze the experts (train adapters, or the other layers).")
+    if len(activations) < 3 or activations[0].dim() != 3:
+        raise ValueError(
+            f"experts {layer_name(layer)} got inputs of shapes {[tuple(a.shape) for a in activations]}: dpgrad takes "
+            "them as (hidden_states, top_k_index, top_k_weights) with the batch's tokens flattened (B*T rows).")
+    x, index, weights = activations[:3]
+    B, T, d = x.shape
+    E = layer.down_proj.shape[0]
+    k = index.shape[-1]
+    x, G = x.reshape(B * T, d), backprops.reshape(B * T, -1)
+    token = torch.arange(B * T, device=x.device).repeat_interleave(k)
+    expert, weight = index.reshape(-1), weights.reshape(-1).detach()
+    # Expert parallelism marks the pairs of other ranks' experts with E: they weigh nothing here.
+    weight = weight.masked_fill(expert >= E, 0)
+    expert = expert.clamp(max=E - 1)
+    sample = token // T
+    order = torch.argsort(expert, stable=True)
+    counts = torch.bincount(expert, minlength=E).tolist()
+    up = _param(layer, "gate_up_proj" if layer.has_gate else "up_proj")
+    up_bias = _param(layer, "gate_up_proj_bias" if layer.has_gate else "up_proj_bias")
+    down, down_bias = layer.down_proj, _param(layer, "down_proj_bias")
+    transposed = layer.is_transposed
+    xs = x[token].detach()
+    with torch.enable_grad():
+        h = _grouped_linear(xs, up.detach(), None if up_bias is None else up_bias.detach(), order, counts,
+                            transposed).requires_grad_()
+        u = layer._apply_gate(h) if layer.has_gate else layer.act_fn(h)
+        z = _grouped_linear(u, down.detach(), None if down_bias is None else down_bias.detach(), order, counts,
+                            transposed)
+        dz, dh = torch.autograd.grad(z * weight.to(z.dtype)[:, None], (z, h), G[token])
+    u = u.detach()
+    factors: Factors = {}
+    for p, left, right in ((up, *((xs, dh) if transposed else (dh, xs))), (up_bias, dh, None),
+                           (down, *((u, dz) if transposed else (dz, u))), (down_bias, dz, None)):
+        if p is not None and p.requires_grad:
+            factors[p] = (left, right)
+    return factors, expert, sample, B, E
+
+
+@register_norm_sampler(GroupedExperts)
+def experts_norm_sample(layer: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor
+                        ) -> Dict[nn.Parameter, torch.Tensor]:
+    """Per-sample gradient L2 norms of each expert weight, (B,), over all its experts."""
+    factors, expert, sample, B, E = expert_factors(layer, activations, backprops)
+    return {p: reference.experts_sq_norms(left, right, expert, sample, E, B).sqrt()
+            for p, (left, right) in factors.items()}
+
+
+@register_clipped_sum_sampler(GroupedExperts)
+def experts_clipped_sum(layer: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor,
+                        coef: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
+    """Clipped gradients of the expert weights, each of its parameter's shape and dtype."""
+    factors, expert, sample, B, E = expert_factors(layer, activations, backprops)
+    pair_coef = coef[sample]
+    return {p: reference.experts_clipped_sum(left, right, expert, pair_coef, E, p.dtype)
+            for p, (left, right) in factors.items()}
+
+
+@register_grad_sampler(GroupedExperts)
+def experts_grad_sample(layer: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor
+                        ) -> Dict[nn.Parameter, torch.Tensor]:
+    """Per-sample gradients of the expert weights, (B, *parameter.shape)."""
+    factors, expert, sample, B, E = expert_factors(layer, activations, backprops)
+    return {p: reference.experts_grad_sample(left, right, expert, sample, E, B, p.dtype)
+            for p, (left, right) in factors.items()}

@@ -1,0 +1,226 @@
+"""Mixture-of-experts models fully fine-tuned, against float64 references.
+
+Hugging Face's MoE blocks flatten the batch's tokens (B*T rows) for the router and the experts,
+whose weights are 3-D parameters ((E, 2I, d) up projections, (E, d, I) down projections). The
+hooks unfold such calls to (B, T, ...); the router's per-sample gradients come from torch.func,
+the experts' from dpgrad's experts samplers over (expert, sample) segments. Checked: the
+segment kernels against a brute-force float64 sum, Qwen3-MoE, Mixtral and Qwen2-MoE (shared
+experts and their gate) in both modes, per-sample gradients, per-block clipping, a batch of
+one, a Linear on flattened tokens (batches of several, one and none), and a fold in the wrong
+order refused by the independence check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+import dpgrad  # noqa: E402
+from dpgrad.checks.independence import SampleMixingError  # noqa: E402
+from dpgrad.clipping.groups import per_block  # noqa: E402
+from dpgrad.kernels import reference  # noqa: E402
+from mixed_net import clipped_from_norms  # noqa: E402
+from per_sample_reference import assert_norms_close, assert_tensor_close, per_sample_grads, total_norm  # noqa: E402
+from test_hf_models import MODES, B, T, V, causal_lm, check, reference as microbatch_reference  # noqa: E402
+
+
+def _moe(cls, seed, **extra):
+    torch.manual_seed(seed)
+    common = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=V,
+                  max_position_embeddings=T, pad_token_id=0, bos_token_id=1, eos_token_id=1)
+    config = getattr(transformers, f"{cls}Config")(**common, **extra)
+    # The float64 reference needs the experts' eager loop (grouped_mm takes no float64).
+    config._experts_implementation = "eager"
+    return causal_lm(getattr(transformers, f"{cls}ForCausalLM")(config), position_ids=False)
+
+
+def qwen3_moe():
+    return _moe("Qwen3Moe", 5, intermediate_size=32, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2,
+                head_dim=8, norm_topk_prob=True, tie_word_embeddings=False)
+
+
+def mixtral():
+    return _moe("Mixtral", 6, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2, head_dim=8)
+
+
+def qwen2_moe():
+    """Shared experts (an MLP on the flattened tokens) and their sigmoid gate besides the routed ones."""
+    return _moe("Qwen2Moe", 7, intermediate_size=32, moe_intermediate_size=8, shared_expert_intermediate_size=16,
+                num_experts=4, num_experts_per_tok=2)
+
+
+CASES = {"qwen3_moe": qwen3_moe, "mixtral": mixtral, "qwen2_moe": qwen2_moe}
+
+
+def _pairs(S, E, Bn, p, q, seed, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    left, right = torch.randn(S, p, generator=g, dtype=dtype), torch.randn(S, q, generator=g, dtype=dtype)
+    return left, right, torch.randint(0, E, (S,), generator=g), torch.randint(0, Bn, (S,), generator=g)
+
+
+def _brute(left, right, expert, sample, E, Bn):
+    """(B, E, p, q) per-sample gradients, pair by pair, in float64."""
+    shape = (Bn, E, left.shape[1]) + (() if right is None else (right.shape[1],))
+    out = torch.zeros(shape, dtype=torch.float64)
+    for s in range(left.shape[0]):
+        term = left[s].double() if right is None else torch.outer(left[s].double(), right[s].double())
+        out[sample[s], expert[s]] += term
+    return out
+
+
+@pytest.mark.parametrize("S,p,q", [(40, 3, 5), (7, 16, 12), (0, 4, 4)], ids=["direct", "gram", "empty"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_expert_segments_against_a_brute_force_sum(S, p, q, bias):
+    """Norms (by both forms: many pairs per expert take the per-sample sums, few the Gram
+    matrices), clipped sums and per-sample gradients, fp32 within fp32 accumulation of float64."""
+    E, Bn = 3, 4
+    left, right, expert, sample = _pairs(S, E, Bn, p, q, seed=S + p)
+    right = None if bias else right
+    want = _brute(left, right, expert, sample, E, Bn)
+    sq = reference.experts_sq_norms(left.float(), None if right is None else right.float(), expert, sample, E, Bn)
+    assert sq.dtype == torch.float32 and sq.shape == (Bn,)
+    assert_norms_close(sq.sqrt(), want.flatten(1).norm(dim=1), "segment norms")
+    coef = torch.rand(Bn, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    summed = reference.experts_clipped_sum(left, right, expert, coef[sample], E, torch.float64)
+    assert_tensor_close(summed, torch.einsum("b,b...->...", coef, want), "clipped sum")
+    per = reference.experts_grad_sample(left, right, expert, sample, E, Bn, torch.float64)
+    assert_tensor_close(per, want, "per-sample gradients")
+
+
+def _ghost(from_norms: bool):
+    """Every layer clipped from its norms (the experts' norm and clipped-sum samplers), or as
+    dpgrad picks (layers as small as these from their per-sample gradients)."""
+    return clipped_from_norms() if from_norms else contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("from_norms", [False, True], ids=["auto", "norms"])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("name", list(CASES))
+def test_moe_models_are_exact(name, mode, from_norms):
+    """Every parameter trains: router, routed experts (3-D), shared experts, attention, norms."""
+    with _ghost(from_norms):
+        model = check(CASES[name](), MODES[mode])
+    experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+    assert experts and all(m.down_proj.grad is not None for m in experts)
+
+
+def test_experts_per_sample_gradients():
+    """GradSampleModule: (B, E, 2I, d) and (B, E, d, I) per-sample gradients of the experts."""
+    case = qwen3_moe()
+    ref = microbatch_reference(case, loss_reduction="sum")
+    model = copy.deepcopy(case.model)
+    wrapped = dpgrad.GradSampleModule(model, loss_reduction="sum")
+    case.per_sample_loss(wrapped, slice(None), "sum").sum().backward()
+    checked = 0
+    for n, p in model.named_parameters():
+        if "experts" in n or "gate.weight" in n:
+            assert_tensor_close(p.grad_sample, ref[n], f"{n} per-sample gradients")
+            checked += 1
+    assert checked == 2 * 3  # two layers: gate_up_proj, down_proj, the router
+
+
+def _by_parameter(name: str) -> str:
+    return name
+
+
+@pytest.mark.parametrize("from_norms", [False, True], ids=["auto", "norms"])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("grouping", ["per_block", "per_layer"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_moe_group_clipping(name, grouping, mode, from_norms):
+    """One clipping group per decoder layer (experts and router with their block), or per
+    parameter (an expert module's two 3-D weights clipped apart): each group's per-sample
+    norm, and p.grad the sum of each group's clipped gradients."""
+    case = CASES[name]()
+    rule = per_block if grouping == "per_block" else _by_parameter
+    ref = microbatch_reference(case)
+    groups = {}
+    for n in ref:
+        groups.setdefault(rule(n), []).append(n)
+    norms = {g: torch.stack([ref[n].flatten(1).square().sum(1) for n in names]).sum(0).sqrt()
+             for g, names in groups.items()}
+    bounds = {g: float(v.median()) for g, v in norms.items()}
+    model = copy.deepcopy(case.model)
+    order = list(dict.fromkeys(rule(n) for n, p in model.named_parameters() if p.requires_grad))
+    kw = dict(clipping="per_layer") if grouping == "per_layer" else dict(clipping="groups", clipping_groups=per_block)
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(
+        model, max_grad_norm=[bounds[g] for g in order], single_backward=MODES[mode], **kw)
+    criterion = dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss(), "mean")
+    with _ghost(from_norms):
+        args, shape = case.forward(wrapped, slice(None))
+        criterion(*args, shape=shape).backward()
+    got = wrapped.per_sample_group_norms
+    for i, g in enumerate(order):
+        assert_norms_close(got[i], norms[g], f"group {g}")
+    params = dict(model.named_parameters())
+    for g, names in groups.items():
+        coef = (bounds[g] / (got[order.index(g)].double() + 1e-6)).clamp(max=1.0)
+        for n in names:
+            expected = torch.einsum("b,b...->...", coef, ref[n])
+            scale = (coef[:, None] * ref[n].flatten(1).abs()).sum(0).max().item()
+            assert_tensor_close(params[n].grad, expected, f"clipped {n}.grad", scale)
+
+
+def test_moe_batch_of_one():
+    """(Transformers' attention cannot run an empty batch; the flattened Linear below takes one.)"""
+    rows = 1
+    case = qwen3_moe()
+    model = copy.deepcopy(case.model)
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(model, max_grad_norm=1.0, single_backward=True)
+    criterion = dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss(), "mean")
+    args, shape = case.forward(wrapped, slice(0, rows))
+    criterion(*args, shape=shape).backward()
+    assert wrapped.per_sample_gradient_norms.shape == (rows,)
+    if rows:
+        ref = microbatch_reference(case)
+        assert_norms_close(wrapped.per_sample_gradient_norms, total_norm({n: g[:1] for n, g in ref.items()}))
+
+
+class Folded(nn.Module):
+    """A Linear on the tokens flattened, batch-major (as MoE blocks do), or time-major."""
+
+    def __init__(self, time_major=False):
+        super().__init__()
+        self.tok, self.mix, self.head = nn.Embedding(V, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+        self.time_major = time_major
+
+    def forward(self, ids):
+        x = self.tok(ids)
+        Bn, Tn, d = x.shape
+        if self.time_major:
+            flat = x.transpose(0, 1).reshape(-1, d)
+            x = self.mix(flat).view(Tn, Bn, d).transpose(0, 1)
+        else:
+            x = self.mix(x.view(-1, d)).view(Bn, Tn, d)
+        return self.head(torch.tanh(x).mean(1))
+
+
+@pytest.mark.parametrize("rows", [B, 1, 0])
+def test_a_linear_on_flattened_tokens_is_exact(rows):
+    torch.manual_seed(8)
+    model = Folded()
+    ids = torch.randint(0, V, (rows, 5), generator=torch.Generator().manual_seed(9))
+    y = torch.randint(0, 3, (rows,), generator=torch.Generator().manual_seed(10))
+    ref = per_sample_grads(model, ids, y, lambda out, t: F.cross_entropy(out, t, reduction="none"))
+    wrapped = dpgrad.GradSampleModule(copy.deepcopy(model), loss_reduction="sum")
+    F.cross_entropy(wrapped(ids), y, reduction="sum").backward()
+    for n, p in wrapped._module.named_parameters():
+        assert_tensor_close(p.grad_sample, ref[n], f"{n} per-sample gradients")
+
+
+def test_tokens_flattened_time_major_are_refused():
+    """Row i is taken as sample i // T's; a time-major flatten breaks that, and the
+    independence check says so, naming the layer."""
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(Folded(time_major=True), single_backward=True)
+    ids = torch.randint(0, V, (B, 5), generator=torch.Generator().manual_seed(9))
+    with pytest.raises(SampleMixingError, match="layer 'mix'"):
+        criterion = dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss(), "mean")
+        criterion(wrapped(ids), torch.zeros(B, dtype=torch.long)).backward()

@@ -1,0 +1,273 @@
+"""Layers shared by all samples, against float64 per-sample references.
+
+A layer called on an input without the batch (T5's relative attention bias on (T, T) position
+buckets, a position table on (1, T) ids, a Linear on a learned token) gives each sample the
+gradient of where its output meets that sample's row; subclasses of nn.Embedding with a forward
+of their own (BART's scaled word embeddings, its learned positions) are clipped at their
+F.embedding calls. Every case: per-sample norms within fp32 rel 1e-5 of torch.func in float64,
+and ``p.grad`` the clipped sum, in both modes; ``GradSampleModule``'s per-sample gradients too.
+What cannot be split by sample is refused, naming the layer.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import dpgrad
+from dpgrad.backward.functional_calls import FunctionalCallError
+from dpgrad.backward.shared_outputs import SharingError
+from dpgrad.checks.independence import SampleMixingError
+from per_sample_reference import RTOL, assert_norms_close, assert_tensor_close, per_sample_grads, total_norm
+
+V, D, H = 11, 6, 2
+MODES = {"single": True, "double": False}
+
+
+class RelativeBias(nn.Module):
+    """Token embeddings, a bias per (query, key) offset and head from an Embedding on (T, T)
+    buckets (T5's), attention with it as the mask, a learned token through a Linear added to
+    every position, a shared (D, D) matrix from a Linear on a learned row multiplied in, and a head."""
+
+    def __init__(self, attention: str = "sdpa"):
+        super().__init__()
+        self.tok = nn.Embedding(V, D)
+        self.rel = nn.Embedding(7, H)
+        self.qkv = nn.Linear(D, 3 * D)
+        self.token = nn.Parameter(torch.randn(1, 1, D), requires_grad=False)
+        self.global_token = nn.Linear(D, D)
+        self.row = nn.Parameter(torch.randn(D), requires_grad=False)
+        self.mixer = nn.Linear(D, D * D, bias=False)
+        self.head = nn.Linear(D, 3)
+        self.attention = attention
+
+    def forward(self, ids):
+        B, T = ids.shape
+        x = self.tok(ids) + self.global_token(self.token)  # (1, 1, D) broadcast over (B, T, D)
+        pos = torch.arange(T)
+        buckets = (pos[None, :] - pos[:, None]).clamp(-3, 3) + 3  # (T, T), no batch
+        bias = self.rel(buckets).permute(2, 0, 1).unsqueeze(0)  # (1, H, T, T)
+        q, k, v = self.qkv(x).view(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4)
+        if self.attention == "sdpa":
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        else:
+            scores = q @ k.transpose(-1, -2)
+            scores += bias  # in place, on the batch's tensor
+            a = scores.softmax(-1) @ v
+        x = x + a.transpose(1, 2).reshape(B, T, D)
+        x = x @ torch.tanh(self.mixer(self.row)).view(D, D)  # a shared (D, D) matrix meets the batch in matmul
+        return self.head(x.mean(1))
+
+
+def batch(B: int, T: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (B, T), generator=g), torch.randint(0, 3, (B,), generator=g)
+
+
+def loss_of(out, y):
+    return F.cross_entropy(out, y, reduction="none")
+
+
+def check_ghost(model: nn.Module, ids, y, single: bool, warmup=None):
+    """dpgrad's clipped step against the float64 reference: norms and p.grad (after a step on
+    the ``warmup`` batch, whose gradients are dropped, where given)."""
+    ref = per_sample_grads(model, ids, y, loss_of)
+    ref_norms = total_norm(ref) if ids.shape[0] else torch.zeros(0, dtype=torch.float64)
+    C = float(ref_norms.median()) if ids.shape[0] else 1.0
+    model = copy.deepcopy(model)
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(model, max_grad_norm=C, single_backward=single)
+    criterion = dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss(), "mean")
+    if warmup is not None:
+        criterion(wrapped(warmup[0]), warmup[1]).backward()
+        wrapped.zero_grad(set_to_none=True)
+    criterion(wrapped(ids), y).backward()
+    norms = wrapped.per_sample_gradient_norms
+    assert_norms_close(norms, ref_norms, "per-sample norms")
+    coef = (C / (norms.double() + 1e-6)).clamp(max=1.0)
+    params = dict(model.named_parameters())
+    for n, g in ref.items():
+        expected = torch.einsum("b,b...->...", coef, g)
+        scale = (coef[:, None] * g.flatten(1).abs()).sum(0).max().item() if len(g) else 0.0
+        got = params[n].grad if params[n].grad is not None else torch.zeros_like(params[n])
+        assert_tensor_close(got, expected, f"clipped {n}.grad", scale)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "in_place"])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("B,T", [(4, 5), (1, 5), (0, 5), (3, 3)])
+def test_shared_layers_are_exact(B, T, mode, attention):
+    """The relative bias, the learned token's Linear and the shared matrix's Linear, each
+    called without the batch, at batch sizes 0, 1, several, and equal to T (after a first
+    forward pass at another size, which tells the bias's buckets from a batch)."""
+    torch.manual_seed(0)
+    warmup = batch(2, T, seed=7) if B == T else None
+    check_ghost(RelativeBias(attention), *batch(B, T), MODES[mode], warmup=warmup)
+
+
+def test_shared_layers_per_sample_gradients():
+    """GradSampleModule: each sample's gradient of the shared layers."""
+    torch.manual_seed(1)
+    model = RelativeBias()
+    ids, y = batch(4, 6)
+    ref = per_sample_grads(model, ids, y, loss_of)
+    wrapped = dpgrad.GradSampleModule(copy.deepcopy(model), loss_reduction="sum")
+    loss_of(wrapped(ids), y).sum().backward()
+    trained = {n: p for n, p in wrapped._module.named_parameters() if p.requires_grad}
+    assert set(trained) == set(ref) and "rel.weight" in ref
+    for n, p in trained.items():
+        assert_tensor_close(p.grad_sample, ref[n], f"{n} per-sample gradients")
+
+
+def test_a_batch_the_size_of_the_buckets_first_is_refused_with_the_reason():
+    """When the very first forward pass has as many samples as the buckets' first size, the
+    bias layer looks batched; the independence check finds its rows shared and says why."""
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(RelativeBias(), single_backward=True)
+    criterion = dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss(), "mean")
+    ids, y = batch(4, 4)
+    with pytest.raises(SampleMixingError, match=r"(?s)layer 'rel'.*first size equals the batch size by chance"):
+        criterion(wrapped(ids), y).backward()
+
+
+class PositionsFirst(nn.Module):
+    """Positions embedded (1, T) before any layer saw the batch; the model's input shows it."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos, self.tok, self.head = nn.Embedding(8, D), nn.Embedding(V, D), nn.Linear(D, 3)
+
+    def forward(self, ids):
+        return self.head((self.pos(torch.arange(ids.shape[1])[None]) + self.tok(ids)).mean(1))
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_broadcast_row_before_the_batch_is_seen_is_exact(mode):
+    torch.manual_seed(2)
+    check_ghost(PositionsFirst(), *batch(4, 6), MODES[mode])
+
+
+def test_a_shared_output_returned_by_the_model_is_refused():
+    class Returns(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok, self.rel = nn.Embedding(V, D), nn.Embedding(V, D)
+
+        def forward(self, ids):
+            return self.tok(ids), self.rel(torch.arange(ids.shape[1]))
+
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(Returns())
+    with pytest.raises(SharingError, match=r"comes from layer 'rel' alone"):
+        wrapped(batch(3, 5)[0])
+
+
+def test_a_shared_output_meeting_the_batch_without_broadcasting_is_refused():
+    class Concatenates(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok, self.rel = nn.Embedding(V, D), nn.Embedding(V, D)
+
+        def forward(self, ids):
+            return torch.cat([self.rel(torch.arange(1))[None], self.tok(ids)], dim=1)
+
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(Concatenates())
+    with pytest.raises(SharingError, match=r"layer 'rel'.*meets the batch in cat"):
+        wrapped(batch(3, 5)[0])
+
+
+class Scaled(nn.Embedding):
+    """An Embedding subclass that scales its output (Hugging Face's scaled word embeddings)."""
+
+    def __init__(self, *args, scale=3.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.scale = scale
+
+    def forward(self, ids):
+        return super().forward(ids) * self.scale
+
+
+class Offset(nn.Embedding):
+    """Learned positions with an offset, called on (T,) ids (BART's)."""
+
+    def forward(self, ids, position_ids=None):
+        positions = torch.arange(ids.shape[1]) if position_ids is None else position_ids
+        return F.embedding(positions.unsqueeze(0) + 2, self.weight)
+
+
+class Tied(nn.Module):
+    def __init__(self, padding_idx=None):
+        super().__init__()
+        self.tok = Scaled(V, D, padding_idx=padding_idx)
+        self.pos = Offset(10, D)
+        self.out = nn.Linear(D, V, bias=False)
+        self.out.weight = self.tok.weight
+
+    def forward(self, ids):
+        return self.out(self.tok(ids) + self.pos(ids)).mean(1)
+
+
+def loss_v(out, y):
+    return F.cross_entropy(out, y, reduction="none")
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_embedding_subclasses_are_clipped_at_their_lookups(mode):
+    """Scaled word embeddings tied to the output layer (ghost clipping combines the two uses)
+    and offset positions: exact, by nn.Embedding's samplers, not torch.func."""
+    torch.manual_seed(3)
+    model = Tied(padding_idx=0)
+    ids = torch.randint(0, V, (4, 5), generator=torch.Generator().manual_seed(4))
+    y = torch.randint(0, V, (4,), generator=torch.Generator().manual_seed(5))
+    ref = per_sample_grads(model, ids, y, loss_v)
+    C = float(total_norm(ref).median())
+    copy_ = copy.deepcopy(model)
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(copy_, max_grad_norm=C, single_backward=MODES[mode])
+    assert not wrapped._path.functorch_layers
+    criterion = dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss(), "mean")
+    criterion(wrapped(ids), y).backward()
+    assert_norms_close(wrapped.per_sample_gradient_norms, total_norm(ref))
+    coef = (C / (wrapped.per_sample_gradient_norms.double() + 1e-6)).clamp(max=1.0)
+    for n, p in copy_.named_parameters():
+        expected = torch.einsum("b,b...->...", coef, ref[n])
+        assert_tensor_close(p.grad, expected, n, (coef[:, None] * ref[n].flatten(1).abs()).sum(0).max().item())
+
+
+def test_an_embedding_subclass_without_a_lookup_is_refused():
+    class Indexes(nn.Embedding):
+        def forward(self, ids):
+            return self.weight[ids]
+
+    model = nn.Sequential(Indexes(V, D), nn.Linear(D, 2))
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(model)
+    with pytest.raises(FunctionalCallError, match=r"layer '0' \(Indexes.*without calling F.embedding"):
+        wrapped(batch(2, 3)[0])
+
+
+def test_an_embedding_subclass_looking_up_with_other_settings_is_refused():
+    class OtherPadding(nn.Embedding):
+        def forward(self, ids):
+            return F.embedding(ids, self.weight, padding_idx=1)
+
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(nn.Sequential(OtherPadding(V, D, padding_idx=0)))
+    with pytest.raises(FunctionalCallError, match=r"padding_idx=1, where the layer has padding_idx=0"):
+        wrapped(batch(2, 3)[0])
+
+
+def test_an_embedding_subclass_with_the_base_forward_is_hooked_as_an_embedding():
+    class Renamed(nn.Embedding):
+        pass
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok, self.head = Renamed(V, D, padding_idx=0), nn.Linear(D, 3)
+
+        def forward(self, ids):
+            return self.head(self.tok(ids).mean(1))
+
+    torch.manual_seed(4)
+    model = Model()
+    assert not dpgrad.GradSampleModuleFastGradientClipping(copy.deepcopy(model))._path.functorch_layers
+    check_ghost(model, *batch(4, 5), single=True)
