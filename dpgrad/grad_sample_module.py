@@ -203,12 +203,13 @@ class GradSampleModule(nn.Module):
     # ------------------------------------------------------------------ validation
     @classmethod
     def validate(cls, module: nn.Module, *, strict: bool = False) -> List[NotImplementedError]:
-        """Trainable layers dpgrad cannot treat per sample (layers with buffers).
+        """Trainable layers dpgrad cannot treat per sample (layers with buffers and no sampler).
 
         Returns the list of errors; raises the first with all of them listed if ``strict``.
         Each error's ``args`` are ``(message, layer_name)``.
         """
-        return validate(module, strict=strict)
+        registry.resolve(module)
+        return validate(module, strict=strict, sampled=lambda m: type(m) in registry.GRAD_SAMPLERS)
 
     @classmethod
     def is_supported(cls, module: nn.Module) -> bool:

@@ -178,11 +178,12 @@ def test_a_shared_output_meeting_the_batch_without_broadcasting_is_refused():
 
 
 class Scaled(nn.Embedding):
-    """An Embedding subclass that scales its output (Hugging Face's scaled word embeddings)."""
+    """An Embedding subclass that scales its output by a buffer (Gemma's scaled word embeddings):
+    the buffer is no part of the lookup's per-sample gradients, so it is not refused."""
 
     def __init__(self, *args, scale=3.0, **kwargs):
         super().__init__(*args, **kwargs)
-        self.scale = scale
+        self.register_buffer("scale", torch.tensor(scale), persistent=False)
 
     def forward(self, ids):
         return super().forward(ids) * self.scale

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from typing import List
+from typing import Callable, List
 
 import torch.nn as nn
 
@@ -22,15 +22,18 @@ def own_trainable(module: nn.Module) -> bool:
     return any(p.requires_grad for p in module.parameters(recurse=False))
 
 
-def validate(module: nn.Module, *, strict: bool = False) -> List[NotImplementedError]:
-    """Trainable layers dpgrad cannot treat per sample (layers with buffers, an Embedding that
-    scales its gradient by frequency). Returns the errors, each with ``args`` ``(message,
-    layer_name)``; raises the first with all of them listed if ``strict``, else warns."""
+def validate(module: nn.Module, *, strict: bool = False, sampled: Callable[[nn.Module], bool] = lambda m: False
+             ) -> List[NotImplementedError]:
+    """Trainable layers dpgrad cannot treat per sample (layers with buffers that torch.func
+    would take whole, an Embedding that scales its gradient by frequency). ``sampled(layer)``:
+    whether the layer's own samplers take it (its buffers, a scale or a table of constants,
+    are then no part of its per-sample gradients). Returns the errors, each with ``args``
+    ``(message, layer_name)``; raises the first with all of them listed if ``strict``, else warns."""
     errors = []
     for name, m in module.named_modules():
         if not own_trainable(m):
             continue
-        buffers = [b for b, _ in m.named_buffers()]
+        buffers = [] if sampled(m) else [b for b, _ in m.named_buffers()]
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
             # Even without running statistics, training mode normalises by the batch's own.
             errors.append(NotImplementedError(
