@@ -795,3 +795,39 @@ def test_failed_backward_does_not_corrupt_the_next_step(wrapper):
         losses.sum().backward()
     handle.remove()
     assert_step_correct(wrapped, pristine, x, y)
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_tensors_by_keyword_to_a_layer_taken_whole_are_refused(wrapper):
+    """torch.func recomputes a layer without a sampler from the positional inputs its hook
+    sees: a tensor given by keyword (a mask) would be left out, so the call is refused, naming
+    the layer and the keyword; other keywords are passed to the recomputation."""
+    cls, kwargs = WRAPPERS[wrapper]
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(4))
+
+        def forward(self, x, mask=None, twice=False):
+            y = x * self.scale * (2 if twice else 1)
+            return y if mask is None else y * mask
+
+    class Model(nn.Module):
+        def __init__(self, by_keyword):
+            super().__init__()
+            self.inner, self.head, self.by_keyword = Masked(), nn.Linear(4, 3), by_keyword
+
+        def forward(self, x):
+            mask = (x > 0).float()
+            h = self.inner(x, mask=mask) if self.by_keyword else self.inner(x, mask, twice=True)
+            return self.head(h)
+
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    wrapped = cls(Model(by_keyword=True), loss_reduction="sum", **kwargs)
+    with pytest.raises(ValueError) as err:
+        ce(wrapped(x), y).sum().backward()
+    says(err, "'inner' (Masked)", "by keyword (mask)", "requires_grad_(False)")
+    model = Model(by_keyword=False)
+    pristine = copy.deepcopy(model)
+    assert_step_correct(cls(model, loss_reduction="sum", **kwargs), pristine, x, y)

@@ -44,6 +44,7 @@ from typing import List, Optional, Set
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_leaves
 
 from dpgrad.samplers import registry
 from dpgrad.backward.autograd_graph import ForwardEdges, eager_when_compiled, region
@@ -58,7 +59,7 @@ from dpgrad.backward.layer_inputs import (batch_to_front, broadcast_inputs, chec
                                           recomputing, shared_before, shared_call)
 from dpgrad.backward.split_calls import SplitCalls
 from dpgrad.checks.model_checks import refuse_wrapped
-from dpgrad.samplers.functorch import _first_tensor
+from dpgrad.samplers.functorch import Keywords, _first_tensor
 from dpgrad.samplers.groups import Record
 from dpgrad.tuning.progress import TUNING_PROGRESS
 
@@ -216,6 +217,22 @@ class BackwardPath(HookedLayers, ModelHooks, SplitCalls):
         # Not detached: they are only read under no_grad, and the list is emptied when read.
         out.register_hook(partial(self._record, layer, params, kept, self._pending))
         return None
+
+    def _on_whole_call(self, layer: nn.Module, args, kwargs, output) -> Optional[torch.Tensor]:
+        """A call of a layer torch.func takes whole: as any call, its keyword arguments kept for
+        its recomputation one sample at a time; refused where they hold tensors, which that
+        recomputation does not split by sample."""
+        if kwargs and not self.independence.rerunning and self.hooks_enabled and torch.is_grad_enabled():
+            given = [k for k, v in kwargs.items() if any(isinstance(t, torch.Tensor) for t in tree_leaves(v))]
+            if given and self.layer_params(layer):
+                raise ValueError(
+                    f"layer '{self.layer_names[layer]}' ({type(layer).__name__}) has no per-sample gradient "
+                    "sampler, so torch.func computes its per-sample gradients by running its forward again on "
+                    f"one sample at a time, splitting the positional inputs its hook sees; it was given tensors "
+                    f"by keyword ({', '.join(given)}), which that recomputation does not split. Freeze the layer's "
+                    "own parameters (requires_grad_(False)) and train the others or adapters (LoRA), or register "
+                    "a grad sampler for its type (dpgrad.register_grad_sampler).")
+        return self._on_layer_call(layer, (*args, Keywords(kwargs)) if kwargs else args, output)
 
     def _refuse_mapping_output(self, layer: nn.Module, output: dict) -> None:
         """Raise for a layer taken whole by torch.func whose output is a mapping of tensors

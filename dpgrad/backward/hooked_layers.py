@@ -102,7 +102,9 @@ class HookedLayers:
             self.layer_names[layer] = name
             self._own_params[layer] = tuple(layer.parameters(recurse=whole))
             function = None if whole else registry.functional_call(type(layer))
-            if function is None:
+            if whole:  # its keyword arguments are looked at (torch.func runs it again on what it got)
+                handles.append(layer.register_forward_hook(self._on_whole_call, with_kwargs=True))
+            elif function is None:
                 handles.append(layer.register_forward_hook(self._on_layer_call))
             else:  # hooked at its calls of the function (dpgrad.backward.functional_calls)
                 handles += FunctionalHooks(layer, name, function, self._on_layer_call, self._recording).register()

@@ -31,6 +31,16 @@ def _meta_copy(layer: nn.Module) -> nn.Module:
     return clone
 
 
+class Keywords:
+    """A call's keyword arguments other than tensors, kept last among its inputs: the forward
+    is run again with them."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: dict):
+        self.values = values
+
+
 def _first_tensor(output):
     if isinstance(output, torch.Tensor):
         return output
@@ -75,6 +85,9 @@ class FunctionalGradients:
                     mine.__dict__[key] = value
 
     def __call__(self, params: Dict[str, torch.Tensor], activations: List, backprops: torch.Tensor):
+        keywords = {}
+        if activations and isinstance(activations[-1], Keywords):
+            keywords, activations = activations[-1].values, activations[:-1]
         names = [n for n, p in params.items() if p.requires_grad]
         frozen = {n: p.detach() for n, p in params.items() if not p.requires_grad}
         if backprops.shape[0] == 0:
@@ -84,7 +97,7 @@ class FunctionalGradients:
 
         def sample_loss(trainable, acts, bp):
             inputs = tuple(a.unsqueeze(batch_dim) if isinstance(a, torch.Tensor) else a for a in acts)
-            out = functional_call(stateless, {**frozen, **dict(zip(names, trainable))}, inputs)
+            out = functional_call(stateless, {**frozen, **dict(zip(names, trainable))}, inputs, keywords)
             return (_first_tensor(out) * bp.unsqueeze(batch_dim)).sum()
 
         in_dims = (None, tuple(0 if isinstance(a, torch.Tensor) else None for a in activations), 0)
