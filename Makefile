@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: report demo test bench clean
+.PHONY: report demo test bench zoo clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,12 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pytest benchmarks -q -p no:cacheprovider --benchmark-enable
 	$(PY) -m dpgrad dashboard benchmarks/results/*.json -o build/dashboard.html --update-readme docs/results.md
+
+# Every Hugging Face architecture of transformers' auto mappings, built tiny, through dpgrad in four
+# runs against float64 per-sample gradients: stores tests/data/hf_zoo.json and regenerates the
+# tables made from it (docs/supported.md#models, the README's summary). Minutes on a CPU.
+zoo: $(STAMP)
+	$(PY) tests/hf_zoo.py --jobs $(JOBS) --write
 
 clean:
 	rm -rf $(VENV) build *.egg-info
