@@ -831,3 +831,34 @@ def test_tensors_by_keyword_to_a_layer_taken_whole_are_refused(wrapper):
     model = Model(by_keyword=False)
     pristine = copy.deepcopy(model)
     assert_step_correct(cls(model, loss_reduction="sum", **kwargs), pristine, x, y)
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_a_linear_output_changed_in_place_is_refused(wrapper):
+    """A Linear's (B, T, p) output is a view of its (B*T, p) product; changed in place (``h +=
+    x``, as RoCBert's embeddings do), autograd drops the view's node and the hook on it, and the
+    layer would go unclipped. Refused, naming the layer; out of place, exact."""
+    cls, kwargs = WRAPPERS[wrapper]
+
+    class Adds(nn.Module):
+        def __init__(self, in_place):
+            super().__init__()
+            self.tok, self.map, self.typ, self.head = nn.Embedding(11, 6), nn.Linear(6, 6), nn.Embedding(2, 6), \
+                nn.Linear(6, 3)
+            self.in_place = in_place
+
+        def forward(self, ids):
+            h = self.map(self.tok(ids))
+            if self.in_place:
+                h += self.typ(torch.zeros_like(ids))
+            else:
+                h = h + self.typ(torch.zeros_like(ids))
+            return self.head(h.mean(1))
+
+    ids, y = torch.randint(0, 11, (4, 5)), torch.randint(0, 3, (4,))
+    with pytest.raises(ValueError) as err:
+        ce(cls(Adds(in_place=True), loss_reduction="sum", **kwargs)(ids), y).sum().backward()
+    says(err, "layer 'map' (Linear) was changed in place", "h = h + x")
+    model = Adds(in_place=False)
+    pristine = copy.deepcopy(model)
+    assert_step_correct(cls(model, loss_reduction="sum", **kwargs), pristine, ids, y)

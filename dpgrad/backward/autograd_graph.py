@@ -125,6 +125,7 @@ class ForwardEdges:
         self._consumed = True
         self._ambiguous = False
         self.calls: List[tuple] = []  # (layer, output node, inputs, parameters) of this forward
+        self.views: List[tuple] = []  # (layer, output, its version) of the hooked outputs that are views
         self.outputs: List[Node] = []  # the model's output nodes, once the forward has ended
         self.output_edges: List[GradientEdge] = []  # and their edges, with the outputs' shapes
         self.output_shapes: List[tuple] = []
@@ -136,6 +137,7 @@ class ForwardEdges:
         self.forward_id += 1
         self._edges = []
         self.calls = []
+        self.views: List[tuple] = []  # (layer, output, its version) of the hooked outputs that are views
         self.set_outputs([])
         self._consumed = False
 
@@ -144,6 +146,9 @@ class ForwardEdges:
         mark_output(out, self.mark, self.forward_id)
         self._edges.append(GradientEdge(out.grad_fn, out.output_nr))
         self.calls.append((layer, out.grad_fn, inputs, params))
+        if out._base is not None:  # a view: changed in place, its node leaves the graph (``changed_views``)
+            self.views.append((layer, out, out._version))
+
 
     def set_outputs(self, tensors: List[torch.Tensor]) -> None:
         """The model's outputs (tensors with a graph) at the end of the forward pass."""
@@ -218,3 +223,10 @@ def lowest_marked_edges(root: Node, mark: object) -> List[GradientEdge]:
             lowest.extend(GradientEdge(node, nr) for nr in sorted(outputs))
         marked_below[node] = bool(outputs) or has_below
     return lowest
+
+
+def changed_views(views: list) -> list:
+    """The layers among ``views`` (``ForwardEdges.views``) whose output was changed in place
+    since their call (``h += x`` on a Linear's (B, T, p) view of its (B*T, p) product):
+    autograd then replaces the view's node, and the hook on it never runs."""
+    return list(dict.fromkeys(layer for layer, out, version in views if out._version != version))

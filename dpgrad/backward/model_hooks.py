@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch.nn as nn
 
-from dpgrad.backward.autograd_graph import eager_when_compiled
+from dpgrad.backward.autograd_graph import changed_views, eager_when_compiled
 from dpgrad.backward.layer_inputs import input_batch
 from dpgrad.backward.shared_outputs import reaching_output_error, shared_outputs
 from dpgrad.checks.guarantee import input_nodes, sequence_number, tensors_in, unclipped_error, uncovered_uses
@@ -73,11 +73,24 @@ class ModelHooks:
             self.independence.call = None
             return
         key = (self._scan_version, tuple(call[0] for call in calls), edges.output_seq - sequence_number(calls[0][1]))
+        views, edges.views = edges.views, []
         if key not in self._verified:
+            self._refuse_changed_views(views)
             self._verify(edges.outputs, calls, edges.marked_elsewhere)
             self._verified.add(key)
         if self.check_independence:
             self.independence.end_forward(key, tensors)
+
+    def _refuse_changed_views(self, views: list) -> None:
+        """Raise, naming the layers, where a hooked output that is a view was changed in place
+        after its layer (checked once per layout: a model's code changes the same outputs)."""
+        changed = changed_views(views)
+        if changed:
+            names = ", ".join(f"'{self.layer_names[layer]}' ({type(layer).__name__})" for layer in changed)
+            raise ValueError(
+                f"the output of layer {names} was changed in place after the layer (e.g. h += x, h.mul_(s)); it "
+                "is a view of the layer's product, and autograd then drops the node dpgrad's hook is on, so that "
+                "layer's per-sample gradients would be left out. Change it out of place (h = h + x).")
 
     def _verify(self, roots: list, calls: list, stop: Callable, in_loss: bool = False) -> None:
         """Raise ``UnclippedGradientError`` if a trainable parameter is reached from ``roots``
