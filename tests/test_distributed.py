@@ -77,6 +77,18 @@ def test_gradients_are_the_one_process_clipped_sum_averaged(ranks, mode, order):
             assert_tensor_close(torch.from_numpy(got["grads"][n]), p.grad.double() / WORLD, f"rank {rank} {n}")
 
 
+def _ranks_match_one_process(ranks, scenario: str, single: bool, net, wrapped, C: float) -> None:
+    """Every sample clipped in the one-process step; each rank's norms are those of its samples,
+    and its p.grad the one-process clipped sum / world size."""
+    norms = wrapped.per_sample_gradient_norms
+    assert (norms > C).all(), "every sample should be clipped"
+    ids = torch.arange(W.GLOBAL_BATCH)
+    for rank, got in enumerate(_result(ranks, scenario, single=single)):
+        assert_norms_close(torch.from_numpy(got["norms"]), norms[W.share(ids, rank, WORLD)].double(), f"rank {rank}")
+        for n, p in net.named_parameters():
+            assert_tensor_close(torch.from_numpy(got["grads"][n]), p.grad.double() / WORLD, f"rank {rank} {n}")
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_convolutions_are_the_one_process_clipped_sum_averaged(ranks, mode):
     """Convolutions and GroupNorm clipped from their norms under DDP: each rank's norms are the
@@ -88,13 +100,7 @@ def test_convolutions_are_the_one_process_clipped_sum_averaged(ranks, mode):
         wrapped = dpgrad.GradSampleModuleFastGradientClipping(net, max_grad_norm=W.CONV_C, single_backward=MODES[mode])
         x, y = W.global_images()
         dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss())(wrapped(x), y).backward()
-    norms = wrapped.per_sample_gradient_norms
-    assert (norms > W.CONV_C).all(), "every sample should be clipped"
-    ids = torch.arange(W.GLOBAL_BATCH)
-    for rank, got in enumerate(_result(ranks, "conv_clipped_gradients", single=MODES[mode])):
-        assert_norms_close(torch.from_numpy(got["norms"]), norms[W.share(ids, rank, WORLD)].double(), f"rank {rank}")
-        for n, p in net.named_parameters():
-            assert_tensor_close(torch.from_numpy(got["grads"][n]), p.grad.double() / WORLD, f"rank {rank} {n}")
+    _ranks_match_one_process(ranks, "conv_clipped_gradients", MODES[mode], net, wrapped, W.CONV_C)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -109,13 +115,7 @@ def test_moe_gradients_are_the_one_process_clipped_sum_averaged(ranks, mode):
     with clipped_from_norms():
         wrapped = dpgrad.GradSampleModuleFastGradientClipping(net, max_grad_norm=W.C, single_backward=MODES[mode])
         W.lm_step(wrapped, dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss()), W.global_ids())
-    norms = wrapped.per_sample_gradient_norms
-    assert (norms > W.C).all(), "every sample should be clipped"
-    ids = torch.arange(W.GLOBAL_BATCH)
-    for rank, got in enumerate(_result(ranks, "moe_clipped_gradients", single=MODES[mode])):
-        assert_norms_close(torch.from_numpy(got["norms"]), norms[W.share(ids, rank, WORLD)].double(), f"rank {rank}")
-        for n, p in net.named_parameters():
-            assert_tensor_close(torch.from_numpy(got["grads"][n]), p.grad.double() / WORLD, f"rank {rank} {n}")
+    _ranks_match_one_process(ranks, "moe_clipped_gradients", MODES[mode], net, wrapped, W.C)
 
 
 @pytest.mark.parametrize("order", ORDERS)
