@@ -123,8 +123,9 @@ class GradSampleModule(nn.Module):
         m: the module to wrap.
         batch_first: inputs are ``[B, ...]`` if True, ``[K, B, ...]`` if False.
         loss_reduction: "mean" or "sum", how the loss aggregates over the batch.
-        strict: raise on trainable layers with buffers (e.g. BatchNorm); with False such
-            layers are skipped, with a warning, and get no per-sample gradients.
+        strict: raise on trainable layers that have no per-sample gradients (BatchNorm, an
+            Embedding with ``scale_grad_by_freq``); with False such layers are skipped, with a
+            warning, and get none.
         force_functorch: compute every layer through torch.func, not the registered samplers.
         check_finite: when a per-sample gradient (or norm) is not finite, replace the pass's
             per-sample gradients (clipped gradients) by zeros on the device, so that nothing
@@ -146,7 +147,8 @@ class GradSampleModule(nn.Module):
     batch_first = _delegated("batch_first", "Inputs are [B, ...] if True, [K, B, ...] if False.")
     loss_reduction = _delegated("loss_reduction", '"mean" or "sum": how the loss aggregates over the batch.')
     force_functorch = _delegated("force_functorch", "Every layer through torch.func.")
-    strict = _delegated("strict", "Whether trainable layers with buffers are refused (else skipped).")
+    strict = _delegated("strict", "Whether trainable layers without per-sample gradients (BatchNorm) are refused "
+                                  "(else skipped).")
     check_finite = _delegated("check_finite", "Whether non-finite per-sample values raise.")
     check_independence = _delegated("check_independence", "Whether samples mixed by the model (or the loss) "
                                     "are refused (dpgrad.checks.independence).")
@@ -203,7 +205,8 @@ class GradSampleModule(nn.Module):
     # ------------------------------------------------------------------ validation
     @classmethod
     def validate(cls, module: nn.Module, *, strict: bool = False) -> List[NotImplementedError]:
-        """Trainable layers dpgrad cannot treat per sample (layers with buffers and no sampler).
+        """Trainable layers dpgrad cannot treat per sample (BatchNorm, an Embedding that scales
+        its gradient by frequency).
 
         Returns the list of errors; raises the first with all of them listed if ``strict``.
         Each error's ``args`` are ``(message, layer_name)``.

@@ -85,9 +85,11 @@ def _first_dim(args, kwargs) -> Optional[int]:
     return None
 
 
-def _check_one_loss_per_sample(loss_per_sample: torch.Tensor, batch: Optional[int], shape) -> None:
+def _check_one_loss_per_sample(loss_per_sample: torch.Tensor, batch: Optional[int], shape, source=None,
+                               batch_dim: int = 0) -> None:
     """Refuse, where the criterion is called, losses that are not one per sample of the last
-    forward pass's batch (``batch``; None where it is not known), naming the fix."""
+    forward pass's batch (``batch``; None where it is not known; ``source``: the layer name and
+    input shape it was read from), naming the fix."""
     if batch is None or loss_per_sample.shape == (batch,):
         return
     got = tuple(loss_per_sample.shape)
@@ -97,8 +99,13 @@ def _check_one_loss_per_sample(loss_per_sample: torch.Tensor, batch: Optional[in
             f"flattened to (B*T, ...). Give the outputs' shape before flattening, so that each sequence's loss "
             f"is its sample's: criterion(logits.reshape(-1, V), labels.reshape(-1), shape=logits.shape[:2]); "
             f"or use a criterion that returns one loss per sample")
+    seen = ""
+    if source is not None and got[:1] != (batch,):  # not even a leading size of the batch's
+        seen = (f" (the batch size along dimension {batch_dim} of the input of layer '{source[0]}', of shape "
+                f"{source[1]}, the first layer called; a model whose layers take the time dimension first, such "
+                f"as XLNet's, is wrapped with batch_first=False)")
     raise ValueError(
-        f"the criterion gave losses of shape {got} for a batch of {batch} samples: give one loss per sample, "
+        f"the criterion gave losses of shape {got} for a batch of {batch} samples{seen}: give one loss per sample, "
         f"shape ({batch},) (for a loss per token, pass shape=(B, T) of the outputs before they were flattened)")
 
 
@@ -250,8 +257,9 @@ class DPLossFastGradientClipping:
         loss_per_sample = self._losses(args, kwargs, shape)
         wrapper = clipping_wrapper(self.module)
         if self.batches is None:  # (a padded batch's losses are checked against its size below)
-            _check_one_loss_per_sample(loss_per_sample, getattr(getattr(wrapper, "_path", None), "_forward_batch",
-                                                                None), shape)
+            path = getattr(wrapper, "_path", None)
+            _check_one_loss_per_sample(loss_per_sample, getattr(path, "_forward_batch", None), shape,
+                                       getattr(path, "_batch_from", None), getattr(path, "batch_dim", 0))
         if isinstance(wrapper, GradSampleModuleFastGradientClipping) and wrapper.check_independence:
             # For the loss's forward probe (dpgrad.checks.forward_probe), run where it is due.
             modules = [self.criterion] if isinstance(self.criterion, torch.nn.Module) else []

@@ -220,30 +220,73 @@ def test_fgc_norms_of_a_skipped_trainable_layer_raise(use_ghost_clipping):
     says(err, "block.1.weight", "block.1.bias", "requires_grad_(False)")
 
 
-class BufferedCustom(nn.Module):
-    """No sampler, its own parameter, a child Linear and a buffer: torch.func would take it whole."""
+class NormedCustom(nn.BatchNorm1d):
+    """A trainable BatchNorm (skipped under strict=False) holding a child Linear it calls."""
 
     def __init__(self, h):
-        super().__init__()
-        self.gain = nn.Parameter(torch.ones(h))
+        super().__init__(h)
         self.lin = nn.Linear(h, h)
-        self.register_buffer("offset", torch.zeros(h))
 
     def forward(self, x):
-        return self.lin(x) * self.gain + self.offset
+        return super().forward(self.lin(x))
 
 
 def test_fgc_children_of_a_skipped_layer_are_not_taken_for_zero():
     """A skipped layer's children were not hooked either: their norms are unknown, not 0."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 4), BufferedCustom(4), nn.Linear(4, 3))
+    model = nn.Sequential(nn.Linear(5, 4), NormedCustom(4).eval(), nn.Linear(4, 3))
     with pytest.warns(UserWarning, match=re.escape("'1'")):
         wrapped = FGC(model, strict=False)
     x, y = torch.randn(3, 5), torch.randint(0, 3, (3,))
     ce(wrapped(x), y).mean().backward()
     with pytest.raises(RuntimeError) as err:
         wrapped.get_norm_sample()
-    says(err, "'1.gain'", "'1.lin.weight'", "'1.lin.bias'")
+    says(err, "'1.weight'", "'1.lin.weight'", "'1.lin.bias'")
+
+
+class Buffered(nn.Module):
+    """No sampler, its own parameter, a child Linear and a buffer, constant or changed by its
+    forward: torch.func takes it whole, reading its buffer live."""
+
+    def __init__(self, h, changes=False):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(h))
+        self.lin = nn.Linear(h, h)
+        self.register_buffer("offset", torch.randn(h))
+        self.changes = changes
+
+    def forward(self, x):
+        y = self.lin(x) * self.gain + self.offset
+        if self.changes:
+            self.offset.mul_(0.5)  # as a running statistic would
+        return y
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_a_layer_taken_whole_reads_its_buffers_live(wrapper):
+    """Exact with the buffer as it is at each step (changed between steps by the user), and a
+    forward that changes it is refused, naming the layer and the buffer."""
+    cls, kwargs = WRAPPERS[wrapper]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), Buffered(4), nn.Linear(4, 3))
+    wrapped = cls(copy.deepcopy(model), loss_reduction="sum", **kwargs)
+    x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
+    for step in range(2):
+        with torch.no_grad():
+            model[1].offset.add_(1.0)
+            wrapped._module[1].offset.add_(1.0)
+        expected = per_sample_grads(model, x, y, lambda out, t: F.cross_entropy(out, t, reduction="none"))
+        wrapped.zero_grad(set_to_none=True)
+        ce(wrapped(x), y).sum().backward()
+        if wrapper != "gsm":
+            assert_norms_close(wrapped.get_norm_sample(), total_norm(expected), f"step {step}")
+        else:
+            for n, p in wrapped._module.named_parameters():
+                assert_tensor_close(p.grad_sample, expected[n], f"step {step}: {n}")
+    changing = cls(nn.Sequential(nn.Linear(5, 4), Buffered(4, changes=True), nn.Linear(4, 3)), **kwargs)
+    with pytest.raises(ValueError) as err:
+        changing(x)
+    says(err, "layer '1'", "['offset']", "requires_grad_(False)")
 
 
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))
@@ -797,40 +840,69 @@ def test_failed_backward_does_not_corrupt_the_next_step(wrapper):
     assert_step_correct(wrapped, pristine, x, y)
 
 
+class Masked(nn.Module):
+    """No sampler: torch.func takes it whole, running it again per sample with what it got."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x, mask=None, twice=False, extra=()):
+        y = x * self.scale * (2 if twice else 1)
+        for t in extra:
+            y = y + t * self.scale
+        return y if mask is None else y * mask
+
+
+class MaskedCalls(nn.Module):
+    """``Masked`` called in one of several ways: its tensors by keyword (a mask of a row per
+    sample, or one row for all), all by keyword, or in a positional tuple."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.inner, self.head, self.how = Masked(), nn.Linear(4, 3), how
+
+    def forward(self, x):
+        mask, shared = (x > 0).float(), torch.linspace(0.5, 1.5, 4)[None]
+        calls = {"keyword": lambda: self.inner(x, mask=mask),
+                 "positional": lambda: self.inner(x, mask, twice=True),
+                 "shared": lambda: self.inner(x, mask=shared),
+                 "all_by_keyword": lambda: self.inner(x=x, mask=mask, twice=True),
+                 "tuple": lambda: self.inner(x, None, False, (mask, shared))}
+        return self.head(calls[self.how]())
+
+
+@pytest.mark.parametrize("how", ["keyword", "positional", "shared", "all_by_keyword", "tuple"])
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))
-def test_tensors_by_keyword_to_a_layer_taken_whole_are_refused(wrapper):
-    """torch.func recomputes a layer without a sampler from the positional inputs its hook
-    sees: a tensor given by keyword (a mask) would be left out, so the call is refused, naming
-    the layer and the keyword; other keywords are passed to the recomputation."""
+def test_tensors_given_to_a_layer_taken_whole_by_keyword_or_in_tuples(wrapper, how):
+    """torch.func recomputes a layer without a sampler one sample at a time: the tensors it
+    was given by keyword or inside a tuple are split by sample where they hold a row per sample
+    (their size along the batch dimension is the batch size) and given whole otherwise."""
     cls, kwargs = WRAPPERS[wrapper]
-
-    class Masked(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.scale = nn.Parameter(torch.ones(4))
-
-        def forward(self, x, mask=None, twice=False):
-            y = x * self.scale * (2 if twice else 1)
-            return y if mask is None else y * mask
-
-    class Model(nn.Module):
-        def __init__(self, by_keyword):
-            super().__init__()
-            self.inner, self.head, self.by_keyword = Masked(), nn.Linear(4, 3), by_keyword
-
-        def forward(self, x):
-            mask = (x > 0).float()
-            h = self.inner(x, mask=mask) if self.by_keyword else self.inner(x, mask, twice=True)
-            return self.head(h)
-
-    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
-    wrapped = cls(Model(by_keyword=True), loss_reduction="sum", **kwargs)
-    with pytest.raises(ValueError) as err:
-        ce(wrapped(x), y).sum().backward()
-    says(err, "'inner' (Masked)", "by keyword (mask)", "requires_grad_(False)")
-    model = Model(by_keyword=False)
+    torch.manual_seed(0)
+    model = MaskedCalls(how)
     pristine = copy.deepcopy(model)
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
     assert_step_correct(cls(model, loss_reduction="sum", **kwargs), pristine, x, y)
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_a_keyword_tensor_whose_rows_may_be_the_batch_by_chance(wrapper):
+    """At a batch size that is also a size of the layer's input (B == 4 == features), whether a
+    keyword tensor holds a row per sample cannot be told: refused at first, naming the layer
+    and the way out; after a step at another batch size, remembered and exact."""
+    cls, kwargs = WRAPPERS[wrapper]
+    torch.manual_seed(0)
+    model = MaskedCalls("keyword")
+    pristine = copy.deepcopy(model)
+    x4, y4 = torch.randn(4, 4), torch.randint(0, 3, (4,))
+    wrapped = cls(model, loss_reduction="sum", **kwargs)
+    with pytest.raises(ValueError) as err:
+        wrapped(x4)
+    says(err, "layer 'inner' (Masked)", "keyword argument 'mask'", "batch size 4", "a first step at a batch size")
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    assert_step_correct(wrapped, pristine, x, y)
+    assert_step_correct(wrapped, pristine, x4, y4)
 
 
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))

@@ -211,6 +211,7 @@ SITUATIONS = {
     "frozen after wrapping": (None, _freeze("l1"), None),
     "layer in eval mode": (None, _eval_l1, None),
     "attribute of a torch.func layer set after wrapping": (None, _square_twice_gain, None),
+    "second output of a torch.func layer": (None, _set(use_second=True), None),
     "model in eval mode": (None, lambda m: m.eval(), None),
     "head added after wrapping": (None, _add_head, None),
     "head added in a new container after wrapping": (None, _add_head_in_a_new_container, None),
@@ -222,8 +223,6 @@ SITUATIONS = {
     "layer.forward called directly": (None, _set(direct=True),
                                       ["parameter 'l2.weight'", "parameter 'l2.bias'",
                                        "its layer 'l2' ran without dpgrad's hooks", "layer.forward(...)"]),
-    "second output of a layer": (None, _set(use_second=True),
-                                 ["parameter 'twice.gain'", "an output of the layer other than its first"]),
 }
 
 

@@ -271,6 +271,15 @@ def clipped_step(case: Case, single: bool, loss_reduction: str, C: float, autoca
     return model, wrapped.per_sample_gradient_norms
 
 
+def weighted_autograd(case: Case, coef: torch.Tensor, loss_reduction: str = "mean") -> Dict[str, torch.Tensor]:
+    """The non-private step's gradients of ``sum_b coef_b loss_b``: plain autograd on the whole
+    batch in the model's precision, the error the same model makes without dpgrad."""
+    model = copy.deepcopy(case.model)
+    (case.per_sample_loss(model, slice(None), loss_reduction) * coef.float()).sum().backward()
+    return {n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in model.named_parameters()
+            if p.requires_grad}
+
+
 def check(case: Case, single: bool, loss_reduction: str = "mean", rtol: float = RTOL, autocast=False,
           saved_hooks=False):
     ref = reference(case, loss_reduction=loss_reduction)
@@ -284,10 +293,14 @@ def check(case: Case, single: bool, loss_reduction: str = "mean", rtol: float = 
     coef = (C / (norms + 1e-6)).clamp(max=1.0).double()
     assert (coef < 1).any() and (coef == 1).any()
     params = dict(model.named_parameters())
+    with autocast_on(case.model, autocast):
+        batched = weighted_autograd(case, coef, loss_reduction)
     for n, g in ref.items():
         expected = torch.einsum("b,b...->...", coef, g)
         scale = (coef[:, None] * g.flatten(1).abs()).sum(0).max().item()
-        autograd_error = (torch.einsum("b,b...->...", coef, own[n].double()) - expected).abs().max().item()
+        # the error plain autograd makes in the model's precision, per sample or on the batch
+        autograd_error = max((torch.einsum("b,b...->...", coef, own[n].double()) - expected).abs().max().item(),
+                             (batched[n].double() - expected).abs().max().item())
         got = params[n].grad
         assert got is not None and got.dtype == params[n].dtype, n
         assert_tensor_close(got, expected, f"clipped {n}.grad", max(scale, 4 * autograd_error / rtol), rtol)

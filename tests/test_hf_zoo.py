@@ -165,11 +165,11 @@ def test_the_judge_finds_a_wrong_gradient():
         ref, own = hf_zoo.reference(case), hf_zoo.reference(case, dtype=None)
         C = float(hf_zoo.total_norm(ref).median())
         stepped, norms = hf_zoo.clipped_step(case, True, "mean", C)
-    assert hf_zoo.compare(stepped, norms, ref, own, C, set())["status"] == "exact"
+    assert hf_zoo.compare(case, stepped, norms, ref, own, C, set())["status"] == "exact"
     grad = stepped.transformer.h[1].mlp.c_fc.weight.grad
     grad[0, 0] += 1e-3 * grad.abs().max()
-    got = hf_zoo.compare(stepped, norms, ref, own, C, set())
+    got = hf_zoo.compare(case, stepped, norms, ref, own, C, set())
     assert got["status"] == "mismatch" and got["what"] == "transformer.h.1.mlp.c_fc.weight.grad", got
     grad[0, 0] -= 1e-3 * grad.abs().max()
-    got = hf_zoo.compare(stepped, norms * (1 + 1e-4), ref, own, C, set())
+    got = hf_zoo.compare(case, stepped, norms * (1 + 1e-4), ref, own, C, set())
     assert got["status"] == "mismatch" and got["what"] == "per-sample norms", got

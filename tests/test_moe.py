@@ -6,8 +6,9 @@ hooks unfold such calls to (B, T, ...); the router's per-sample gradients come f
 the experts' from dpgrad's experts samplers over (expert, sample) segments. Checked: the
 segment kernels against a brute-force float64 sum, Qwen3-MoE, Mixtral and Qwen2-MoE (shared
 experts and their gate) in both modes, per-sample gradients, per-block clipping, a batch of
-one, a Linear on flattened tokens (batches of several, one and none), and a fold in the wrong
-order refused by the independence check.
+one, a Linear on flattened tokens (batches of several, one and none), a fold in the wrong
+order refused by the independence check, a layer taken whole whose output flattens the batch
+(DeepSeek's router), and PEFT's LoRA on the routers and experts ("all-linear").
 """
 
 from __future__ import annotations
@@ -112,18 +113,24 @@ def test_moe_models_are_exact(name, mode, from_norms):
     assert experts and all(m.down_proj.grad is not None for m in experts)
 
 
-def test_experts_per_sample_gradients():
-    """GradSampleModule: (B, E, 2I, d) and (B, E, d, I) per-sample gradients of the experts."""
-    case = qwen3_moe()
+def checked_grad_samples(case, which) -> int:
+    """GradSampleModule's per-sample gradients of the parameters ``which(name)`` picks, each
+    against the microbatch reference, element by element: how many were checked."""
     ref = microbatch_reference(case, loss_reduction="sum")
     model = copy.deepcopy(case.model)
     wrapped = dpgrad.GradSampleModule(model, loss_reduction="sum")
     case.per_sample_loss(wrapped, slice(None), "sum").sum().backward()
     checked = 0
     for n, p in model.named_parameters():
-        if "experts" in n or "gate.weight" in n:
+        if p.requires_grad and which(n):
             assert_tensor_close(p.grad_sample, ref[n], f"{n} per-sample gradients")
             checked += 1
+    return checked
+
+
+def test_experts_per_sample_gradients():
+    """GradSampleModule: (B, E, 2I, d) and (B, E, d, I) per-sample gradients of the experts."""
+    checked = checked_grad_samples(qwen3_moe(), lambda n: "experts" in n or "gate.weight" in n)
     assert checked == 2 * 3  # two layers: gate_up_proj, down_proj, the router
 
 
@@ -203,17 +210,22 @@ class Folded(nn.Module):
         return self.head(torch.tanh(x).mean(1))
 
 
-@pytest.mark.parametrize("rows", [B, 1, 0])
-def test_a_linear_on_flattened_tokens_is_exact(rows):
-    torch.manual_seed(8)
-    model = Folded()
-    ids = torch.randint(0, V, (rows, 5), generator=torch.Generator().manual_seed(9))
-    y = torch.randint(0, 3, (rows,), generator=torch.Generator().manual_seed(10))
+def check_per_sample_gradients(model: nn.Module, rows: int, seed: int) -> None:
+    """GradSampleModule's per-sample gradients of ``model`` (token ids in, 3 classes out) on
+    ``rows`` samples against float64 torch.func."""
+    ids = torch.randint(0, V, (rows, 5), generator=torch.Generator().manual_seed(seed))
+    y = torch.randint(0, 3, (rows,), generator=torch.Generator().manual_seed(seed + 1))
     ref = per_sample_grads(model, ids, y, lambda out, t: F.cross_entropy(out, t, reduction="none"))
     wrapped = dpgrad.GradSampleModule(copy.deepcopy(model), loss_reduction="sum")
     F.cross_entropy(wrapped(ids), y, reduction="sum").backward()
     for n, p in wrapped._module.named_parameters():
         assert_tensor_close(p.grad_sample, ref[n], f"{n} per-sample gradients")
+
+
+@pytest.mark.parametrize("rows", [B, 1, 0])
+def test_a_linear_on_flattened_tokens_is_exact(rows):
+    torch.manual_seed(8)
+    check_per_sample_gradients(Folded(), rows, seed=9)
 
 
 def test_tokens_flattened_time_major_are_refused():
@@ -224,3 +236,71 @@ def test_tokens_flattened_time_major_are_refused():
     with pytest.raises(SampleMixingError, match="layer 'mix'"):
         criterion = dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss(), "mean")
         criterion(wrapped(ids), torch.zeros(B, dtype=torch.long)).backward()
+
+
+# ------------------------------------------------------------------ LoRA on mixture-of-experts
+def moe_lora(name: str):
+    """The model with peft's LoRA on every linear layer: "all-linear" wraps the routers' and the
+    experts' parameters in ParamWrappers (``W + s B A``), nested for the experts' two weights."""
+    peft = pytest.importorskip("peft")
+    case = CASES[name]()
+    torch.manual_seed(11)
+    model = peft.get_peft_model(case.model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                              target_modules="all-linear"))
+    for n, p in model.named_parameters():
+        if "lora_B" in n:  # zero at start: the A's gradients would all be zero
+            nn.init.normal_(p, std=0.2)
+    wrapped = [m for m in model.modules() if type(m).__name__ == "ParamWrapper"]
+    assert any(m.parameter_name == "weight" for m in wrapped)  # a router
+    assert any(m.parameter_name == "down_proj" for m in wrapped)  # experts
+    return type(case)(model, case.forward, case.per_sample_loss)
+
+
+@pytest.mark.parametrize("from_norms", [False, True], ids=["auto", "norms"])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_lora_on_routers_and_experts_is_exact(name, mode, from_norms):
+    """The router's adapters through torch.func (peft's wrapper recomputed with W + s B A), the
+    experts' adapters from the experts' pair factors."""
+    with _ghost(from_norms):
+        model = check(moe_lora(name), MODES[mode])
+    adapters = [n for n, p in model.named_parameters() if "experts.lora_" in n or "experts.base_layer.lora_" in n]
+    assert len(adapters) == 2 * 2 * 2  # two layers, two experts weights, A and B
+    assert all(dict(model.named_parameters())[n].grad is not None for n in adapters)
+
+
+def test_lora_experts_per_sample_gradients():
+    """GradSampleModule: each adapter's per-sample gradients in its own layout (lora_A (E*r,
+    in), lora_B (out, r*E)), element by element."""
+    checked = checked_grad_samples(moe_lora("qwen3_moe"), lambda n: "experts" in n or "gate" in n)
+    assert checked == 2 * (2 * 2 + 2)  # per layer: the experts' two weights' A and B, the router's
+
+
+class FlatRouter(nn.Module):
+    """No sampler (torch.func takes it whole): called on (B, T, d), it returns the scores of the
+    tokens flattened, (B*T, E), as DeepSeek's router does, and their top-k weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 6) * 0.5)
+
+    def forward(self, x):
+        logits = F.linear(x.reshape(-1, x.shape[-1]), self.weight)
+        return logits, torch.topk(logits.softmax(-1), 2, dim=-1).values
+
+
+class Routed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok, self.router, self.head = nn.Embedding(V, 6), FlatRouter(), nn.Linear(2, 3)
+
+    def forward(self, ids):
+        _, top = self.router(self.tok(ids))
+        return self.head(top.view(ids.shape[0], ids.shape[1], 2).mean(1))
+
+
+@pytest.mark.parametrize("rows", [B, 1])
+def test_a_layer_whose_output_flattens_the_batch(rows):
+    """The backprops of a (B*T, E) output of a (B, T, d) input are each sample's T rows."""
+    torch.manual_seed(12)
+    check_per_sample_gradients(Routed(), rows, seed=13)

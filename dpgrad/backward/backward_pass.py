@@ -18,11 +18,12 @@ sums (``ClippingPath``, in ``dpgrad.backward.clipping_path``). A hook does no ar
 launch beyond what its path keeps.
 
 ``BackwardPath`` holds the layers' hooks, the records and the opening and closing of a pass;
-three mixins hold the rest: the layers hooked, and hooked anew when the model changes
+four mixins hold the rest: the layers hooked, and hooked anew when the model changes
 (``HookedLayers``, in ``dpgrad.backward.hooked_layers``), the model's pre- and post-hook
-(``ModelHooks``, in ``dpgrad.backward.model_hooks``), and the calls whose samples are not one
+(``ModelHooks``, in ``dpgrad.backward.model_hooks``), the calls whose samples are not one
 row each (``SplitCalls``, in ``dpgrad.backward.split_calls``: a layer shared by all samples, the
-batch's tokens flattened).
+batch's tokens flattened), and the calls of layers torch.func takes whole (``WholeCalls``, in
+``dpgrad.backward.whole_calls``: their keyword arguments and buffers).
 
 Under ``loss_reduction="mean"`` the backprops are those of the mean loss, 1/B of each sample's
 own (Opacus multiplies them by B); the paths apply the factor B to (B,)-sized vectors where
@@ -44,7 +45,6 @@ from typing import List, Optional, Set
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_leaves
 
 from dpgrad.samplers import registry
 from dpgrad.backward.autograd_graph import ForwardEdges, eager_when_compiled, region
@@ -58,8 +58,9 @@ from dpgrad.checks.independence_check import IndependenceCheck, check_every
 from dpgrad.backward.layer_inputs import (batch_to_front, broadcast_inputs, check_batch, folded_rows, one_row,
                                           recomputing, shared_before, shared_call)
 from dpgrad.backward.split_calls import SplitCalls
+from dpgrad.backward.whole_calls import WholeCalls
 from dpgrad.checks.model_checks import refuse_wrapped
-from dpgrad.samplers.functorch import Keywords, _first_tensor
+from dpgrad.samplers.functorch import _first_tensor
 from dpgrad.samplers.groups import Record
 from dpgrad.tuning.progress import TUNING_PROGRESS
 
@@ -74,7 +75,7 @@ class PendingCalls(dict):
         self.forward_id = forward_id
 
 
-class BackwardPath(HookedLayers, ModelHooks, SplitCalls):
+class BackwardPath(HookedLayers, ModelHooks, SplitCalls, WholeCalls):
     """A model's layers hooked (``HookedLayers``), its forward passes begun and ended
     (``ModelHooks``), the calls whose samples are not their rows (``SplitCalls``), the records of each backward pass, and the pass finished (see the module
     docstring). Subclasses say what a pass keeps (``keep``) and does with it
@@ -91,7 +92,8 @@ class BackwardPath(HookedLayers, ModelHooks, SplitCalls):
     # model's layout, and autograd nodes (which cannot be copied).
     TRANSIENT = ("_forward_batch", "_input_batch", "_shared_layers", "_forward_seen", "_pass_open", "_edges",
                  "_verified", "_seen_version", "_seen_layout", "_seen_flags", "_checked", "_unrecorded", "_pending",
-                 "_pass_forwards", "_probing", "independence", "finite_reports")
+                 "_pass_forwards", "_probing", "independence", "finite_reports", "_buffer_state", "_keyword_rows",
+                 "_batch_from")
     sharded = None  # the model's FSDP2 parameter groups (dpgrad.backward.fsdp.ShardedParameters)
 
     def __init__(self, model: nn.Module, *, batch_first: bool, loss_reduction: str, check_finite: bool,
@@ -117,6 +119,7 @@ class BackwardPath(HookedLayers, ModelHooks, SplitCalls):
     def _init_transient(self) -> None:
         """What a new path, or a copy, starts with in place of ``TRANSIENT``."""
         self._forward_batch: Optional[int] = None
+        self._batch_from: Optional[tuple] = None  # (layer name, input shape) that gave it
         self._input_batch = 0  # the batch size the model's first tensor input shows (0: none)
         # The layers called without the batch dimension (and their inputs' dimensions then).
         self._shared_layers: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
@@ -140,6 +143,9 @@ class BackwardPath(HookedLayers, ModelHooks, SplitCalls):
         self._probing: Optional[Probe] = None  # the independence probe in flight (its hooks record nothing)
         self.independence = IndependenceCheck(self)  # when the independence probes run
         self.finite_reports = FiniteReports()  # finite checks the host has not read yet
+        self._buffer_state: dict = {}  # layers taken whole: their buffers' state as their forward began
+        # Layers taken whole: (layer, keyword tensor position) -> whether it held a row per sample.
+        self._keyword_rows: dict = {}
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k not in self.TRANSIENT}
@@ -208,48 +214,16 @@ class BackwardPath(HookedLayers, ModelHooks, SplitCalls):
             return self._shared_call(layer, name, params, inputs, output, leading)
         rows = folded_rows(layer, inputs, self._forward_batch, self.batch_first)
         if rows is not None:
-            return self._folded_call(layer, name, params, inputs, out, rows)
+            return self._folded_call(layer, name, params, inputs, out, rows, output)
+        if self._forward_batch is None:  # the layer whose input gives the batch size (for messages)
+            self._batch_from = (name, next((tuple(a.shape) for a in inputs if isinstance(a, torch.Tensor)), None))
         self._forward_batch = check_batch(layer, name, inputs, self._forward_batch, self.batch_first)
         self._note_call(layer, name, params)
         self._edges.add(out, layer, inputs, params)
         keep = registry.KEPT_INPUTS.get(type(layer))
         kept = list(inputs) if keep is None or layer in self.functorch_layers else keep(layer, inputs, out)
         # Not detached: they are only read under no_grad, and the list is emptied when read.
-        out.register_hook(partial(self._record, layer, params, kept, self._pending))
-        return None
-
-    def _on_whole_call(self, layer: nn.Module, args, kwargs, output) -> Optional[torch.Tensor]:
-        """A call of a layer torch.func takes whole: as any call, its keyword arguments kept for
-        its recomputation one sample at a time; refused where they hold tensors, which that
-        recomputation does not split by sample."""
-        if kwargs and not self.independence.rerunning and self.hooks_enabled and torch.is_grad_enabled():
-            given = [k for k, v in kwargs.items() if any(isinstance(t, torch.Tensor) for t in tree_leaves(v))]
-            if given and self.layer_params(layer):
-                raise ValueError(
-                    f"layer '{self.layer_names[layer]}' ({type(layer).__name__}) has no per-sample gradient "
-                    "sampler, so torch.func computes its per-sample gradients by running its forward again on "
-                    f"one sample at a time, splitting the positional inputs its hook sees; it was given tensors "
-                    f"by keyword ({', '.join(given)}), which that recomputation does not split. Freeze the layer's "
-                    "own parameters (requires_grad_(False)) and train the others or adapters (LoRA), or register "
-                    "a grad sampler for its type (dpgrad.register_grad_sampler).")
-        return self._on_layer_call(layer, (*args, Keywords(kwargs)) if kwargs else args, output)
-
-    def _refuse_mapping_output(self, layer: nn.Module, output: dict) -> None:
-        """Raise for a layer taken whole by torch.func whose output is a mapping of tensors
-        (a Hugging Face ModelOutput, a dict): its per-sample gradients follow its first output
-        tensor, and a mapping has none to follow."""
-        if not any(isinstance(v, torch.Tensor) and v.requires_grad for v in output.values()):
-            return
-        name = self.layer_names[layer]
-        own = [n for n, p in layer.named_parameters(recurse=False) if p.requires_grad]
-        who = f"layer '{name}'" if name else "the model itself"
-        raise ValueError(
-            f"{who} holds trainable parameters of its own ({own}), so its per-sample gradients come "
-            f"from torch.func, taking it whole, through its output; it returned a {type(output).__name__}, "
-            "whose tensors cannot be followed. Move those parameters into a submodule that returns a "
-            "tensor (e.g. a small nn.Module holding them, called in forward), or have the layer return a "
-            "tensor or a tuple."
-        )
+        return self._hook_output(layer, kept, out, output, partial(self._record, layer, params, kept, self._pending))
 
     def _note_call(self, layer: nn.Module, name: str, params: List[nn.Parameter]) -> None:
         """A hooked call of ``layer`` in this forward pass."""

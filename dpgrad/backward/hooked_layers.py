@@ -65,7 +65,8 @@ class HookedLayers:
 
     def layers_to_hook(self, module: nn.Module, prefix: str = "", seen: Optional[set] = None
                        ) -> Iterator[Tuple[str, nn.Module]]:
-        """Layers with own trainable parameters; a layer without a registered sampler is
+        """Layers with own trainable parameters, and modules that are one layer with their
+        children's (``registry.register_whole``); a layer without a registered sampler is
         handled whole by torch.func, so its children are not visited. A layer registered
         under several names (one module in two containers) is yielded once: two hooks
         would count each of its uses twice."""
@@ -73,16 +74,17 @@ class HookedLayers:
         if module in seen:
             return
         seen.add(module)
-        if own_trainable(module):
+        unit = registry.taken_whole(module) is not None  # one layer with its children's parameters
+        if own_trainable(module) or (unit and any(p.requires_grad for p in module.parameters())):
             yield prefix, module
-            if type(module) not in self.GRAD_SAMPLERS:
+            if unit or type(module) not in self.GRAD_SAMPLERS:
                 return
         for name, child in module.named_children():
             yield from self.layers_to_hook(child, f"{prefix}.{name}" if prefix else name, seen)
 
     def whole(self, layer: nn.Module) -> bool:
         """Whether the layer's per-sample gradients come from torch.func, for it whole."""
-        return self.force_functorch or type(layer) not in self.GRAD_SAMPLERS
+        return self.force_functorch or type(layer) not in self.GRAD_SAMPLERS or registry.structure_unmet(layer)
 
     def _hook(self) -> list:
         """Hook every layer with trainable parameters of its own, and the model itself (at
@@ -100,10 +102,12 @@ class HookedLayers:
                 prepare_layer(layer, batch_first=self.batch_first)
                 self.functorch_layers.add(layer)
             self.layer_names[layer] = name
-            self._own_params[layer] = tuple(layer.parameters(recurse=whole))
+            self._own_params[layer] = tuple(layer.parameters(recurse=whole or registry.taken_whole(layer) is not None))
             function = None if whole else registry.functional_call(type(layer))
             if whole:  # its keyword arguments are looked at (torch.func runs it again on what it got)
                 handles.append(layer.register_forward_hook(self._on_whole_call, with_kwargs=True))
+                if next(layer.buffers(), None) is not None:  # and whether its forward changes its buffers
+                    handles.append(layer.register_forward_pre_hook(self._before_whole_call))
             elif function is None:
                 handles.append(layer.register_forward_hook(self._on_layer_call))
             else:  # hooked at its calls of the function (dpgrad.backward.functional_calls)

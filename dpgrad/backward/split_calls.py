@@ -15,6 +15,7 @@ import torch.nn as nn
 from dpgrad.backward.layer_inputs import unfold
 from dpgrad.backward.shared_outputs import SharedSite, nested
 from dpgrad.samplers import registry
+from dpgrad.samplers.functorch import Keywords
 
 
 class SplitCalls:
@@ -34,7 +35,7 @@ class SplitCalls:
         return site.shared(out)
 
     def _folded_call(self, layer: nn.Module, name: str, params: List[nn.Parameter], inputs, out: torch.Tensor,
-                     rows: int) -> None:
+                     rows: int, output=None):
         """A call of ``layer`` on the batch folded into its first dimension, ``rows`` rows per
         sample: recorded with its inputs and backprops unfolded to (B, rows, ...)."""
         self._note_call(layer, name, params)
@@ -43,7 +44,10 @@ class SplitCalls:
         keep = registry.KEPT_INPUTS.get(type(layer))
         kept = [unfold(a, batch, n) for a in (list(inputs) if keep is None or layer in self.functorch_layers
                                               else keep(layer, inputs, out))]
-        out.register_hook(partial(self._record_folded, batch, n, layer, params, kept, self._pending))
+        if kept and isinstance(kept[-1], Keywords):  # a layer taken whole: its keywords unfolded too
+            kept[-1].unfold(batch, n)
+        return self._hook_output(layer, kept, out, output, partial(self._record_folded, batch, n, layer, params, kept,
+                                                                   self._pending))
 
     def _record_folded(self, batch: int, n: int, layer: nn.Module, params: List[nn.Parameter], activations: list,
                        calls, grad):

@@ -1,7 +1,7 @@
 """What a model must be for dpgrad's wrappers to take it, checked before anything is touched.
 
-``validate`` names the trainable layers that have no per-sample gradients (BatchNorm, layers
-with buffers, an Embedding that scales its gradient by frequency); ``refuse_wrapped`` refuses a
+``validate`` names the trainable layers that have no per-sample gradients (BatchNorm, an
+Embedding that scales its gradient by frequency); ``refuse_wrapped`` refuses a
 model that already carries per-sample hooks. The checks of each forward pass are the path's
 (``dpgrad.backward.backward_pass``, ``dpgrad.backward.layer_inputs``); those of the graph, the guarantee's
 (``dpgrad.checks.guarantee``).
@@ -18,22 +18,28 @@ import torch.nn as nn
 
 
 def own_trainable(module: nn.Module) -> bool:
-    """Whether ``module`` has trainable parameters of its own (not its children's)."""
-    return any(p.requires_grad for p in module.parameters(recurse=False))
+    """Whether ``module`` has trainable parameters of its own: not its children's, nor one it
+    registers under a second name where a child holds it too (BERT's prediction head's
+    ``bias``, its decoder Linear's bias: the child's uses are the parameter's)."""
+    own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+    if not own:
+        return False
+    below = {id(p) for child in module.children() for p in child.parameters()}
+    return any(id(p) not in below for p in own)
 
 
 def validate(module: nn.Module, *, strict: bool = False, sampled: Callable[[nn.Module], bool] = lambda m: False
              ) -> List[NotImplementedError]:
-    """Trainable layers dpgrad cannot treat per sample (layers with buffers that torch.func
-    would take whole, an Embedding that scales its gradient by frequency). ``sampled(layer)``:
-    whether the layer's own samplers take it (its buffers, a scale or a table of constants,
-    are then no part of its per-sample gradients). Returns the errors, each with ``args``
+    """Trainable layers dpgrad cannot treat per sample (a trainable BatchNorm, an Embedding that
+    scales its gradient by frequency). ``sampled(layer)``: whether the layer's own samplers take
+    it (kept for callers; a layer torch.func takes whole may hold buffers, constants it reads:
+    its recomputation reads them live, and one whose forward changes them is refused at that
+    forward, ``dpgrad.backward.backward_pass``). Returns the errors, each with ``args``
     ``(message, layer_name)``; raises the first with all of them listed if ``strict``, else warns."""
     errors = []
     for name, m in module.named_modules():
         if not own_trainable(m):
             continue
-        buffers = [] if sampled(m) else [b for b, _ in m.named_buffers()]
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
             # Even without running statistics, training mode normalises by the batch's own.
             errors.append(NotImplementedError(
@@ -43,13 +49,6 @@ def validate(module: nn.Module, *, strict: bool = False, sampled: Callable[[nn.M
                 "nn.GroupNorm(min(32, C), C); opacus.validators.ModuleValidator.fix does this), freeze "
                 "it with requires_grad_(False) and keep it in eval mode, or pass strict=False to skip it.",
                 name))
-        elif buffers:
-            errors.append(NotImplementedError(
-                f"layer '{name}' ({type(m).__name__}) is trainable and has buffers {buffers}: buffer "
-                "state is shared across the samples of a batch, so per-sample gradients are "
-                "undefined. Replace the layer (e.g. BatchNorm by GroupNorm; "
-                "opacus.validators.ModuleValidator.fix does this), freeze it with "
-                "requires_grad_(False), or pass strict=False to skip it.", name))
         elif isinstance(m, nn.Embedding) and m.scale_grad_by_freq:
             errors.append(NotImplementedError(
                 f"layer '{name}' (Embedding) has scale_grad_by_freq=True: each row's gradient is "

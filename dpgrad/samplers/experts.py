@@ -16,7 +16,7 @@ autograd over that recomputation, then the norms, clipped sums and per-sample gr
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -64,10 +64,24 @@ def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     return torch.cat(pieces)[torch.argsort(order)]
 
 
-def expert_factors(layer: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor
-                   ) -> Tuple[Factors, torch.Tensor, torch.Tensor, int, int]:
-    """``(factors, expert, sample, B, E)``: for each trainable parameter the per-pair ``(left,
-    right)`` (right None for a bias), and each pair's expert and sample."""
+class Pairs(NamedTuple):
+    """A call's (token, expert) pairs: per projection name (``gate_up_proj`` or ``up_proj``,
+    ``down_proj`` and their ``_bias``) the per-pair ``(left, right)`` factors of its (E, p, q)
+    gradient (right None for a bias), each pair's expert and sample, the batch size, the number
+    of experts, and the pairs' order grouping them by expert with each expert's count."""
+    factors: Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]]
+    expert: torch.Tensor
+    sample: torch.Tensor
+    batch: int
+    experts: int
+    order: torch.Tensor
+    counts: List[int]
+
+
+def pair_factors(layer: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor,
+                 weights: Optional[Dict[str, torch.Tensor]] = None) -> Pairs:
+    """The factors of every projection of ``layer`` (``Pairs``), recomputed with ``weights``
+    (by name) in place of its parameters where given (LoRA's ``W + scaling B A``)."""
     if getattr(layer, "has_post_expert_norm", False):
         raise NotImplementedError(
             f"experts {layer_name(layer)} normalise each expert's output (has_post_expert_norm), which dpgrad's "
@@ -76,38 +90,52 @@ def expert_factors(layer: nn.Module, activations: List[torch.Tensor], backprops:
         raise ValueError(
             f"experts {layer_name(layer)} got inputs of shapes {[tuple(a.shape) for a in activations]}: dpgrad takes "
             "them as (hidden_states, top_k_index, top_k_weights) with the batch's tokens flattened (B*T rows).")
-    x, index, weights = activations[:3]
+    weights = weights or {}
+    x, index, routing = activations[:3]
     B, T, d = x.shape
     E = layer.down_proj.shape[0]
     k = index.shape[-1]
     x, G = x.reshape(B * T, d), backprops.reshape(B * T, -1)
     token = torch.arange(B * T, device=x.device).repeat_interleave(k)
-    expert, weight = index.reshape(-1), weights.reshape(-1).detach()
+    expert, weight = index.reshape(-1), routing.reshape(-1).detach()
     # Expert parallelism marks the pairs of other ranks' experts with E: they weigh nothing here.
     weight = weight.masked_fill(expert >= E, 0)
     expert = expert.clamp(max=E - 1)
     sample = token // T
     order = torch.argsort(expert, stable=True)
     counts = torch.bincount(expert, minlength=E).tolist()
-    up = _param(layer, "gate_up_proj" if layer.has_gate else "up_proj")
-    up_bias = _param(layer, "gate_up_proj_bias" if layer.has_gate else "up_proj_bias")
-    down, down_bias = layer.down_proj, _param(layer, "down_proj_bias")
+    up_name = "gate_up_proj" if layer.has_gate else "up_proj"
+
+    def live(name: str) -> Optional[torch.Tensor]:
+        w = weights[name] if name in weights else _param(layer, name)
+        return None if w is None else w.detach()
+
+    up, up_bias, down, down_bias = live(up_name), live(up_name + "_bias"), live("down_proj"), live("down_proj_bias")
     transposed = layer.is_transposed
     xs = x[token].detach()
     with torch.enable_grad():
-        h = _grouped_linear(xs, up.detach(), None if up_bias is None else up_bias.detach(), order, counts,
-                            transposed).requires_grad_()
+        h = _grouped_linear(xs, up, up_bias, order, counts, transposed).requires_grad_()
         u = layer._apply_gate(h) if layer.has_gate else layer.act_fn(h)
-        z = _grouped_linear(u, down.detach(), None if down_bias is None else down_bias.detach(), order, counts,
-                            transposed)
+        z = _grouped_linear(u, down, down_bias, order, counts, transposed)
         dz, dh = torch.autograd.grad(z * weight.to(z.dtype)[:, None], (z, h), G[token])
     u = u.detach()
+    factors = {up_name: (xs, dh) if transposed else (dh, xs), up_name + "_bias": (dh, None),
+               "down_proj": (u, dz) if transposed else (dz, u), "down_proj_bias": (dz, None)}
+    present = {n: f for n, f in factors.items() if live(n) is not None}
+    return Pairs(present, expert, sample, B, E, order, counts)
+
+
+def expert_factors(layer: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor
+                   ) -> Tuple[Factors, torch.Tensor, torch.Tensor, int, int]:
+    """``(factors, expert, sample, B, E)``: for each trainable parameter the per-pair ``(left,
+    right)`` (right None for a bias), and each pair's expert and sample."""
+    pairs = pair_factors(layer, activations, backprops)
     factors: Factors = {}
-    for p, left, right in ((up, *((xs, dh) if transposed else (dh, xs))), (up_bias, dh, None),
-                           (down, *((u, dz) if transposed else (dz, u))), (down_bias, dz, None)):
+    for name, pair in pairs.factors.items():
+        p = _param(layer, name)
         if p is not None and p.requires_grad:
-            factors[p] = (left, right)
-    return factors, expert, sample, B, E
+            factors[p] = pair
+    return factors, pairs.expert, pairs.sample, pairs.batch, pairs.experts
 
 
 @register_norm_sampler(GroupedExperts)

@@ -8,22 +8,30 @@ vectorised by vmap, on a parameter-free copy of the layer.
 from __future__ import annotations
 
 import copy
-from typing import Dict, List
+import types
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn as nn
 from torch.func import functional_call, grad, vmap
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dpgrad.kernels.backend import first_line, layer_name
+from dpgrad.samplers import registry
 
 
 def _meta_copy(layer: nn.Module) -> nn.Module:
-    """A deep copy of ``layer`` whose parameters live on the meta device (no weight copies)."""
+    """A deep copy of ``layer`` whose parameters and buffers live on the meta device (no weight
+    copies: the recomputation is given the live ones)."""
     memo = {
         id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
         for p in layer.parameters()
     }
+    memo.update({id(b): torch.empty_like(b, device="meta") for b in layer.buffers()})
     clone = copy.deepcopy(layer, memo)
+    forward = registry.taken_whole(clone)
+    if forward is not None:  # recomputed by its registered forward (registry.register_whole)
+        clone.forward = types.MethodType(forward, clone)
     # Hooks of the live layer must not run inside the functional re-computation.
     for m in clone.modules():
         m._forward_hooks.clear()
@@ -32,13 +40,32 @@ def _meta_copy(layer: nn.Module) -> nn.Module:
 
 
 class Keywords:
-    """A call's keyword arguments other than tensors, kept last among its inputs: the forward
-    is run again with them."""
+    """How a call of a layer taken whole is run again, kept last among its inputs. ``values``:
+    its positional inputs that are not tensors but hold some (a tuple of masks), by position,
+    and its keyword arguments; ``split``: the positions, among the tensors of ``values`` in
+    ``tree_flatten`` order, of those that hold one row per sample along the batch dimension
+    (split by sample as the positional tensors are; the others are given whole to every sample);
+    ``folded``: the call took the batch's tokens flattened (B*T rows), so each sample's rows are
+    given as they were, (T, ...), not with a batch dimension of one."""
 
-    __slots__ = ("values",)
+    __slots__ = ("values", "split", "folded", "outputs")
 
-    def __init__(self, values: dict):
-        self.values = values
+    def __init__(self, kwargs: dict, packed: Optional[dict] = None, split=frozenset(), folded: bool = False):
+        self.values, self.split, self.folded = (packed or {}, kwargs), split, folded
+        # The positions, among the output's tensors, of those whose backprops were recorded
+        # together (flattened per sample, end to end), or () for the first tensor's alone.
+        self.outputs: tuple = ()
+
+    def unfold(self, batch: int, n: int) -> None:
+        """Taken as a call on the batch's ``n`` tokens flattened: the keyword tensors of ``n``
+        rows viewed as (batch, n // batch, ...) and split by sample."""
+        leaves, spec = tree_flatten(self.values)
+        tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
+        self.split = frozenset(i for i, t in enumerate(tensors) if t.dim() and t.shape[0] == n)
+        self.values = tree_unflatten([v.reshape(batch, n // batch, *v.shape[1:])
+                                      if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == n else v
+                                      for v in leaves], spec)
+        self.folded = True
 
 
 def _first_tensor(output):
@@ -62,7 +89,8 @@ class FunctionalGradients:
     """``(params, activations, backprops) -> {name: (B, ...)}``: per-sample gradients of one
     layer through torch.func, on a parameter-free copy of it (so a copy or a pickle of the
     layer takes this along without its weights). ``params`` maps the layer's parameter names to
-    tensors; gradients are returned for those that require grad."""
+    tensors; gradients are returned for those that require grad. ``buffers``: the live layer's
+    buffers by name, read by the recomputation (the copy's own are as they were when copied)."""
 
     def __init__(self, layer: nn.Module, batch_first: bool = True):
         self.stateless = _meta_copy(layer)
@@ -84,36 +112,62 @@ class FunctionalGradients:
                 if key not in _STRUCTURE and "hook" not in key:
                     mine.__dict__[key] = value
 
-    def __call__(self, params: Dict[str, torch.Tensor], activations: List, backprops: torch.Tensor):
-        keywords = {}
+    def __call__(self, params: Dict[str, torch.Tensor], activations: List, backprops: torch.Tensor,
+                 buffers: Optional[Dict[str, torch.Tensor]] = None):
+        call = Keywords({})
         if activations and isinstance(activations[-1], Keywords):
-            keywords, activations = activations[-1].values, activations[:-1]
+            call, activations = activations[-1], activations[:-1]
         names = [n for n, p in params.items() if p.requires_grad]
-        frozen = {n: p.detach() for n, p in params.items() if not p.requires_grad}
+        frozen = {**(buffers or {}), **{n: p.detach() for n, p in params.items() if not p.requires_grad}}
         if backprops.shape[0] == 0:
             # vmap over an empty batch fails in some layers' backward (nn.Embedding's).
             return {n: params[n].new_zeros((0, *params[n].shape)) for n in names}
         stateless, batch_dim = self.stateless, self.batch_dim
+        leaves, spec = tree_flatten(call.values)
+        tensors = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+        split = [leaves[i] for i in tensors if tensors.index(i) in call.split]
+        whole = [v if i not in tensors or tensors.index(i) not in call.split else None for i, v in enumerate(leaves)]
+        if not call.folded and not call.outputs:
+            backprops = _by_sample(backprops, activations)
 
-        def sample_loss(trainable, acts, bp):
-            inputs = tuple(a.unsqueeze(batch_dim) if isinstance(a, torch.Tensor) else a for a in acts)
+        def one(a):  # a sample's input as the layer takes it
+            return a if call.folded else a.unsqueeze(batch_dim)
+
+        def sample_loss(trainable, acts, rows, bp):
+            inputs = tuple(one(a) if isinstance(a, torch.Tensor) else a for a in acts)
+            given = iter(rows)
+            packed, keywords = tree_unflatten([one(next(given)) if v is None and i in tensors else v
+                                               for i, v in enumerate(whole)], spec)
+            inputs = tuple(packed.get(i, a) for i, a in enumerate(inputs))
             out = functional_call(stateless, {**frozen, **dict(zip(names, trainable))}, inputs, keywords)
-            return (_first_tensor(out) * bp.unsqueeze(batch_dim)).sum()
+            if call.outputs:  # several outputs' backprops, each sample's flattened end to end
+                made = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+                outs = [made[i].reshape(-1) for i in call.outputs]
+                return sum((o * piece).sum() for o, piece in zip(outs, bp.split([o.numel() for o in outs])))
+            out = _first_tensor(out)
+            return (out * (bp if call.folded else bp.unsqueeze(batch_dim))).sum()
 
-        in_dims = (None, tuple(0 if isinstance(a, torch.Tensor) else None for a in activations), 0)
+        in_dims = (None, tuple(0 if isinstance(a, torch.Tensor) else None for a in activations),
+                   tuple(batch_dim for _ in split), 0)
         trainable = tuple(params[n].detach() for n in names)
-        grads = vmap(grad(sample_loss), in_dims=in_dims)(trainable, tuple(activations), backprops)
+        grads = vmap(grad(sample_loss), in_dims=in_dims)(trainable, tuple(activations), tuple(split), backprops)
         return dict(zip(names, grads))
 
 
+def _by_sample(backprops: torch.Tensor, activations: List) -> torch.Tensor:
+    """``backprops`` (batch first, as the activations) by sample: an output whose rows fold each
+    sample's (k rows per sample, as a router's ``x.view(-1, d)`` of a (B, T, d) input gives) is
+    viewed as (B, k, ...), row i being sample i // k's (the order the independence check verified)."""
+    batch = next((a.shape[0] for a in activations if isinstance(a, torch.Tensor) and a.dim()), None)
+    rows = backprops.shape[0]
+    if batch and rows != batch and rows % batch == 0:
+        return backprops.reshape(batch, rows // batch, *backprops.shape[1:])
+    return backprops
+
+
 def prepare_layer(layer: nn.Module, batch_first: bool = True) -> None:
-    """Attach ``layer.ft_compute_sample_grad`` (a ``FunctionalGradients``). Raises
-    NotImplementedError for layers with buffers."""
-    if len(list(layer.buffers())) > 0:
-        raise NotImplementedError(
-            f"{type(layer).__name__} has buffers; their state is shared across samples, so "
-            "per-sample gradients are undefined"
-        )
+    """Attach ``layer.ft_compute_sample_grad`` (a ``FunctionalGradients``). The layer's buffers
+    are read live at each recomputation: constants it uses (a rotary table, a router's bias)."""
     layer.ft_compute_sample_grad = FunctionalGradients(layer, batch_first)
 
 
@@ -124,6 +178,7 @@ def ft_compute_per_sample_gradient(
     if not hasattr(layer, "ft_compute_sample_grad"):
         prepare_layer(layer)
     params = dict(layer.named_parameters())
+    buffers = dict(layer.named_buffers())
     acts = [
         a.to(backprops.dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
         for a in activations
@@ -131,7 +186,7 @@ def ft_compute_per_sample_gradient(
     compute = layer.ft_compute_sample_grad
     compute.follow(layer)
     try:
-        grads = compute(params, acts, backprops)
+        grads = compute(params, acts, backprops, buffers)
     except torch.OutOfMemoryError:
         raise
     except RuntimeError as exc:

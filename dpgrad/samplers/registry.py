@@ -32,7 +32,7 @@ classes in the tables once a model holding them is wrapped.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Sequence, Tuple, Type, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 import torch.nn as nn
 
@@ -95,6 +95,39 @@ INHERITED: Dict[Type[nn.Module], Type[nn.Module]] = {}
 # Layer types told by what a module holds, not by its class (Hugging Face's grouped experts,
 # one class per model): (predicate on the module, the type whose samplers its class takes).
 STRUCTURAL: List[Tuple[Callable[[nn.Module], bool], Type[nn.Module]]] = []
+# The classes entered from STRUCTURAL, with the predicate that entered each.
+_STRUCTURED: Dict[type, Callable[[nn.Module], bool]] = {}
+
+
+# Modules that are one layer with their children's parameters, by dotted class path: wrappers
+# that use their children's parameters as weights of another layer rather than calling the
+# children (peft's ParamWrapper: LoRA on a parameter, ``W + B A``, as on a mixture-of-experts
+# router or experts). Each comes with the forward torch.func runs again per sample in place of
+# the module's own where it takes one whole (where no STRUCTURAL samplers take it).
+WHOLE_FORWARDS: Dict[str, Callable] = {}
+
+
+def register_whole(path: str):
+    """Decorator on ``forward(module, *args, **kwargs)``: modules of the class at dotted
+    ``path`` are one layer with their children, recomputed by torch.func with that function."""
+    def decorator(fn: Callable) -> Callable:
+        WHOLE_FORWARDS[path] = fn
+        return fn
+
+    return decorator
+
+
+def taken_whole(module: nn.Module) -> Optional[Callable]:
+    """The forward torch.func runs for ``module`` if it is one layer with its children
+    (``register_whole``), else None."""
+    return WHOLE_FORWARDS.get(class_path(type(module))) if WHOLE_FORWARDS else None
+
+
+def structure_unmet(module: nn.Module) -> bool:
+    """Whether ``module``'s class took samplers from a ``STRUCTURAL`` predicate that this
+    module does not meet (another instance did): torch.func takes it whole."""
+    predicate = _STRUCTURED.get(type(module))
+    return predicate is not None and not predicate(module)
 
 
 def register_structure(predicate: Callable[[nn.Module], bool]):
@@ -128,9 +161,10 @@ def resolve(model: nn.Module) -> None:
     for m in model.modules():
         cls = type(m)
         if cls not in GRAD_SAMPLERS:
-            template = next((t for predicate, t in STRUCTURAL if predicate(m)), None)
-            if template is not None:
-                _inherit(cls, template)
+            match = next(((predicate, t) for predicate, t in STRUCTURAL if predicate(m)), None)
+            if match is not None:
+                _STRUCTURED[cls] = match[0]
+                _inherit(cls, match[1])
 
 
 def _inherit(cls: type, origin: type) -> None:

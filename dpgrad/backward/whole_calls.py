@@ -1,0 +1,191 @@
+"""The calls of layers torch.func takes whole (``WholeCalls``, a mixin of
+``dpgrad.backward.backward_pass.BackwardPath``): layers without samplers of their own, whose
+per-sample gradients come from running their forward again on one sample at a time
+(``dpgrad.samplers.functorch``). Such a call is recorded as any call, with what that
+recomputation needs besides the positional inputs: its keyword arguments, the tensors among them
+that hold one row per sample (split by sample as the positional inputs are) told apart from
+those given whole to every sample (a causal mask, rotary tables of one row). Refused, naming the
+layer: a call whose forward changed the layer's buffers (the recomputation would see other
+values), and a keyword tensor whose first size equals the batch size by chance the first time
+the layer is seen (whether it holds a row per sample cannot be told)."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from functools import partial
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_leaves, tree_unflatten
+
+from dpgrad.samplers.functorch import Keywords
+
+
+class WholeCalls:
+    """Calls of the layers taken whole, for a ``BackwardPath`` (whose ``_on_layer_call``,
+    names and settings they use)."""
+
+    def _before_whole_call(self, layer: nn.Module, args) -> None:
+        """A forward pre-hook on a layer taken whole that holds buffers: their state, to tell
+        whether its forward changes them."""
+        if self.hooks_enabled and torch.is_grad_enabled():
+            self._buffer_state[layer] = _buffer_state(layer)
+
+    def _on_whole_call(self, layer: nn.Module, args, kwargs, output) -> Optional[torch.Tensor]:
+        """A call of a layer torch.func takes whole: recorded as any call, with its keyword
+        arguments for the recomputation (``Keywords``)."""
+        before = self._buffer_state.pop(layer, None)
+        if before is not None and before != _buffer_state(layer) and self.layer_params(layer):
+            changed = [n for n, state in _buffer_state(layer).items() if before.get(n) != state]
+            raise ValueError(
+                f"layer '{self.layer_names[layer]}' ({type(layer).__name__}) has no per-sample gradient sampler, "
+                "so torch.func computes its per-sample gradients by running its forward again, reading its "
+                f"buffers; its forward changed buffers {changed} (running statistics, a counter), so that "
+                "recomputation would not see what this pass saw. Freeze the layer's own parameters "
+                "(requires_grad_(False)) and train the others or adapters (LoRA), or register a grad sampler "
+                "for its type (dpgrad.register_grad_sampler).")
+        if kwargs and not any(isinstance(a, torch.Tensor) for a in args):
+            args, kwargs = _first_by_position(layer, args, kwargs)
+        packed = {i: a for i, a in enumerate(args)
+                  if not isinstance(a, torch.Tensor) and any(isinstance(t, torch.Tensor) for t in tree_leaves(a))}
+        call = Keywords(kwargs, packed)
+
+        def again(*inputs):  # the layer on inputs widened to the batch, with its keywords
+            return layer(*inputs[:-1], **kwargs)
+
+        out = self._on_layer_call(layer, (*args, call), output, again)
+        if (kwargs or packed) and not call.folded and self._forward_batch and not self.independence.rerunning:
+            call.split = self._rows_per_sample(layer, args, call.values)
+        return out
+
+    def _hook_output(self, layer: nn.Module, kept: list, out: torch.Tensor, output, record: Callable):
+        """Have ``record(grad)`` called with the backprops of a call's output ``out``; returns
+        what the call gives instead of ``output``, or None. A layer taken whole whose output
+        holds several tensors that carry gradients (a router's scores and the top-k weights
+        taken from them, an attention's output and its weights) gives copies of them, so that
+        what reaches each is its gradient from outside the layer alone; those of all of them
+        are recorded at once, each sample's flattened and laid end to end, (B, N) along the
+        batch dimension, which the recomputation takes apart (``Keywords.outputs``)."""
+        outs = _grad_outputs(output) if layer in self.functorch_layers and not isinstance(output, torch.Tensor) else []
+        if len(outs) < 2 or not isinstance(kept[-1], Keywords):
+            out.register_hook(record)
+            return None
+        leaves, spec = tree_flatten(output)
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        kept[-1].outputs = tuple(next(i for i, t in enumerate(tensors) if t is o) for o in outs)
+        made = _Joined.apply(partial(self._record_outputs, record, self._forward_batch), *outs)
+        copies = dict(zip(map(id, outs), made))
+        params = self.layer_params(layer)
+        for o in made:  # the hooked outputs, for the guarantee's check of the graph
+            self._edges.add(o, layer, kept[:-1], params)
+        return tree_unflatten([copies.get(id(v), v) if isinstance(v, torch.Tensor) else v for v in leaves], spec)
+
+    def _record_outputs(self, record: Callable, batch: int, grads) -> None:
+        dim = self.batch_dim
+        rows = [g.movedim(dim, 0).reshape(batch, -1) for g in grads]
+        record(torch.cat([r.to(rows[0].dtype) for r in rows], 1).movedim(0, dim))
+
+
+    def _rows_per_sample(self, layer: nn.Module, args, values) -> frozenset:
+        """The positions (among the tensors of ``values``, ``tree_flatten`` order) of those
+        holding one row per sample: their size along the batch dimension is the batch size.
+        Where that size could be another (the batch size is also a size of the layer's input),
+        what an earlier call at another batch size showed for the tensor is used, or the call
+        refused."""
+        B, dim = self._forward_batch, self.batch_dim
+        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        ambiguous = B > 1 and x is not None and B in tuple(x.shape[:dim]) + tuple(x.shape[dim + 1:])
+        leaves, _ = tree_flatten_with_path(values)
+        paths = [path for path, v in leaves if isinstance(v, torch.Tensor)]
+        tensors = [v for _, v in leaves if isinstance(v, torch.Tensor)]
+        seen: Dict[Tuple[nn.Module, int], bool] = self._keyword_rows
+        split = set()
+        for i, t in enumerate(tensors):
+            rows = t.dim() > dim and t.shape[dim] == B and B > 1
+            if rows and ambiguous:
+                known = seen.get((layer, i))
+                if known is None:
+                    raise ValueError(
+                        f"layer '{self.layer_names[layer]}' ({type(layer).__name__}) has no per-sample gradient "
+                        "sampler, so torch.func runs its forward again on one sample at a time, splitting the "
+                        f"tensors it was given that hold one row per sample; its {_argument(paths[i])} of shape "
+                        f"{tuple(t.shape)} has the batch size {B} along dimension {dim}, and so has the layer's "
+                        f"input, of shape {tuple(x.shape)}, along another, so whether it holds a row per sample "
+                        "cannot be told. Run a first step at a batch size that is none of the input's other "
+                        "sizes (it is remembered for this layer), or freeze the layer's own parameters.")
+                rows = known
+            elif not ambiguous and B > 1:
+                seen[(layer, i)] = rows
+            if rows:
+                split.add(i)
+        return frozenset(split)
+
+    def _refuse_mapping_output(self, layer: nn.Module, output: dict) -> None:
+        """Raise for a layer taken whole by torch.func whose output is a mapping of tensors
+        (a Hugging Face ModelOutput, a dict): its per-sample gradients follow its first output
+        tensor, and a mapping has none to follow."""
+        if not any(isinstance(v, torch.Tensor) and v.requires_grad for v in output.values()):
+            return
+        name = self.layer_names[layer]
+        own = [n for n, p in layer.named_parameters(recurse=False) if p.requires_grad]
+        who = f"layer '{name}'" if name else "the model itself"
+        raise ValueError(
+            f"{who} holds trainable parameters of its own ({own}), so its per-sample gradients come "
+            f"from torch.func, taking it whole, through its output; it returned a {type(output).__name__}, "
+            "whose tensors cannot be followed. Move those parameters into a submodule that returns a "
+            "tensor (e.g. a small nn.Module holding them, called in forward), or have the layer return a "
+            "tensor or a tuple."
+        )
+
+
+def _grad_outputs(output) -> list:
+    """The tensors of a layer's output that carry gradients."""
+    return [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _argument(path) -> str:
+    """A tensor's place among a call's arguments (a path into ``Keywords.values``), in words."""
+    rest = f", item {keystr(path[2:])}" if len(path) > 2 else ""
+    if path[0].idx == 0:
+        return f"positional argument {path[1].key}{rest}"
+    return f"keyword argument '{path[1].key}'{rest}"
+
+
+def _first_by_position(layer: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+    """A call given everything by keyword (``attn(hidden_states=h, ...)``): its forward's first
+    parameter moved to the positional inputs, where the batch is looked for and split."""
+    name = _first_parameter(type(layer))
+    if args or name not in kwargs:
+        return args, kwargs
+    return (kwargs[name],), {k: v for k, v in kwargs.items() if k != name}
+
+
+@functools.lru_cache(maxsize=None)
+def _first_parameter(cls: type) -> Optional[str]:
+    params = list(inspect.signature(cls.forward).parameters.values())[1:]  # after self
+    first = params[0] if params else None
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.POSITIONAL_ONLY)
+    return first.name if first is not None and first.kind in kinds else None
+
+
+def _buffer_state(layer: nn.Module) -> Dict[str, tuple]:
+    """Each buffer's identity and version: a forward that assigns or changes one alters it."""
+    return {n: (id(b), b._version) for n, b in layer.named_buffers()}
+
+
+class _Joined(torch.autograd.Function):
+    """Copies of a layer's outputs, one node whose backward gets all of their gradients at once
+    (zeros for those not used) and hands them to ``record`` (also inside a checkpoint's
+    recomputation, where a hook on several tensors is not called)."""
+
+    @staticmethod
+    def forward(ctx, record, *outs):
+        ctx.record = record
+        return tuple(o.clone() for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.record(grads)
+        return (None, *grads)

@@ -1,0 +1,134 @@
+"""Layers without a sampler of their own, whose per-sample gradients come from torch.func running
+their forward again on one sample at a time, against float64 per-sample references: a layer
+whose output holds several tensors that carry gradients (computed side by side, as a
+hyper-connection's mixing weights are; one from another, as a router's top-k weights from its
+scores or an attention's output from its weights), whichever of them the model uses.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import dpgrad
+from per_sample_reference import assert_norms_close, assert_tensor_close, per_sample_grads, total_norm
+
+V = 11
+
+
+class SideBySide(nn.Module):
+    """Three outputs from one projection, none computed from another."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.fn = nn.Parameter(torch.randn(3 * d, d) * 0.3)
+        self.base = nn.Parameter(torch.randn(3 * d) * 0.1)
+
+    def forward(self, x):
+        a, b, c = (F.linear(x, self.fn) + self.base).split(x.shape[-1], -1)
+        return torch.sigmoid(a), torch.tanh(b), c
+
+
+class Attention(nn.Module):
+    """Its output computed from its weights and its own projection: (output, weights)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.qk = nn.Parameter(torch.randn(d, d) * 0.3)
+        self.v = nn.Parameter(torch.randn(d, d) * 0.3)
+
+    def forward(self, x):
+        weights = torch.softmax(x @ self.qk @ x.transpose(-1, -2), -1)
+        return weights @ (x @ self.v), weights
+
+
+class Model(nn.Module):
+    def __init__(self, layer: str, use: str):
+        super().__init__()
+        d = 6
+        self.tok, self.head = nn.Embedding(V, d), nn.Linear(d, 3)
+        self.inner = SideBySide(d) if layer == "side_by_side" else Attention(d)
+        self.use = use
+
+    def forward(self, ids):
+        x = self.tok(ids)
+        outs = self.inner(x)
+        if self.use == "first":
+            h = outs[0]
+        elif self.use == "all":
+            h = sum(o if o.shape == x.shape else o @ x for o in outs)
+        else:  # the second alone
+            h = outs[1] if outs[1].shape == x.shape else outs[1] @ x
+        return self.head(torch.tanh(h).mean(1))
+
+
+WRAPPERS = {"gsm": (dpgrad.GradSampleModule, {}),
+            "fgc": (dpgrad.GradSampleModuleFastGradientClipping, {"use_ghost_clipping": True})}
+
+
+@pytest.mark.parametrize("rows", [4, 1])
+@pytest.mark.parametrize("use", ["first", "second", "all"])
+@pytest.mark.parametrize("layer", ["side_by_side", "attention"])
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_a_layer_with_several_outputs(wrapper, layer, use, rows):
+    cls, kwargs = WRAPPERS[wrapper]
+    torch.manual_seed(3)
+    model = Model(layer, use)
+    ids = torch.randint(0, V, (rows, 5), generator=torch.Generator().manual_seed(4))
+    y = torch.randint(0, 3, (rows,), generator=torch.Generator().manual_seed(5))
+    ref = per_sample_grads(model, ids, y, lambda out, t: F.cross_entropy(out, t, reduction="none"))
+    wrapped = cls(copy.deepcopy(model), loss_reduction="sum", **kwargs)
+    F.cross_entropy(wrapped(ids), y, reduction="sum").backward()
+    if wrapper == "gsm":
+        for n, p in wrapped._module.named_parameters():
+            assert_tensor_close(p.grad_sample, ref[n], f"{n} per-sample gradients")
+    else:
+        assert_norms_close(wrapped.get_norm_sample(), total_norm(ref))
+
+
+class Head(nn.Module):
+    """As BERT's prediction head: its decoder's bias registered on itself too, the decoder's
+    weight tied to the embedding. Not a layer of its own: its decoder's uses are the bias's."""
+
+    def __init__(self, emb: nn.Embedding):
+        super().__init__()
+        self.transform = nn.Linear(emb.embedding_dim, emb.embedding_dim)
+        self.decoder = nn.Linear(emb.embedding_dim, emb.num_embeddings)
+        self.decoder.weight = emb.weight
+        self.bias = self.decoder.bias
+
+    def forward(self, h):
+        return self.decoder(torch.tanh(self.transform(h)))
+
+
+class MaskedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(V, 6)
+        self.head = Head(self.tok)
+
+    def forward(self, ids):
+        return self.head(self.tok(ids))
+
+
+@pytest.mark.parametrize("single", [True, False], ids=["single", "double"])
+def test_a_parameter_registered_twice_on_a_head_tied_to_the_embedding(single):
+    """Ghost clipping, both modes: the tied weight's norms with the cross terms of its two uses,
+    the head's bias through its decoder."""
+    torch.manual_seed(6)
+    model = MaskedLM()
+    ids = torch.randint(0, V, (4, 5), generator=torch.Generator().manual_seed(7))
+    y = torch.randint(0, V, (4, 5), generator=torch.Generator().manual_seed(8))
+
+    def losses(out, t):
+        return F.cross_entropy(out.transpose(1, 2), t, reduction="none").sum(1)
+
+    ref = per_sample_grads(model, ids, y, losses)
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(copy.deepcopy(model), loss_reduction="sum",
+                                                          single_backward=single)
+    wrapped.clipped_backward(losses(wrapped(ids), y))
+    assert_norms_close(wrapped.per_sample_gradient_norms, total_norm(ref))
