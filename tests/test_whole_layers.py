@@ -70,7 +70,7 @@ WRAPPERS = {"gsm": (dpgrad.GradSampleModule, {}),
             "fgc": (dpgrad.GradSampleModuleFastGradientClipping, {"use_ghost_clipping": True})}
 
 
-@pytest.mark.parametrize("rows", [4, 1])
+@pytest.mark.parametrize("rows", [4, 1, 0])
 @pytest.mark.parametrize("use", ["first", "second", "all"])
 @pytest.mark.parametrize("layer", ["side_by_side", "attention"])
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))
@@ -132,3 +132,37 @@ def test_a_parameter_registered_twice_on_a_head_tied_to_the_embedding(single):
                                                           single_backward=single)
     wrapped.clipped_backward(losses(wrapped(ids), y))
     assert_norms_close(wrapped.per_sample_gradient_norms, total_norm(ref))
+
+
+class ReturnsItsBias(nn.Module):
+    """Returns its own parameter, which the model adds outside it (GPT-NeoX-Japanese's
+    attention and its dense_bias)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(d))
+        self.bias = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x):
+        return x * self.scale, self.bias
+
+
+class AddsTheBias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok, self.inner, self.head = nn.Embedding(V, 6), ReturnsItsBias(6), nn.Linear(6, 3)
+
+    def forward(self, ids):
+        h, bias = self.inner(self.tok(ids))
+        return self.head((h + bias).mean(1))
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_an_output_shared_by_all_samples_is_refused(wrapper):
+    """Its uses outside the layer are all samples' at once: refused, naming the layer, the
+    output and the way out."""
+    cls, kwargs = WRAPPERS[wrapper]
+    wrapped = cls(AddsTheBias(), loss_reduction="sum", **kwargs)
+    ids = torch.randint(0, V, (4, 5), generator=torch.Generator().manual_seed(9))
+    with pytest.raises(ValueError, match=r"layer 'inner' \(ReturnsItsBias\).*output tensor 1 of shape \(6,\)"):
+        wrapped(ids)

@@ -93,7 +93,7 @@ class BackwardPath(HookedLayers, ModelHooks, SplitCalls, WholeCalls):
     TRANSIENT = ("_forward_batch", "_input_batch", "_shared_layers", "_forward_seen", "_pass_open", "_edges",
                  "_verified", "_seen_version", "_seen_layout", "_seen_flags", "_checked", "_unrecorded", "_pending",
                  "_pass_forwards", "_probing", "independence", "finite_reports", "_buffer_state", "_keyword_rows",
-                 "_batch_from")
+                 "_batch_from", "_input_tokens")
     sharded = None  # the model's FSDP2 parameter groups (dpgrad.backward.fsdp.ShardedParameters)
 
     def __init__(self, model: nn.Module, *, batch_first: bool, loss_reduction: str, check_finite: bool,
@@ -121,6 +121,7 @@ class BackwardPath(HookedLayers, ModelHooks, SplitCalls, WholeCalls):
         self._forward_batch: Optional[int] = None
         self._batch_from: Optional[tuple] = None  # (layer name, input shape) that gave it
         self._input_batch = 0  # the batch size the model's first tensor input shows (0: none)
+        self._input_tokens: Optional[int] = None  # and its next size
         # The layers called without the batch dimension (and their inputs' dimensions then).
         self._shared_layers: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
         self._forward_seen: Set[nn.Module] = set()
@@ -208,13 +209,16 @@ class BackwardPath(HookedLayers, ModelHooks, SplitCalls, WholeCalls):
         if recomputing():
             return None
         name = self.layer_names[layer]
+        batch = self._forward_batch or self._input_batch or None
+        rows = folded_rows(layer, inputs, batch, self.batch_first, self._input_tokens)
+        if rows is not None:  # the batch's tokens flattened, (B*T, ...)
+            if self._forward_batch is None:  # the first hooked call: the batch is the model input's
+                self._forward_batch, self._batch_from = batch, (name, tuple(inputs[0].shape))
+            return self._folded_call(layer, name, params, inputs, out, rows, output)
         leading = shared_call(layer, inputs, self._forward_batch, self.batch_first, self.functorch_layers,
                               self._shared_layers)
         if leading is not None and isinstance(output, torch.Tensor):
             return self._shared_call(layer, name, params, inputs, output, leading)
-        rows = folded_rows(layer, inputs, self._forward_batch, self.batch_first)
-        if rows is not None:
-            return self._folded_call(layer, name, params, inputs, out, rows, output)
         if self._forward_batch is None:  # the layer whose input gives the batch size (for messages)
             self._batch_from = (name, next((tuple(a.shape) for a in inputs if isinstance(a, torch.Tensor)), None))
         self._forward_batch = check_batch(layer, name, inputs, self._forward_batch, self.batch_first)

@@ -11,7 +11,7 @@ batch size and raises for a call that does not hold it.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -71,19 +71,24 @@ def shared_call(layer: nn.Module, inputs, batch: Optional[int], batch_first: boo
     return n == 1
 
 
-def folded_rows(layer: nn.Module, inputs, batch: Optional[int], batch_first: bool) -> Optional[int]:
+def folded_rows(layer: nn.Module, inputs, batch: Optional[int], batch_first: bool,
+                tokens: Optional[int] = None) -> Optional[int]:
     """The rows per sample of a call whose input folds the forward pass's ``batch`` into its
     first dimension (a (B*T, d) view of the batch-first activations: mixture-of-experts routers
     and experts, which take the tokens flattened), or None. The input is derived from the
-    model's differentiable inputs (it has an autograd history), its first size a multiple of the
-    batch; row i is sample i // (that multiple)'s, as a view of a batch-first tensor has it
-    (the independence check catches another order)."""
+    model's differentiable inputs (it has an autograd history), or has ``batch * tokens`` rows
+    (``tokens``: the second size of the model's input, T, where no layer before it trains, as
+    under LoRA); its first size a multiple of the batch; row i is sample i // (that
+    multiple)'s, as a view of a batch-first tensor has it (the independence check catches
+    another order)."""
     if not batch_first or not batch:
         return None
     x = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
-    if x is None or x.grad_fn is None or x.dim() <= feature_dims(layer) or isinstance(x, SharedAcrossBatch):
+    if x is None or x.dim() <= feature_dims(layer) or isinstance(x, SharedAcrossBatch):
         return None
     n = x.shape[0]
+    if x.grad_fn is None and (tokens is None or n != batch * tokens):
+        return None
     return n // batch if n > batch and n % batch == 0 else None
 
 
@@ -100,14 +105,15 @@ def one_row(inputs) -> bool:
     return x is not None and x.dim() > 0 and x.shape[0] == 1
 
 
-def input_batch(args: tuple, kwargs: dict, batch_dim: int) -> int:
+def input_batch(args: tuple, kwargs: dict, batch_dim: int) -> Tuple[int, Optional[int]]:
     """The batch size the model's first tensor argument (positional, then keyword) shows along
     ``batch_dim``, or 0: where the first hooked call has one row, whether it is a row
-    broadcast over the batch or a batch of one."""
+    broadcast over the batch or a batch of one; and its next size (tokens, batch first), or
+    None: where a call takes the batch's tokens flattened before any layer trains (LoRA)."""
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.Tensor):
-            return a.shape[batch_dim] if a.dim() > batch_dim else 0
-    return 0
+            return (a.shape[batch_dim] if a.dim() > batch_dim else 0), (a.shape[1] if a.dim() > 1 else None)
+    return 0, None
 
 
 def shared_before(layer: nn.Module, inputs, shared: dict) -> bool:

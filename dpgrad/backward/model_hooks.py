@@ -27,7 +27,7 @@ class ModelHooks:
         if self.inert or self.independence.rerunning:
             return None  # a copy of the model alone, or a forward probe's run (dpgrad.checks.forward_probe)
         self.begin_forward()
-        self._input_batch = input_batch(args, kwargs, self.batch_dim)
+        self._input_batch, self._input_tokens = input_batch(args, kwargs, self.batch_dim)
         if self.check_independence:
             self.independence.begin_forward(args, kwargs)
         return None
@@ -42,7 +42,7 @@ class ModelHooks:
         self._sync_with_model()
         self._check_probe()
         self._forward_batch = None
-        self._input_batch = 0
+        self._input_batch, self._input_tokens = 0, None
         self._forward_seen = set()
         self._edges.begin_forward()
 

@@ -47,7 +47,7 @@ class SplitCalls:
         if kept and isinstance(kept[-1], Keywords):  # a layer taken whole: its keywords unfolded too
             kept[-1].unfold(batch, n)
         return self._hook_output(layer, kept, out, output, partial(self._record_folded, batch, n, layer, params, kept,
-                                                                   self._pending))
+                                                                   self._pending), n)
 
     def _record_folded(self, batch: int, n: int, layer: nn.Module, params: List[nn.Parameter], activations: list,
                        calls, grad):

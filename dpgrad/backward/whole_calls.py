@@ -60,18 +60,33 @@ class WholeCalls:
             call.split = self._rows_per_sample(layer, args, call.values)
         return out
 
-    def _hook_output(self, layer: nn.Module, kept: list, out: torch.Tensor, output, record: Callable):
+    def _hook_output(self, layer: nn.Module, kept: list, out: torch.Tensor, output, record: Callable,
+                     rows: Optional[int] = None):
         """Have ``record(grad)`` called with the backprops of a call's output ``out``; returns
         what the call gives instead of ``output``, or None. A layer taken whole whose output
         holds several tensors that carry gradients (a router's scores and the top-k weights
         taken from them, an attention's output and its weights) gives copies of them, so that
         what reaches each is its gradient from outside the layer alone; those of all of them
         are recorded at once, each sample's flattened and laid end to end, (B, N) along the
-        batch dimension, which the recomputation takes apart (``Keywords.outputs``)."""
+        batch dimension, which the recomputation takes apart (``Keywords.outputs``). Each has
+        ``rows`` along the batch dimension (the batch size; B*T for a call on the tokens
+        flattened), or B*T rows flattening a (B, T, ...) input, or the call is refused: one without the batch (a parameter the layer
+        returns) is used outside the layer by all samples at once."""
         outs = _grad_outputs(output) if layer in self.functorch_layers and not isinstance(output, torch.Tensor) else []
         if len(outs) < 2 or not isinstance(kept[-1], Keywords):
             out.register_hook(record)
             return None
+        dim, rows = self.batch_dim, rows or self._forward_batch
+        x = next((a for a in kept if isinstance(a, torch.Tensor)), None)
+        flat = rows * x.shape[1] if x is not None and x.dim() > 1 and dim == 0 else None  # (B*T, ...) of (B, T, ...)
+        for k, o in enumerate(outs):
+            if o.dim() <= dim or o.shape[dim] not in (rows, flat):
+                raise ValueError(
+                    f"layer '{self.layer_names[layer]}' ({type(layer).__name__}) has no per-sample gradient sampler, "
+                    f"and its output tensor {k} of shape {tuple(o.shape)}, which carries gradients, has no row per "
+                    f"sample along dimension {dim} ({rows} rows): a tensor shared by all samples (a parameter it "
+                    "returns), whose uses outside the layer cannot be told apart by sample. Use the parameter "
+                    "inside the layer, or freeze the layer's own parameters (requires_grad_(False)).")
         leaves, spec = tree_flatten(output)
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         kept[-1].outputs = tuple(next(i for i, t in enumerate(tensors) if t is o) for o in outs)
@@ -84,7 +99,7 @@ class WholeCalls:
 
     def _record_outputs(self, record: Callable, batch: int, grads) -> None:
         dim = self.batch_dim
-        rows = [g.movedim(dim, 0).reshape(batch, -1) for g in grads]
+        rows = [g.movedim(dim, 0).reshape(batch, -1) if batch else g.new_zeros(0, 0) for g in grads]
         record(torch.cat([r.to(rows[0].dtype) for r in rows], 1).movedim(0, dim))
 
 
