@@ -166,3 +166,80 @@ def test_an_output_shared_by_all_samples_is_refused(wrapper):
     ids = torch.randint(0, V, (4, 5), generator=torch.Generator().manual_seed(9))
     with pytest.raises(ValueError, match=r"layer 'inner' \(ReturnsItsBias\).*output tensor 1 of shape \(6,\)"):
         wrapped(ids)
+
+
+class ShortConv(nn.Module):
+    """Computes with its child's weight itself, never calling the child (hybrid models' short
+    convolutions: ``causal_conv1d_fn(x, self.conv.weight.squeeze(1), self.conv.bias)``)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.conv = nn.Conv1d(d, d, 3, groups=d, padding=2)
+
+    def forward(self, x):
+        h = self.proj(x).transpose(1, 2)
+        h = F.conv1d(h, self.conv.weight, self.conv.bias, padding=2, groups=h.shape[1])[..., :x.shape[1]]
+        return h.transpose(1, 2)
+
+
+class Scaler(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, d))
+
+    def scaled(self, x):
+        return x * self.gain
+
+
+class CallsAMethod(nn.Module):
+    """Calls a method of its child other than its forward (Gemma 3n's AltUp)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.scaler = Scaler(d)
+
+    def forward(self, x):
+        return torch.tanh(self.scaler.scaled(x))
+
+
+class ReadsTheDtype(nn.Module):
+    """Reads its child's weight for its dtype, calls the child: the child is its own layer."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.lin(x.to(self.lin.weight.dtype))
+
+
+class Around(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.tok, self.inner, self.head = nn.Embedding(V, 6), inner, nn.Linear(6, 3)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.inner(self.tok(ids))).mean(1))
+
+
+@pytest.mark.parametrize("inner", [ShortConv, CallsAMethod, ReadsTheDtype])
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_a_module_computing_with_its_childs_parameters(wrapper, inner):
+    """Taken whole with its children where it uses a child's parameters otherwise than by
+    calling it; where it only reads a child's dtype, the child stays a layer of its own."""
+    cls, kwargs = WRAPPERS[wrapper]
+    torch.manual_seed(10)
+    model = Around(inner(6))
+    ids = torch.randint(0, V, (4, 5), generator=torch.Generator().manual_seed(11))
+    y = torch.randint(0, 3, (4,), generator=torch.Generator().manual_seed(12))
+    ref = per_sample_grads(model, ids, y, lambda out, t: F.cross_entropy(out, t, reduction="none"))
+    wrapped = cls(copy.deepcopy(model), loss_reduction="sum", **kwargs)
+    layers = wrapped._path.layer_names.values() if hasattr(wrapped, "_path") else ()
+    assert ("inner" in layers) == (inner is not ReadsTheDtype), sorted(layers)
+    F.cross_entropy(wrapped(ids), y, reduction="sum").backward()
+    if wrapper == "gsm":
+        for n, p in wrapped._module.named_parameters():
+            assert_tensor_close(p.grad_sample, ref[n], f"{n} per-sample gradients")
+    else:
+        assert_norms_close(wrapped.get_norm_sample(), total_norm(ref))

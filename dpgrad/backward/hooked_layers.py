@@ -16,7 +16,7 @@ from dpgrad.samplers import registry
 from dpgrad.kernels.backend import name_layers
 from dpgrad.backward.fsdp import sharded_modules
 from dpgrad.checks.guarantee import structure_version, watch_modules, watch_structure
-from dpgrad.checks.model_checks import own_trainable, validate
+from dpgrad.checks.model_checks import own_trainable, uses_child_parameters, validate
 from dpgrad.samplers import ft_compute_per_sample_gradient, prepare_layer
 
 
@@ -66,7 +66,7 @@ class HookedLayers:
     def layers_to_hook(self, module: nn.Module, prefix: str = "", seen: Optional[set] = None
                        ) -> Iterator[Tuple[str, nn.Module]]:
         """Layers with own trainable parameters, and modules that are one layer with their
-        children's (``registry.register_whole``); a layer without a registered sampler is
+        children's (``registry.register_whole``, ``uses_child_parameters``); a layer without a registered sampler is
         handled whole by torch.func, so its children are not visited. A layer registered
         under several names (one module in two containers) is yielded once: two hooks
         would count each of its uses twice."""
@@ -74,7 +74,9 @@ class HookedLayers:
         if module in seen:
             return
         seen.add(module)
-        unit = registry.taken_whole(module) is not None  # one layer with its children's parameters
+        # One layer with its children's parameters: a registered wrapper (peft's ParamWrapper), or
+        # a module computing with a child's weight itself rather than calling the child.
+        unit = registry.taken_whole(module) is not None or (bool(prefix) and uses_child_parameters(module))
         if own_trainable(module) or (unit and any(p.requires_grad for p in module.parameters())):
             yield prefix, module
             if unit or type(module) not in self.GRAD_SAMPLERS:

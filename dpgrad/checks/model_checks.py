@@ -9,10 +9,13 @@ model that already carries per-sample hooks. The checks of each forward pass are
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
+import re
 import sys
 import warnings
-from typing import Callable, List
+from typing import Callable, List, Optional, Tuple
 
 import torch.nn as nn
 
@@ -26,6 +29,50 @@ def own_trainable(module: nn.Module) -> bool:
         return False
     below = {id(p) for child in module.children() for p in child.parameters()}
     return any(id(p) not in below for p in own)
+
+
+# ``self.<child>.weight`` (or ``.bias``) read in a forward for its value, not its dtype or shape.
+_CHILD_PARAMETER = re.compile(r"self\.(\w+)\.(?:weight|bias)\b(?!\s*\.\s*(?:dtype|device|shape|size|ndim|dim|data|"
+                              r"requires_grad|numel|is_|to\b))")
+
+
+# ``self.<child>.<method>(`` : a method of a child other than its forward; ``self.<child>(``.
+_CHILD_METHOD = re.compile(r"self\.(\w+)\.(\w+)\s*\(")
+_CHILD_CALL = re.compile(r"self\.(\w+)\s*\(")
+
+
+@functools.lru_cache(maxsize=None)
+def _children_read(cls: type) -> Tuple[frozenset, frozenset]:
+    """The attribute names whose ``weight`` or ``bias`` the class's forward reads directly, and
+    the (attribute, method) pairs it calls, for children its forward never calls (a child also
+    called, as Bloom's MLP calls its projection but for one setting, is the child's layer)."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return frozenset(), frozenset()
+    called = set(_CHILD_CALL.findall(source))
+    return (frozenset(n for n in _CHILD_PARAMETER.findall(source) if n not in called),
+            frozenset((n, m) for n, m in _CHILD_METHOD.findall(source) if n not in called))
+
+
+def uses_child_parameters(module: nn.Module) -> bool:
+    """Whether ``module``'s forward computes with a child layer's trainable weight or bias
+    itself rather than calling the child (``causal_conv1d_fn(x, self.conv.weight, ...)``, as
+    short convolutions of hybrid models do; ``F.linear(x, self.classifier.weight)``), or calls
+    a method of the child's own class other than its forward (Gemma 3n's
+    ``self.altup.correct(...)``): such a module is one layer with its children, taken whole by
+    torch.func."""
+    names, methods = _children_read(type(module))
+    children = module._modules
+    read = {n for n in names if n in children}
+    read |= {n for n, m in methods if n in children and m != "forward" and _own_method(children[n], m)}
+    return any(children[n] is not None and any(p.requires_grad for p in children[n].parameters(recurse=False))
+               for n in read)
+
+
+def _own_method(child: Optional[nn.Module], name: str) -> bool:
+    """Whether ``name`` is a method the child's class defines beyond ``nn.Module``'s."""
+    return child is not None and not hasattr(nn.Module, name) and callable(getattr(type(child), name, None))
 
 
 def validate(module: nn.Module, *, strict: bool = False, sampled: Callable[[nn.Module], bool] = lambda m: False

@@ -191,7 +191,12 @@ def ft_compute_per_sample_gradient(
         raise
     except RuntimeError as exc:
         if "vmap" not in str(exc):
-            raise
+            raise RuntimeError(
+                f"layer {layer_name(layer)} has no per-sample gradient sampler, so torch.func computes its "
+                f"per-sample gradients by running its forward again on one sample at a time, and that forward "
+                f"failed so ({first_line(exc)}). Freeze the layer (requires_grad_(False)) and train the others (or "
+                "adapters such as LoRA), or register a grad sampler for its type (dpgrad.register_grad_sampler)."
+            ) from exc
         raise RuntimeError(
             f"layer {layer_name(layer)} has no per-sample gradient sampler, so torch.func computes its "
             f"per-sample gradients by running its forward on one sample at a time under vmap, and that "
