@@ -934,3 +934,27 @@ def test_a_linear_output_changed_in_place_is_refused(wrapper):
     model = Adds(in_place=False)
     pristine = copy.deepcopy(model)
     assert_step_correct(cls(model, loss_reduction="sum", **kwargs), pristine, ids, y)
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_a_layer_on_rows_picked_from_the_batch_is_refused(wrapper):
+    """A module per expert, called on the tokens routed to it (x[mask]): refused, naming the
+    layer and what to do instead."""
+    cls, kwargs = WRAPPERS[wrapper]
+
+    class PerExpert(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok, self.expert, self.head = nn.Embedding(11, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+
+        def forward(self, ids):
+            x = self.tok(ids)
+            routed = ids % 2 == 0
+            x = x.masked_scatter(routed[..., None], self.expert(x[routed]))
+            return self.head(x.mean(1))
+
+    wrapped = cls(PerExpert(), **kwargs)
+    ids = torch.arange(20).view(4, 5) % 11
+    with pytest.raises(ValueError) as err:
+        wrapped(ids)
+    says(err, "layer 'expert'", "rows picked from the batch", "grouped experts")

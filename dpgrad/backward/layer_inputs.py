@@ -153,12 +153,17 @@ def check_batch(layer: nn.Module, name: str, inputs, batch: Optional[int], batch
             "position_ids=torch.arange(T).expand(B, T) (with B samples of T tokens)."
         )
     if n != batch:
+        picked = x.grad_fn is not None and type(x.grad_fn).__name__.startswith("Index")
         raise ValueError(
             f"layer '{name}' got {n} samples along dimension {batch_dim} (input shape "
             f"{tuple(x.shape)}) but an earlier layer of this forward pass got "
             f"{batch}. Per-sample gradients need the batch on one dimension "
             f"throughout: check batch_first (now {batch_first}) and that the model does "
             "not fold the batch into another dimension, e.g. a (B*T, d) input to a Linear."
+            + (" Its input is rows picked from the batch (x[mask] or x[index], as a mixture-of-experts block with "
+               "a module per expert routes tokens), which dpgrad does not take apart by sample: freeze those "
+               "modules and train the others or adapters elsewhere (LoRA on the attention), or use a model "
+               "whose experts are one grouped module (transformers' grouped experts)." if picked else "")
         )
     return batch
 
