@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .embedding_segment_sum import embedding_clipped_sum, embedding_grad_sample, embedding_sq_norm
+from .experts_segments import experts_clipped_sum, experts_grad_sample, experts_sq_norms
 from .linear_clipped_sum import linear_clipped_sum, linear_clipped_sum_grouped
 from .linear_grad_sample import linear_per_sample, linear_per_sample_grouped
 from .linear_norm_direct import linear_weight_sq_norm_direct, linear_weight_sq_norm_direct_grouped
@@ -38,6 +39,9 @@ __all__ = [
     "embedding_clipped_sum",
     "embedding_grad_sample",
     "embedding_sq_norm",
+    "experts_clipped_sum",
+    "experts_grad_sample",
+    "experts_sq_norms",
     "group_norm_fits",
     "group_norm_grad_sample_grouped",
     "linear_bias_grad_sample",

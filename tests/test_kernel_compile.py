@@ -107,6 +107,8 @@ LARGEST_EMBEDDING = [(8, 1024, 128256, 2048), (1, 16384, 50257, 768), (1, 8192, 
 LARGEST_NORM = [(8, 1024, 2048, 33), (1, 16384, 768, 25), (1, 8192, 2048, 33)]
 # GroupNorm (B, C, H, W, groups, L): WRN-16-4's at B=256 on 32x32 images.
 LARGEST_GROUP_NORM = [(256, 64, 32, 32, 16, 3), (256, 128, 16, 16, 16, 3), (256, 256, 8, 8, 16, 4)]
+# Mixture-of-experts weights (B, T, k, E, p, q): Qwen3-30B-A3B's experts (up and down projections).
+LARGEST_EXPERTS = [(8, 1024, 8, 128, 1536, 2048), (8, 1024, 8, 128, 2048, 768), (1, 16384, 8, 128, 1536, 2048)]
 
 
 def test_grids_within_cuda_limits_at_the_largest_bench_shapes(monkeypatch):
@@ -128,7 +130,7 @@ def test_grids_within_cuda_limits_at_the_largest_bench_shapes(monkeypatch):
                                                        K.linear_weight_sq_norm_gram, K.linear_bias_grad_sample,
                                                        K.linear_weight_sq_norm_direct,
                                                        K.embedding_sq_norm, K.norm_layer_grad_sample_grouped,
-                                                       K.group_norm_grad_sample_grouped)}:
+                                                       K.group_norm_grad_sample_grouped, K.experts_sq_norms)}:
         monkeypatch.setattr(module, "launch", record)
     meta = dict(device="meta", dtype=torch.bfloat16)
     for B, T, d, p, L in LARGEST_LINEAR:
@@ -151,11 +153,20 @@ def test_grids_within_cuda_limits_at_the_largest_bench_shapes(monkeypatch):
     for B, C, H, W, groups, L in LARGEST_GROUP_NORM:
         Xs = [torch.empty(B, C, H, W, **meta) for _ in range(L)]
         K.group_norm_grad_sample_grouped(Xs, Xs, groups, 1e-5, weight=True, bias=True)
+    for B, T, k, E, p, q in LARGEST_EXPERTS:
+        S = B * T * k
+        left, right = torch.empty(S, p, **meta), torch.empty(S, q, **meta)
+        expert, sample = (torch.empty(S, dtype=torch.int64, device="meta") for _ in range(2))
+        for r in (right, None):
+            K.experts_sq_norms(left, r, expert, sample, E, B)
+            K.experts_clipped_sum(left, r, expert, torch.empty(S, device="meta"), E, torch.bfloat16)
+            K.experts_grad_sample(left, r, expert, sample, E, B, torch.bfloat16)
     kernels = {name for name, _ in grids}
     assert kernels >= {"_linear_per_sample_kernel", "_linear_clipped_sum_kernel", "_linear_gram_norm_kernel",
                        "_linear_direct_norm_kernel",
                        "_token_sum_kernel", "_segment_sum_kernel", "_per_sample_total_kernel",
-                       "_norm_layer_grad_sample_kernel", "_group_norm_grad_sample_kernel"}, kernels
+                       "_norm_layer_grad_sample_kernel", "_group_norm_grad_sample_kernel",
+                       "_experts_segment_kernel", "_experts_clipped_sum_kernel", "_experts_rows_kernel"}, kernels
     for name, blocks in grids:
         for n, limit in zip(blocks, triton_common.GRID_LIMITS):
             assert 0 < n <= limit, (name, blocks)

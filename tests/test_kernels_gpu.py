@@ -271,6 +271,35 @@ def test_embedding_clipped_sum(ops):
         assert not out[~touched].any(), f"untouched rows written, out_dtype={out_dtype}"
 
 
+# ------------------------------------------------------------------------- Mixture of experts
+@pytest.mark.parametrize("p,q", [pytest.param(1024, 1024, id="gate_up_proj-2I1024-d1024"),
+                                 pytest.param(1024, 512, id="down_proj-d1024-I512")])
+def test_experts_segments(ops, p, q):
+    """E = 16 experts, 8k tokens routed top-2 (S = 16384 pairs) of B = 8 samples, bf16 factors:
+    norms (weight and bias), clipped sums and per-sample gradients against the eager reference
+    in float64; the norms twice, bitwise equal (partials added in a fixed order)."""
+    E, B, N, k = 16, 8, 8192, 2
+    expert = torch.rand(N, E, device=DEV).topk(k, dim=1).indices.reshape(-1)
+    sample = torch.arange(N, device=DEV).repeat_interleave(k) // (N // B)
+    left, right = _randn(N * k, p), _randn(N * k, q)
+    L64, R64 = left.double(), right.double()
+    args = (expert, sample, E, B)
+    norms = ops.experts_sq_norms(left, right, *args)
+    assert_sq_norms_close(norms, R.experts_sq_norms(L64, R64, *args), RTOL[BF16], "experts weight norms")
+    assert torch.equal(norms, ops.experts_sq_norms(left, right, *args)), "experts norms differ run to run"
+    assert_sq_norms_close(ops.experts_sq_norms(left, None, *args), R.experts_sq_norms(L64, None, *args), RTOL[BF16],
+                          "experts bias norms")
+    coef = _clip_coef(B)[sample]
+    summed = ops.experts_clipped_sum(left, right, expert, coef, E, BF16)
+    assert summed.shape == (E, p, q) and summed.dtype == BF16
+    assert rel_frobenius(summed, R.experts_clipped_sum(L64, R64, expert, coef.double(), E, FP64)) <= RTOL[BF16]
+    per = ops.experts_grad_sample(left, right, *args, BF16)
+    assert per.shape == (B, E, p, q) and per.dtype == BF16
+    want = R.experts_grad_sample(L64, R64, *args, FP64)
+    for b in range(B):
+        assert rel_frobenius(per[b], want[b]) <= RTOL[BF16], f"per-sample gradients of sample {b}"
+
+
 # ------------------------------------------------------------------------------- Determinism
 def test_norm_kernels_are_deterministic(ops):
     """Two calls of every norm kernel give bitwise-equal results.

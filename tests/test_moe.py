@@ -33,19 +33,19 @@ from per_sample_reference import assert_norms_close, assert_tensor_close, per_sa
 from test_hf_models import MODES, B, T, V, causal_lm, check, reference as microbatch_reference  # noqa: E402
 
 
-def _moe(cls, seed, **extra):
+def _moe(cls, seed, device="cpu", **extra):
     torch.manual_seed(seed)
     common = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=V,
                   max_position_embeddings=T, pad_token_id=0, bos_token_id=1, eos_token_id=1)
     config = getattr(transformers, f"{cls}Config")(**common, **extra)
     # The float64 reference needs the experts' eager loop (grouped_mm takes no float64).
     config._experts_implementation = "eager"
-    return causal_lm(getattr(transformers, f"{cls}ForCausalLM")(config), position_ids=False)
+    return causal_lm(getattr(transformers, f"{cls}ForCausalLM")(config), position_ids=False, device=device)
 
 
-def qwen3_moe():
-    return _moe("Qwen3Moe", 5, intermediate_size=32, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2,
-                head_dim=8, norm_topk_prob=True, tie_word_embeddings=False)
+def qwen3_moe(device="cpu"):
+    return _moe("Qwen3Moe", 5, device, intermediate_size=32, moe_intermediate_size=8, num_experts=4,
+                num_experts_per_tok=2, head_dim=8, norm_topk_prob=True, tie_word_embeddings=False)
 
 
 def mixtral():
@@ -94,6 +94,28 @@ def test_expert_segments_against_a_brute_force_sum(S, p, q, bias):
     assert_tensor_close(summed, torch.einsum("b,b...->...", coef, want), "clipped sum")
     per = reference.experts_grad_sample(left, right, expert, sample, E, Bn, torch.float64)
     assert_tensor_close(per, want, "per-sample gradients")
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_grouped_recomputation_one_gemm_against_a_gemm_per_expert(monkeypatch, transposed):
+    """The experts' recomputation as one grouped GEMM (CUDA's path, no host sync) and as a GEMM
+    per expert give the same rows: experts without pairs, biases, both weight layouts."""
+    from dpgrad.samplers import experts as X
+
+    g = torch.Generator().manual_seed(4)
+    E, S, q, p = 4, 13, 8, 12
+    expert = torch.randint(0, E - 1, (S,), generator=g)  # the last expert gets no pair
+    expert[expert == 1] = 0  # nor does expert 1
+    order = torch.argsort(expert, stable=True)
+    ends = torch.searchsorted(expert[order], torch.arange(1, E + 1), out_int32=True)
+    x = torch.randn(S, q, generator=g)
+    weight = torch.randn(E, q, p, generator=g) if transposed else torch.randn(E, p, q, generator=g)
+    bias = torch.randn(E, p, generator=g)
+    want = torch.stack([x[s] @ (weight[e] if transposed else weight[e].T) + bias[e] for s, e in enumerate(expert)])
+    for grouped in (False, True):
+        monkeypatch.setattr(X, "_grouped_mm_fits", lambda rows, w, grouped=grouped: grouped)
+        got = X._grouped_linear(x, weight, bias, order, ends, transposed)
+        assert_tensor_close(got.double(), want.double(), f"grouped={grouped}")
 
 
 def _ghost(from_norms: bool):

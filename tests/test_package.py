@@ -105,9 +105,7 @@ BACKEND_INDEPENDENT = {
     # A sample of the sweep of Hugging Face architectures against the results stored from
     # eager runs; the model families it samples run on both backends in test_hf_models.
     "test_hf_zoo.py",
-    # The experts' samplers are eager on every backend; the models' other layers run on both
-    # in test_hf_models.
-    "test_moe.py",
+    "test_triton_experts.py",  # chooses its backend per test
     # Layers taken whole by torch.func, the same recomputation on every backend.
     "test_whole_layers.py",
     "test_install.py",  # builds, installs and imports the package

@@ -11,7 +11,8 @@ projection, u the gated activation and z the down projection; the routing weight
 router's own gradient is the router's layer's). The samplers recompute h, u and z per pair from
 the kept inputs with the module's own gating (``_apply_gate``, ``act_fn``) and take dh and dz by
 autograd over that recomputation, then the norms, clipped sums and per-sample gradients over the
-(expert, sample) segments (``kernels.reference_experts``).
+(expert, sample) segments: the Triton kernels of ``kernels.experts_segments`` on CUDA, the eager
+``kernels.reference_experts`` elsewhere.
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from dpgrad.kernels import reference
-from dpgrad.kernels.backend import layer_name
+from dpgrad.kernels.backend import guarded, layer_name
 from dpgrad.samplers.registry import (
     register_clipped_sum_sampler,
     register_grad_sampler,
@@ -52,30 +52,51 @@ def _param(layer: nn.Module, name: str) -> Optional[nn.Parameter]:
     return p if isinstance(p, nn.Parameter) else None
 
 
+def _grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM takes (S, q) rows times an (E, q, p) ``w``: bf16 on CUDA (the
+    dtype of its fast kernels on every GPU it runs on), each expert's matrix whole in memory,
+    and rows and matrices aligned to 16 bytes."""
+    grouped = getattr(torch.nn.functional, "grouped_mm", None)
+    size = x.element_size()
+    return (grouped is not None and x.is_cuda and x.dtype == torch.bfloat16
+            and w.dtype == x.dtype and 1 in w.stride()[1:] and w.stride(0) >= w.shape[1] * w.shape[2]
+            and all(n * size % 16 == 0 for n in (x.shape[1], w.shape[1], w.shape[2]))
+            and all(t.data_ptr() % 16 == 0 for t in (x, w)))
+
+
 def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], order: torch.Tensor,
-                    counts: List[int], transposed: bool) -> torch.Tensor:
-    """Each pair's row through its expert's matrix (pairs grouped by ``order``, ``counts`` per expert)."""
-    pieces = []
-    for e, rows in enumerate(x[order].split(counts)):
-        if rows.shape[0]:
-            w = weight[e]
-            y = rows @ (w if transposed else w.T)
-            pieces.append(y if bias is None else y + bias[e])
-    return torch.cat(pieces)[torch.argsort(order)]
+                    ends: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """Each pair's row through its expert's matrix (pairs grouped by ``order``; ``ends``, (E,)
+    int32 on the device, where each expert's group ends). One grouped GEMM where torch has one
+    for these tensors (no host sync); otherwise a GEMM per expert."""
+    rows = x[order].contiguous()
+    w = weight if transposed else weight.transpose(-2, -1)  # (E, q, p)
+    if w.stride(0) < w.shape[1] * w.shape[2]:  # experts interleaved (LoRA's adapters viewed per expert)
+        w = w.contiguous()
+    if _grouped_mm_fits(rows, w):
+        y = torch.nn.functional.grouped_mm(rows, w, offs=ends)
+    else:
+        counts = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
+        y = torch.cat([part @ w[e] for e, part in enumerate(rows.split(counts))])
+    if bias is not None:
+        y = y + bias[torch.searchsorted(ends, torch.arange(rows.shape[0], device=ends.device, dtype=ends.dtype),
+                                        right=True)]
+    return y[torch.argsort(order)]
 
 
 class Pairs(NamedTuple):
     """A call's (token, expert) pairs: per projection name (``gate_up_proj`` or ``up_proj``,
     ``down_proj`` and their ``_bias``) the per-pair ``(left, right)`` factors of its (E, p, q)
     gradient (right None for a bias), each pair's expert and sample, the batch size, the number
-    of experts, and the pairs' order grouping them by expert with each expert's count."""
+    of experts, and the pairs' order grouping them by expert with where each expert's group ends
+    (int32, on the device)."""
     factors: Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]]
     expert: torch.Tensor
     sample: torch.Tensor
     batch: int
     experts: int
     order: torch.Tensor
-    counts: List[int]
+    ends: torch.Tensor
 
 
 def pair_factors(layer: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor,
@@ -103,7 +124,8 @@ def pair_factors(layer: nn.Module, activations: List[torch.Tensor], backprops: t
     expert = expert.clamp(max=E - 1)
     sample = token // T
     order = torch.argsort(expert, stable=True)
-    counts = torch.bincount(expert, minlength=E).tolist()
+    # searchsorted, not bincount, whose CUDA version reads the largest expert back to the host.
+    ends = torch.searchsorted(expert[order], torch.arange(1, E + 1, device=x.device), out_int32=True)
     up_name = "gate_up_proj" if layer.has_gate else "up_proj"
 
     def live(name: str) -> Optional[torch.Tensor]:
@@ -114,46 +136,72 @@ def pair_factors(layer: nn.Module, activations: List[torch.Tensor], backprops: t
     transposed = layer.is_transposed
     xs = x[token].detach()
     with torch.enable_grad():
-        h = _grouped_linear(xs, up, up_bias, order, counts, transposed).requires_grad_()
+        h = _grouped_linear(xs, up, up_bias, order, ends, transposed).requires_grad_()
         u = layer._apply_gate(h) if layer.has_gate else layer.act_fn(h)
-        z = _grouped_linear(u, down, down_bias, order, counts, transposed)
+        z = _grouped_linear(u, down, down_bias, order, ends, transposed)
         dz, dh = torch.autograd.grad(z * weight.to(z.dtype)[:, None], (z, h), G[token])
     u = u.detach()
     factors = {up_name: (xs, dh) if transposed else (dh, xs), up_name + "_bias": (dh, None),
                "down_proj": (u, dz) if transposed else (dz, u), "down_proj_bias": (dz, None)}
     present = {n: f for n, f in factors.items() if live(n) is not None}
-    return Pairs(present, expert, sample, B, E, order, counts)
+    return Pairs(present, expert, sample, B, E, order, ends)
 
 
 def expert_factors(layer: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor
-                   ) -> Tuple[Factors, torch.Tensor, torch.Tensor, int, int]:
-    """``(factors, expert, sample, B, E)``: for each trainable parameter the per-pair ``(left,
-    right)`` (right None for a bias), and each pair's expert and sample."""
+                   ) -> Tuple[Factors, Pairs]:
+    """``(factors, pairs)``: for each trainable parameter the per-pair ``(left, right)`` (right
+    None for a bias), and the call's ``Pairs``."""
     pairs = pair_factors(layer, activations, backprops)
     factors: Factors = {}
     for name, pair in pairs.factors.items():
         p = _param(layer, name)
         if p is not None and p.requires_grad:
             factors[p] = pair
-    return factors, pairs.expert, pairs.sample, pairs.batch, pairs.experts
+    return factors, pairs
+
+
+def _on_segments(what: str, layer: nn.Module, left: torch.Tensor, right: Optional[torch.Tensor], work):
+    """``work(ops)`` with the Triton segment kernels where the factors are on CUDA, eager
+    otherwise or where a kernel fails (``guarded``)."""
+    return guarded(what, layer, (left,) if right is None else (left, right), work)
+
+
+def segment_sq_norms(layer: nn.Module, pairs: Pairs, left: torch.Tensor, right: Optional[torch.Tensor]
+                     ) -> torch.Tensor:
+    """Per-sample squared norms (B,) of one (E, p, q) gradient (or (E, p) bias) from its factors."""
+    return _on_segments("the experts' norms", layer, left, right, lambda ops: ops.experts_sq_norms(
+        left, right, pairs.expert, pairs.sample, pairs.experts, pairs.batch))
+
+
+def segment_clipped_sum(layer: nn.Module, pairs: Pairs, left: torch.Tensor, right: Optional[torch.Tensor],
+                        pair_coef: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The sum over pairs of each pair's clipping coefficient times its outer product, (E, p, q)."""
+    return _on_segments("the experts' clipped sum", layer, left, right, lambda ops: ops.experts_clipped_sum(
+        left, right, pairs.expert, pair_coef, pairs.experts, dtype))
+
+
+def segment_grad_sample(layer: nn.Module, pairs: Pairs, left: torch.Tensor, right: Optional[torch.Tensor],
+                        dtype: torch.dtype) -> torch.Tensor:
+    """Per-sample gradients (B, E, p, q) of one weight (or (B, E, p) of a bias) from its factors."""
+    return _on_segments("the experts' per-sample gradients", layer, left, right, lambda ops: ops.experts_grad_sample(
+        left, right, pairs.expert, pairs.sample, pairs.experts, pairs.batch, dtype))
 
 
 @register_norm_sampler(GroupedExperts)
 def experts_norm_sample(layer: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor
                         ) -> Dict[nn.Parameter, torch.Tensor]:
     """Per-sample gradient L2 norms of each expert weight, (B,), over all its experts."""
-    factors, expert, sample, B, E = expert_factors(layer, activations, backprops)
-    return {p: reference.experts_sq_norms(left, right, expert, sample, E, B).sqrt()
-            for p, (left, right) in factors.items()}
+    factors, pairs = expert_factors(layer, activations, backprops)
+    return {p: segment_sq_norms(layer, pairs, left, right).sqrt() for p, (left, right) in factors.items()}
 
 
 @register_clipped_sum_sampler(GroupedExperts)
 def experts_clipped_sum(layer: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor,
                         coef: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
     """Clipped gradients of the expert weights, each of its parameter's shape and dtype."""
-    factors, expert, sample, B, E = expert_factors(layer, activations, backprops)
-    pair_coef = coef[sample]
-    return {p: reference.experts_clipped_sum(left, right, expert, pair_coef, E, p.dtype)
+    factors, pairs = expert_factors(layer, activations, backprops)
+    pair_coef = coef[pairs.sample]
+    return {p: segment_clipped_sum(layer, pairs, left, right, pair_coef, p.dtype)
             for p, (left, right) in factors.items()}
 
 
@@ -161,6 +209,5 @@ def experts_clipped_sum(layer: nn.Module, activations: List[torch.Tensor], backp
 def experts_grad_sample(layer: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor
                         ) -> Dict[nn.Parameter, torch.Tensor]:
     """Per-sample gradients of the expert weights, (B, *parameter.shape)."""
-    factors, expert, sample, B, E = expert_factors(layer, activations, backprops)
-    return {p: reference.experts_grad_sample(left, right, expert, sample, E, B, p.dtype)
-            for p, (left, right) in factors.items()}
+    factors, pairs = expert_factors(layer, activations, backprops)
+    return {p: segment_grad_sample(layer, pairs, left, right, p.dtype) for p, (left, right) in factors.items()}

@@ -14,8 +14,14 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
-from dpgrad.kernels import reference
-from dpgrad.samplers.experts import _grouped_linear, is_grouped_experts, pair_factors
+from dpgrad.samplers.experts import (
+    _grouped_linear,
+    is_grouped_experts,
+    pair_factors,
+    segment_clipped_sum,
+    segment_grad_sample,
+    segment_sq_norms,
+)
 from dpgrad.samplers.registry import (
     class_path,
     register_clipped_sum_sampler,
@@ -125,7 +131,7 @@ def lora_experts_factors(layer: nn.Module, activations: List[torch.Tensor], back
 
 def _grouped(rows: torch.Tensor, weight: torch.Tensor, pairs, transposed: bool) -> torch.Tensor:
     """Each pair's ``rows`` through its expert's ``weight`` (``rows @ w.T``, or ``rows @ w``)."""
-    return _grouped_linear(rows, weight.to(rows.dtype), None, pairs.order, pairs.counts, transposed)
+    return _grouped_linear(rows, weight.to(rows.dtype), None, pairs.order, pairs.ends, transposed)
 
 
 def _a_view(A: nn.Parameter) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -143,7 +149,7 @@ def lora_experts_norm_sample(layer: nn.Module, activations: List[torch.Tensor], 
                              ) -> Dict[nn.Parameter, torch.Tensor]:
     """Per-sample gradient L2 norms of the adapters (and any trainable experts weight), (B,)."""
     factors, _, pairs = lora_experts_factors(layer, activations, backprops)
-    return {p: reference.experts_sq_norms(left, right, pairs.expert, pairs.sample, pairs.experts, pairs.batch).sqrt()
+    return {p: segment_sq_norms(layer, pairs, left, right).sqrt()
             for p, (left, right) in factors.items()}
 
 
@@ -155,7 +161,7 @@ def lora_experts_clipped_sum(layer: nn.Module, activations: List[torch.Tensor], 
     pair_coef = coef[pairs.sample]
     out = {}
     for p, (left, right) in factors.items():
-        g = reference.experts_clipped_sum(left, right, pairs.expert, pair_coef, pairs.experts, p.dtype)
+        g = segment_clipped_sum(layer, pairs, left, right, pair_coef, p.dtype)
         out[p] = views[p](g) if p in views else g
     return out
 
@@ -167,6 +173,6 @@ def lora_experts_grad_sample(layer: nn.Module, activations: List[torch.Tensor], 
     factors, views, pairs = lora_experts_factors(layer, activations, backprops)
     out = {}
     for p, (left, right) in factors.items():
-        g = reference.experts_grad_sample(left, right, pairs.expert, pairs.sample, pairs.experts, pairs.batch, p.dtype)
+        g = segment_grad_sample(layer, pairs, left, right, p.dtype)
         out[p] = views[p](g) if p in views else g
     return out

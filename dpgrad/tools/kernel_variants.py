@@ -97,6 +97,32 @@ def _embedding_variants() -> Iterator[Variant]:
                   (("SEG_SQ", "fp32"), ("SAMPLE_OFFSETS", "i64"), ("OUT", "fp32")), (), blocks=(("BS", 256),))
 
 
+def _experts_variants() -> Iterator[Variant]:
+    """experts_segments.py: norms, per-sample gradients and clipped sums of (E, p, q) weights and
+    their biases. Factors of one dtype (a half beside fp32 is widened to fp32 by the launchers);
+    stores in that dtype or in fp32 (an fp32 weight beside half factors)."""
+    for x in ONE:
+        outs = [x] if x == "fp32" else [x, "fp32"]
+        operands = (("G", x), ("A", x), ("ORDER", "i32"))
+        segments = (*operands, ("KEYS", "i32"), ("OFFSETS", "i32"))
+        flags = (("UPCAST", False), ("A_ALIGN", 1), ("G_ALIGN", 1))
+        yield Variant("experts_segments:_experts_segment_kernel", f"{x} norm",
+                      (*segments, ("W", "fp32"), ("SQ", "fp32")), (("STORE", False), *flags), _dots(x, x))
+        for out in outs:
+            yield Variant("experts_segments:_experts_segment_kernel", f"{x} grad={out}",
+                          (*segments, ("W", out), ("SQ", "fp32")), (("STORE", True), *flags), _dots(x, x))
+            yield Variant("experts_segments:_experts_clipped_sum_kernel", f"{x} out={out}",
+                          (*operands, ("COEF", "fp32"), ("RUNS", "i32"), ("RUN_OFFSETS", "i32"), ("W", out)),
+                          flags, _dots(x, x))
+        # A bias's (SCALED, STORE): the norm's partials, per-sample rows, clipped rows.
+        for scaled, store in ((False, False), (False, True), (True, True)):
+            for out in (outs if store else ["fp32"]):
+                yield Variant("experts_segments:_experts_rows_kernel",
+                              f"{x} scaled={scaled:d} rows={out if store else 0}",
+                              (("X", x), ("ORDER", "i32"), ("KEYS", "i32"), ("OFFSETS", "i32"), ("COEF", "fp32"),
+                               ("OUT", out), ("SQ", "fp32")), (("SCALED", scaled), ("STORE", store)))
+
+
 def _norm_layer_variants() -> Iterator[Variant]:
     from dpgrad.kernels.norm_layer_grad_sample import MAX_D, blocks
 
@@ -132,7 +158,7 @@ def variants() -> List[Variant]:
     """Every (kernel, variant) the launchers of ``dpgrad.kernels`` make."""
     # dict: a variant two launchers make alike (an fp32 layer's split and unsplit sums) once.
     plain = list(dict.fromkeys([*_linear_variants(), *_token_sum_variants(), *_embedding_variants(),
-                                *_norm_layer_variants(), *_group_norm_variants()]))
+                                *_experts_variants(), *_norm_layer_variants(), *_group_norm_variants()]))
     # And each as a launch on aligned, contiguous tensors compiles it (the common case on a GPU),
     # the skeleton's tables of offsets aligned to 16 bytes too (``triton_common.relative``).
     return plain + [dataclasses.replace(v, label=v.label + " aligned", aligned=True, flags=_aligned(v))
