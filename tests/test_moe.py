@@ -33,11 +33,11 @@ from per_sample_reference import assert_norms_close, assert_tensor_close, per_sa
 from test_hf_models import MODES, B, T, V, causal_lm, check, reference as microbatch_reference  # noqa: E402
 
 
-def _moe(cls, seed, device="cpu", **extra):
+def _moe(cls, seed, device="cpu", config_class=None, **extra):
     torch.manual_seed(seed)
     common = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=V,
                   max_position_embeddings=T, pad_token_id=0, bos_token_id=1, eos_token_id=1)
-    config = getattr(transformers, f"{cls}Config")(**common, **extra)
+    config = getattr(transformers, config_class or f"{cls}Config")(**common, **extra)
     # The float64 reference needs the experts' eager loop (grouped_mm takes no float64).
     config._experts_implementation = "eager"
     return causal_lm(getattr(transformers, f"{cls}ForCausalLM")(config), position_ids=False, device=device)
@@ -58,7 +58,20 @@ def qwen2_moe():
                 num_experts=4, num_experts_per_tok=2)
 
 
-CASES = {"qwen3_moe": qwen3_moe, "mixtral": mixtral, "qwen2_moe": qwen2_moe}
+def llama4():
+    """Llama 4: every token through every expert (E copies of the batch's tokens one after the
+    other, each scaled by its expert's sigmoid routing score, zero off the top k), ``bmm`` on
+    (E, B*T, d); a router subclassing nn.Linear; a shared expert."""
+    case = _moe("Llama4", 8, config_class="Llama4TextConfig", intermediate_size=8, intermediate_size_mlp=16,
+                num_local_experts=4, num_experts_per_tok=2, head_dim=8, attention_chunk_size=T)
+    with torch.no_grad():  # transformers leaves gate_up_proj at zero: nothing would reach the router
+        for m in case.model.modules():
+            if type(m).__name__ == "Llama4TextExperts":
+                nn.init.normal_(m.gate_up_proj, std=0.3)
+    return case
+
+
+CASES = {"qwen3_moe": qwen3_moe, "mixtral": mixtral, "qwen2_moe": qwen2_moe, "llama4": llama4}
 
 
 def _pairs(S, E, Bn, p, q, seed, dtype=torch.float64):
@@ -150,9 +163,11 @@ def checked_grad_samples(case, which) -> int:
     return checked
 
 
-def test_experts_per_sample_gradients():
-    """GradSampleModule: (B, E, 2I, d) and (B, E, d, I) per-sample gradients of the experts."""
-    checked = checked_grad_samples(qwen3_moe(), lambda n: "experts" in n or "gate.weight" in n)
+@pytest.mark.parametrize("name", ["qwen3_moe", "llama4"])
+def test_experts_per_sample_gradients(name):
+    """GradSampleModule: (B, E, 2I, d) and (B, E, d, I) per-sample gradients of the experts
+    (Llama 4's (B, E, d, 2I) and (B, E, I, d)), and the router's."""
+    checked = checked_grad_samples(CASES[name](), lambda n: "experts" in n or "gate.weight" in n or "router" in n)
     assert checked == 2 * 3  # two layers: gate_up_proj, down_proj, the router
 
 
@@ -163,7 +178,7 @@ def _by_parameter(name: str) -> str:
 @pytest.mark.parametrize("from_norms", [False, True], ids=["auto", "norms"])
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("grouping", ["per_block", "per_layer"])
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "llama4"])
 def test_moe_group_clipping(name, grouping, mode, from_norms):
     """One clipping group per decoder layer (experts and router with their block), or per
     parameter (an expert module's two 3-D weights clipped apart): each group's per-sample
@@ -198,10 +213,11 @@ def test_moe_group_clipping(name, grouping, mode, from_norms):
             assert_tensor_close(params[n].grad, expected, f"clipped {n}.grad", scale)
 
 
-def test_moe_batch_of_one():
+@pytest.mark.parametrize("name", ["qwen3_moe", "llama4"])
+def test_moe_batch_of_one(name):
     """(Transformers' attention cannot run an empty batch; the flattened Linear below takes one.)"""
     rows = 1
-    case = qwen3_moe()
+    case = CASES[name]()
     model = copy.deepcopy(case.model)
     wrapped = dpgrad.GradSampleModuleFastGradientClipping(model, max_grad_norm=1.0, single_backward=True)
     criterion = dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss(), "mean")
@@ -254,6 +270,44 @@ def test_a_linear_on_flattened_tokens_is_exact(rows, frozen):
     model = Folded()
     model.tok.requires_grad_(not frozen)
     check_per_sample_gradients(model, rows, seed=9)
+
+
+class Copied(nn.Linear):
+    """A Linear given ``copies`` copies of the batch's tokens one after the other, as Llama 4's
+    experts are (``dpgrad.samplers.registry.register_batch_copies``)."""
+
+
+class Repeated(nn.Module):
+    def __init__(self, copies):
+        super().__init__()
+        self.tok, self.mix, self.head = nn.Embedding(V, 6), Copied(6, 6), nn.Linear(6, 3)
+        self.copies = copies
+
+    def forward(self, ids):
+        x = self.tok(ids)
+        Bn, Tn, d = x.shape
+        scale = torch.arange(1, self.copies + 1, dtype=x.dtype).repeat_interleave(Bn * Tn)[:, None]
+        y = self.mix(x.reshape(-1, d).repeat(self.copies, 1) * scale)
+        return self.head(torch.tanh(y.view(self.copies, Bn, Tn, d).sum(0)).mean(1))
+
+
+@pytest.mark.parametrize("rows", [B, 1])
+def test_a_layer_given_copies_of_the_tokens(monkeypatch, rows):
+    """Registered with its number of copies, exact; without, the independence check refuses it
+    (row r is sample (r mod B*T) // T's, not r // (rows per sample)); registered with another
+    number, a refusal naming the layer."""
+    from dpgrad.samplers import registry
+
+    torch.manual_seed(8)
+    model = Repeated(copies=3)
+    if rows > 1:
+        with pytest.raises(SampleMixingError, match="layer 'mix'"):
+            check_per_sample_gradients(model, rows, seed=9)
+    monkeypatch.setitem(registry.BATCH_COPIES, Copied, lambda layer: 3)
+    check_per_sample_gradients(model, rows, seed=9)
+    monkeypatch.setitem(registry.BATCH_COPIES, Copied, lambda layer: 2)
+    with pytest.raises(ValueError, match="layer 'mix' .*takes 2 copies of the batch's tokens.*Register"):
+        check_per_sample_gradients(model, rows, seed=9)
 
 
 def test_tokens_flattened_time_major_are_refused():

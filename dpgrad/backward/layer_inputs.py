@@ -92,10 +92,13 @@ def folded_rows(layer: nn.Module, inputs, batch: Optional[int], batch_first: boo
     return n // batch if n > batch and n % batch == 0 else None
 
 
-def unfold(a, batch: int, n: int):
-    """``a`` with its first dimension of ``n`` rows as (batch, n // batch); else as it is."""
+def unfold(a, batch: int, n: int, copies: int = 1):
+    """``a`` with its first dimension of ``n`` rows as (batch, n // batch); of ``copies`` of
+    the batch one after the other, as (batch, copies, n // (copies * batch)); else as it is."""
     if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] == n:
-        return a.reshape(batch, n // batch, *a.shape[1:])
+        if copies == 1:
+            return a.reshape(batch, n // batch, *a.shape[1:])
+        return a.reshape(copies, batch, n // (copies * batch), *a.shape[1:]).transpose(0, 1)
     return a
 
 

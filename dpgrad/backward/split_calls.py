@@ -41,17 +41,23 @@ class SplitCalls:
         self._note_call(layer, name, params)
         self._edges.add(out, layer, inputs, params)
         batch, n = self._forward_batch, self._forward_batch * rows
+        copies = registry.batch_copies(layer)
+        if rows % copies:
+            raise ValueError(
+                f"layer {name!r} ({type(layer).__name__}) takes {copies} copies of the batch's tokens one after the "
+                f"other (``register_batch_copies``), but got {n} rows for a batch of {batch}: not a multiple of "
+                f"{copies * batch}. Register the number of copies the layer is given.")
         keep = registry.KEPT_INPUTS.get(type(layer))
-        kept = [unfold(a, batch, n) for a in (list(inputs) if keep is None or layer in self.functorch_layers
-                                              else keep(layer, inputs, out))]
+        kept = [unfold(a, batch, n, copies) for a in (list(inputs) if keep is None or layer in self.functorch_layers
+                                                      else keep(layer, inputs, out))]
         if kept and isinstance(kept[-1], Keywords):  # a layer taken whole: its keywords unfolded too
             kept[-1].unfold(batch, n)
-        return self._hook_output(layer, kept, out, output, partial(self._record_folded, batch, n, layer, params, kept,
-                                                                   self._pending), n)
+        return self._hook_output(layer, kept, out, output, partial(self._record_folded, batch, n, copies, layer,
+                                                                   params, kept, self._pending), n)
 
-    def _record_folded(self, batch: int, n: int, layer: nn.Module, params: List[nn.Parameter], activations: list,
-                       calls, grad):
-        return self._record(layer, params, activations, calls, unfold(grad, batch, n))
+    def _record_folded(self, batch: int, n: int, copies: int, layer: nn.Module, params: List[nn.Parameter],
+                       activations: list, calls, grad):
+        return self._record(layer, params, activations, calls, unfold(grad, batch, n, copies))
 
     def _record_shared(self, site: SharedSite, layer: nn.Module, params: List[nn.Parameter], activations: list,
                        calls, grad):

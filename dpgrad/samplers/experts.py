@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from dpgrad.kernels.backend import guarded, layer_name
 from dpgrad.samplers.registry import (
+    register_batch_copies,
     register_clipped_sum_sampler,
     register_grad_sampler,
     register_norm_sampler,
@@ -42,6 +43,27 @@ def is_grouped_experts(module: nn.Module) -> bool:
 @register_structure(is_grouped_experts)
 class GroupedExperts(nn.Module):
     """The registry's key for grouped experts modules (``is_grouped_experts``)."""
+
+
+def is_dense_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is Llama 4's experts: ``gate_up_proj`` (E, d, 2I) and ``down_proj``
+    (E, I, d) applied by ``bmm`` to every token, given as E copies of the batch's tokens one
+    after the other (each copy scaled by its expert's routing score)."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (type(module).__name__ == "Llama4TextExperts" and isinstance(gate_up, nn.Parameter)
+            and isinstance(down, nn.Parameter) and gate_up.dim() == 3 and down.dim() == 3
+            and gate_up.shape[0] == down.shape[0] and gate_up.shape[2] == 2 * down.shape[1]
+            and gate_up.shape[1] == down.shape[2] and callable(getattr(module, "act_fn", None)))
+
+
+@register_structure(is_dense_experts)
+class DenseExperts(nn.Module):
+    """The registry's key for Llama 4's experts (``is_dense_experts``)."""
+
+
+@register_batch_copies(DenseExperts)
+def _dense_copies(layer: nn.Module) -> int:
+    return layer.gate_up_proj.shape[0]
 
 
 Factors = Dict[nn.Parameter, Tuple[torch.Tensor, Optional[torch.Tensor]]]
@@ -147,11 +169,38 @@ def pair_factors(layer: nn.Module, activations: List[torch.Tensor], backprops: t
     return Pairs(present, expert, sample, B, E, order, ends)
 
 
+def dense_pair_factors(layer: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor) -> Pairs:
+    """Llama 4's experts (``is_dense_experts``), given (B, E, T, d) and their backprops: a pair
+    per (expert, token), the expert's copy of the token scaled by its routing score (zero off
+    its top k), recomputed as the module's ``bmm`` computes it, in the pairs' expert-major order."""
+    x, G = activations[0], backprops
+    if x.dim() != 4:
+        raise ValueError(f"experts {layer_name(layer)} got an input of shape {tuple(x.shape)}: dpgrad takes it as E "
+                         "copies of the batch's tokens flattened, (E*B*T, d).")
+    B, E, T, d = x.shape
+    up, down = layer.gate_up_proj.detach(), layer.down_proj.detach()
+    x = x.detach().transpose(0, 1).reshape(E, B * T, d)
+    G = G.transpose(0, 1).reshape(E, B * T, -1)
+    with torch.enable_grad():
+        h = torch.bmm(x, up).requires_grad_()
+        gate, up_part = h.chunk(2, dim=-1)
+        u = up_part * layer.act_fn(gate)
+        z = torch.bmm(u, down)
+        dh, = torch.autograd.grad(z, h, G)
+    S = E * B * T
+    expert = torch.arange(E, device=x.device).repeat_interleave(B * T)
+    sample = torch.arange(B, device=x.device).repeat_interleave(T).repeat(E)
+    ends = torch.arange(1, E + 1, device=x.device, dtype=torch.int32) * (B * T)
+    factors = {"gate_up_proj": (x.reshape(S, d), dh.reshape(S, -1)),
+               "down_proj": (u.detach().reshape(S, -1), G.reshape(S, -1))}
+    return Pairs(factors, expert, sample, B, E, torch.arange(S, device=x.device), ends)
+
+
 def expert_factors(layer: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor
                    ) -> Tuple[Factors, Pairs]:
     """``(factors, pairs)``: for each trainable parameter the per-pair ``(left, right)`` (right
     None for a bias), and the call's ``Pairs``."""
-    pairs = pair_factors(layer, activations, backprops)
+    pairs = (dense_pair_factors if is_dense_experts(layer) else pair_factors)(layer, activations, backprops)
     factors: Factors = {}
     for name, pair in pairs.factors.items():
         p = _param(layer, name)
@@ -187,7 +236,7 @@ def segment_grad_sample(layer: nn.Module, pairs: Pairs, left: torch.Tensor, righ
         left, right, pairs.expert, pairs.sample, pairs.experts, pairs.batch, dtype))
 
 
-@register_norm_sampler(GroupedExperts)
+@register_norm_sampler([GroupedExperts, DenseExperts])
 def experts_norm_sample(layer: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor
                         ) -> Dict[nn.Parameter, torch.Tensor]:
     """Per-sample gradient L2 norms of each expert weight, (B,), over all its experts."""
@@ -195,7 +244,7 @@ def experts_norm_sample(layer: nn.Module, activations: List[torch.Tensor], backp
     return {p: segment_sq_norms(layer, pairs, left, right).sqrt() for p, (left, right) in factors.items()}
 
 
-@register_clipped_sum_sampler(GroupedExperts)
+@register_clipped_sum_sampler([GroupedExperts, DenseExperts])
 def experts_clipped_sum(layer: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor,
                         coef: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
     """Clipped gradients of the expert weights, each of its parameter's shape and dtype."""
@@ -205,7 +254,7 @@ def experts_clipped_sum(layer: nn.Module, activations: List[torch.Tensor], backp
             for p, (left, right) in factors.items()}
 
 
-@register_grad_sampler(GroupedExperts)
+@register_grad_sampler([GroupedExperts, DenseExperts])
 def experts_grad_sample(layer: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor
                         ) -> Dict[nn.Parameter, torch.Tensor]:
     """Per-sample gradients of the expert weights, (B, *parameter.shape)."""

@@ -46,8 +46,9 @@ FACTOR_SAMPLERS: Dict[Type[nn.Module], Sampler] = {}
 NORM_GROUPS: Dict[Type[nn.Module], type] = {}
 GRAD_SAMPLE_GROUPS: Dict[Type[nn.Module], type] = {}
 KEPT_INPUTS: Dict[Type[nn.Module], Callable] = {}
+BATCH_COPIES: Dict[Type[nn.Module], Callable[[nn.Module], int]] = {}
 TABLES = (GRAD_SAMPLERS, NORM_SAMPLERS, CLIPPED_SUM_SAMPLERS, FACTOR_SAMPLERS, NORM_GROUPS, GRAD_SAMPLE_GROUPS,
-          KEPT_INPUTS)
+          KEPT_INPUTS, BATCH_COPIES)
 
 # Changes whenever a table does: what is planned from the tables (a backward pass's finish
 # plan, dpgrad.backward.clipping_path) is planned again.
@@ -263,7 +264,7 @@ def served_by(cls: type, module: str) -> bool:
     (none replaced by a user's own): a kept-inputs function keeps something else than the
     inputs only for the samplers it was written for."""
     return all(getattr(table[cls], "__module__", None) == module for table in TABLES
-               if table is not KEPT_INPUTS and cls in table)
+               if table not in (KEPT_INPUTS, BATCH_COPIES) and cls in table)
 
 
 def register_kept_inputs(target_class_or_classes: Target):
@@ -273,3 +274,17 @@ def register_kept_inputs(target_class_or_classes: Target):
     returns; it returns ``list(inputs)`` where it has nothing better, and where the samplers
     in force for the layer type are not the ones it was written for (a user's own)."""
     return _register(KEPT_INPUTS, target_class_or_classes)
+
+
+def register_batch_copies(target_class_or_classes: Target):
+    """Decorator: register ``fn(layer) -> int`` for a layer type called on the batch's tokens
+    flattened and repeated, ``fn(layer)`` copies one after the other ((K*B*T, d): Llama 4's
+    experts, each expert given every token): row r is sample (r mod B*T) // T's. The hooks hand
+    its samplers the call unfolded to (B, K, T, ...)."""
+    return _register(BATCH_COPIES, target_class_or_classes)
+
+
+def batch_copies(layer: nn.Module) -> int:
+    """The copies of the batch a call of ``layer`` on the tokens flattened holds (1 by default)."""
+    fn = BATCH_COPIES.get(type(layer))
+    return 1 if fn is None else fn(layer)
