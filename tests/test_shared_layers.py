@@ -52,7 +52,11 @@ class RelativeBias(nn.Module):
         buckets = (pos[None, :] - pos[:, None]).clamp(-3, 3) + 3  # (T, T), no batch
         bias = self.rel(buckets).permute(2, 0, 1).unsqueeze(0)  # (1, H, T, T)
         q, k, v = self.qkv(x).view(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4)
-        if self.attention == "sdpa":
+        if self.attention == "expand":  # MPNet's: the bias copied to the batch before it meets it
+            bias = bias.expand(B, -1, T, T).contiguous()
+        elif self.attention == "broadcast_to":
+            bias = torch.broadcast_to(bias, (B, H, T, T))
+        if self.attention != "in_place":
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
         else:
             scores = q @ k.transpose(-1, -2)
@@ -96,13 +100,14 @@ def check_ghost(model: nn.Module, ids, y, single: bool, warmup=None):
         assert_tensor_close(got, expected, f"clipped {n}.grad", scale)
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "in_place"])
+@pytest.mark.parametrize("attention", ["sdpa", "in_place", "expand", "broadcast_to"])
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("B,T", [(4, 5), (1, 5), (0, 5), (3, 3)])
 def test_shared_layers_are_exact(B, T, mode, attention):
     """The relative bias, the learned token's Linear and the shared matrix's Linear, each
     called without the batch, at batch sizes 0, 1, several, and equal to T (after a first
-    forward pass at another size, which tells the bias's buckets from a batch)."""
+    forward pass at another size, which tells the bias's buckets from a batch). The bias meets
+    the batch in attention, added in place, or expanded to the batch first."""
     torch.manual_seed(0)
     warmup = batch(2, T, seed=7) if B == T else None
     check_ghost(RelativeBias(attention), *batch(B, T), MODES[mode], warmup=warmup)
@@ -235,14 +240,53 @@ def test_embedding_subclasses_are_clipped_at_their_lookups(mode):
         assert_tensor_close(p.grad, expected, n, (coef[:, None] * ref[n].flatten(1).abs()).sum(0).max().item())
 
 
-def test_an_embedding_subclass_without_a_lookup_is_refused():
-    class Indexes(nn.Embedding):
-        def forward(self, ids):
-            return self.weight[ids]
+class Sliced(nn.Embedding):
+    """Learned positions read by indexing the weight (Whisper's): a slice of rows, shared by all
+    samples, or rows by position ids."""
 
-    model = nn.Sequential(Indexes(V, D), nn.Linear(D, 2))
+    def forward(self, ids, position_ids=None):
+        return self.weight[:ids.shape[1]] if position_ids is None else self.weight[position_ids]
+
+
+class Indexed(nn.Module):
+    def __init__(self, by_ids: bool, padding_idx=None):
+        super().__init__()
+        self.tok, self.pos, self.head = Sliced(V, D, padding_idx=padding_idx), Sliced(10, D), nn.Linear(D, 3)
+        self.by_ids = by_ids
+
+    def forward(self, ids):
+        positions = (torch.arange(ids.shape[1]) + 1).expand(ids.shape) if self.by_ids else None
+        return self.head(torch.tanh(self.tok(ids, ids) + self.pos(ids, positions)).mean(1))
+
+
+@pytest.mark.parametrize("B", [4, 1])
+@pytest.mark.parametrize("by_ids", [False, True], ids=["slice", "ids"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_an_embedding_subclass_indexing_its_weight_is_clipped_at_its_lookups(mode, by_ids, B):
+    """``self.weight[ids]`` and ``self.weight[a:b]`` are F.embedding's lookups of those rows: the
+    tokens per sample, the positions (a slice) shared by all samples and broadcast over them."""
+    torch.manual_seed(5)
+    model = Indexed(by_ids)
+    assert not dpgrad.GradSampleModuleFastGradientClipping(copy.deepcopy(model))._path.functorch_layers
+    check_ghost(model, *batch(B, 5), MODES[mode])
+
+
+def test_an_embedding_subclass_indexing_past_its_padding_row_is_refused():
+    """Indexing gives the padding row a gradient, which nn.Embedding's samplers would not."""
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(Indexed(by_ids=True, padding_idx=0))
+    with pytest.raises(FunctionalCallError, match=r"layer 'tok' \(Sliced.*indexes its weight, a lookup with "
+                                                  r"padding_idx=None, where the layer has padding_idx=0"):
+        wrapped(batch(2, 3)[0])
+
+
+def test_an_embedding_subclass_without_a_lookup_is_refused():
+    class Selects(nn.Embedding):
+        def forward(self, ids):
+            return torch.index_select(self.weight, 0, ids.flatten()).view(*ids.shape, -1)
+
+    model = nn.Sequential(Selects(V, D), nn.Linear(D, 2))
     wrapped = dpgrad.GradSampleModuleFastGradientClipping(model)
-    with pytest.raises(FunctionalCallError, match=r"layer '0' \(Indexes.*without calling F.embedding"):
+    with pytest.raises(FunctionalCallError, match=r"layer '0' \(Selects.*without calling F.embedding"):
         wrapped(batch(2, 3)[0])
 
 
@@ -252,7 +296,8 @@ def test_an_embedding_subclass_looking_up_with_other_settings_is_refused():
             return F.embedding(ids, self.weight, padding_idx=1)
 
     wrapped = dpgrad.GradSampleModuleFastGradientClipping(nn.Sequential(OtherPadding(V, D, padding_idx=0)))
-    with pytest.raises(FunctionalCallError, match=r"padding_idx=1, where the layer has padding_idx=0"):
+    with pytest.raises(FunctionalCallError, match=r"calls F.embedding on its weight, a lookup with padding_idx=1, "
+                                                  r"where the layer has padding_idx=0"):
         wrapped(batch(2, 3)[0])
 
 

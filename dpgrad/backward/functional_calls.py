@@ -7,7 +7,9 @@ offsets its position ids). Its samplers are its base type's, given what the func
 ``FunctionalCalls`` is a ``TorchFunctionMode`` in force during such a layer's forward only (its
 forward pre-hook enters it, its forward hook, which runs even when the forward raises, leaves
 it): each call of the layer type's function (``F.embedding``) on the layer's weight is handed to
-the path as a call of the layer.
+the path as a call of the layer, and so is an Embedding subclass's own indexing of its weight
+by a slice or by ids (Whisper's learned positions, ``self.weight[a:b]``), the lookup
+``F.embedding`` makes of those rows.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Callable, List
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 
@@ -37,14 +40,21 @@ class FunctionalCalls(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.__getitem__ and args[0] is self.layer.weight and self.function is F.embedding:
+            ids = _lookup_ids(args[1], self.layer.weight)
+            if ids is not None:  # weight[a:b] or weight[ids] (Whisper's positions): F.embedding's rows
+                return self._lookup(self.function, self._signature.bind(ids, self.layer.weight), "indexes its weight")
         if func is not self.function:
             return func(*args, **kwargs)
         bound = self._signature.bind(*args, **kwargs)
+        if bound.arguments["weight"] is not self.layer.weight:
+            return func(*args, **kwargs)
+        return self._lookup(func, bound, "calls F.embedding on its weight")
+
+    def _lookup(self, func, bound, how: str):
         bound.apply_defaults()
         call = bound.arguments
-        if call["weight"] is not self.layer.weight:
-            return func(*args, **kwargs)
-        self._check(call)
+        self._check(call, how)
         self.calls += 1
         return self._call(func, call)
 
@@ -55,7 +65,7 @@ class FunctionalCalls(TorchFunctionMode):
         replaced = self.on_call(self.layer, (call["input"],), out, lambda ids: self._call(func, dict(call, input=ids)))
         return out if replaced is None else replaced
 
-    def _check(self, call: dict) -> None:
+    def _check(self, call: dict, how: str) -> None:
         """Refuse a call whose arguments the samplers, which read them from the layer, would
         not follow."""
         layer = self.layer
@@ -67,11 +77,21 @@ class FunctionalCalls(TorchFunctionMode):
                    if mine != getattr(layer, k)]
         if differs:
             raise FunctionalCallError(
-                f"layer '{self.name}' ({type(layer).__name__}, an nn.Embedding subclass) calls F.embedding on its "
-                f"weight with {', '.join(f'{k}={call[k]!r}' for k in differs)}, where the layer has "
+                f"layer '{self.name}' ({type(layer).__name__}, an nn.Embedding subclass) {how}, a lookup "
+                f"with {', '.join(f'{k}={call[k]!r}' for k in differs)}, where the layer has "
                 f"{', '.join(f'{k}={getattr(layer, k)!r}' for k in differs)}; dpgrad clips it as the layer's "
                 "attributes say. Call F.embedding with the layer's own settings, or register samplers for "
                 f"{type(layer).__name__} (dpgrad.register_grad_sampler and register_norm_sampler).")
+
+
+def _lookup_ids(index, weight: torch.Tensor):
+    """The ids of the rows ``weight[index]`` reads, where that is a lookup (a slice of rows, or
+    a tensor of integer ids), or None."""
+    if isinstance(index, slice):
+        return torch.arange(weight.shape[0], device=weight.device)[index]
+    if isinstance(index, torch.Tensor) and not index.is_floating_point() and index.dtype != torch.bool:
+        return index
+    return None
 
 
 class FunctionalHooks:

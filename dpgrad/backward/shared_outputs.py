@@ -3,8 +3,9 @@ relative attention bias on (T, T) position buckets, a learned position table on 
 Linear on a learned token), whose output the model broadcasts over the batch.
 
 Each sample's gradient of such a layer is its own: where the shared output meets the batch by
-broadcasting (added to the attention scores, to the token embeddings), sample b's cotangent is
-row b of the broadcast result's. So the output is handed on as ``SharedAcrossBatch``, a tensor
+broadcasting (added to the attention scores, to the token embeddings), or is expanded to it
+(``expand``, ``broadcast_to``: MPNet's relative bias), sample b's cotangent is row b of the
+result's. So the output is handed on as ``SharedAcrossBatch``, a tensor
 subclass that follows it through the model's operations; at the first operation that broadcasts
 it against a tensor of the batch, it is expanded to the batch first (the same result), and a hook
 on the expanded tensor takes row b's cotangent back to the layer's output, all rows at once (a
@@ -32,6 +33,11 @@ _BROADCASTING = frozenset(
                  "addcmul", "addcdiv", "lerp", "maximum", "minimum", "scaled_dot_product_attention")
     for prefix, suffix in (("", ""), ("", "_"), ("__", "__"), ("__r", "__"), ("__i", "__"))
 ) | {"__truediv__", "__rtruediv__", "__itruediv__"}
+
+# Operations that copy a tensor along new or size-1 dimensions: a shared tensor expanded so to a
+# leading size of the batch (MPNet's relative bias, ``values.expand(bsz, -1, T, T)``) meets the
+# batch there, each row being its sample's copy.
+_EXPANDING = frozenset({"expand", "expand_as", "broadcast_to"})
 
 # Per-sample cotangents taken by a nested backward pass are in flight: the shared layers' own
 # output hooks must not take them for the pass's (they see them batched, mid-way).
@@ -125,6 +131,8 @@ class SharedAcrossBatch(torch.Tensor):
                 ret = func(*args, **kwargs)
                 if any(ret is flat[i] for i in shared):
                     return ret
+                if _expanded_to_batch(func, flat, shared, ret, batch):
+                    return _met(flat[shared[0]], ret.dim(), batch).expand(ret.shape)
                 return tree_map(lambda r: _wrap(r, sites) if isinstance(r, torch.Tensor) else r, ret)
             name = getattr(func, "__name__", repr(func))
             others = [i for i in shared if i not in meeting]
@@ -134,6 +142,15 @@ class SharedAcrossBatch(torch.Tensor):
                 flat[i] = _met(flat[i], width, batch)
             args, kwargs = tree_unflatten(flat, spec)
             return func(*args, **kwargs)
+
+
+def _expanded_to_batch(func, flat: list, shared: List[int], ret, batch: int) -> bool:
+    """Whether ``ret`` is the one shared operand expanded to a leading size of the batch
+    (``_EXPANDING``), from a size of 1 there or a dimension it did not have."""
+    if getattr(func, "__name__", None) not in _EXPANDING or len(shared) != 1 or shared[0] != 0:
+        return False
+    return (isinstance(ret, torch.Tensor) and ret.dim() > 0 and ret.shape[0] == batch
+            and _lacks_batch(flat[0], ret.dim(), batch))
 
 
 def _lacks_batch(t: torch.Tensor, width: int, batch: int) -> bool:
