@@ -110,6 +110,7 @@ def compare(case: Case, model: nn.Module, norms: torch.Tensor, ref: dict, own: d
             continue
         if got.dtype != params[n].dtype:
             return {"status": "mismatch", "what": f"{n}.grad is {got.dtype}"}
+        g = g.double()  # a layer may cast itself back in its forward (Switch Transformers' router to fp32)
         expected = torch.einsum("b,b...->...", coef, g)
         scale = (coef[:, None] * g.flatten(1).abs()).sum(0).max().item() if g.numel() else 0.0
         autograd_error = max((torch.einsum("b,b...->...", coef, own[n].double()) - expected).abs().max().item(),

@@ -62,7 +62,13 @@ def per_sample_grads(
         out = functional_call(model64, {**frozen, **params}, (xb.unsqueeze(batch_dim),))
         return loss_fn(out, yb.unsqueeze(0)).sum()
 
-    grads = vmap(grad(sample_loss), in_dims=(None, batch_dim, 0))(trainable, x64, y64)
+    try:
+        grads = vmap(grad(sample_loss), in_dims=(None, batch_dim, 0))(trainable, x64, y64)
+    except RuntimeError as exc:  # shapes that depend on the data (a mixture of experts' routing)
+        if "dynamic shape" not in str(exc):
+            raise
+        rows = [grad(sample_loss)(trainable, x64.select(batch_dim, b), y64[b]) for b in range(B)]
+        grads = {n: torch.stack([r[n] for r in rows]) for n in names}
     return {n: grads[n] for n in names}
 
 

@@ -906,10 +906,12 @@ def test_a_keyword_tensor_whose_rows_may_be_the_batch_by_chance(wrapper):
 
 
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))
-def test_a_linear_output_changed_in_place_is_refused(wrapper):
+def test_a_linear_output_changed_in_place(wrapper):
     """A Linear's (B, T, p) output is a view of its (B*T, p) product; changed in place (``h +=
-    x``, as RoCBert's embeddings do), autograd drops the view's node and the hook on it, and the
-    layer would go unclipped. Refused, naming the layer; out of place, exact."""
+    x``, ``h.mul_(s)``, as RoCBert's embeddings do), autograd would drop the view's node and a
+    hook on it. The first forward pass gives every such output as a tensor of its own and learns
+    which layers' outputs are changed; exact at every step, in place or out of place. A layer
+    whose output is changed in place only later is refused, naming it."""
     cls, kwargs = WRAPPERS[wrapper]
 
     class Adds(nn.Module):
@@ -923,38 +925,60 @@ def test_a_linear_output_changed_in_place_is_refused(wrapper):
             h = self.map(self.tok(ids))
             if self.in_place:
                 h += self.typ(torch.zeros_like(ids))
+                h.mul_(torch.linspace(0.5, 2.0, h.shape[-1]))
             else:
-                h = h + self.typ(torch.zeros_like(ids))
+                h = (h + self.typ(torch.zeros_like(ids))) * torch.linspace(0.5, 2.0, h.shape[-1])
             return self.head(h.mean(1))
 
     ids, y = torch.randint(0, 11, (4, 5)), torch.randint(0, 3, (4,))
-    with pytest.raises(ValueError) as err:
-        ce(cls(Adds(in_place=True), loss_reduction="sum", **kwargs)(ids), y).sum().backward()
-    says(err, "layer 'map' (Linear) was changed in place", "h = h + x")
+    for in_place in (True, False):
+        torch.manual_seed(0)
+        model = Adds(in_place)
+        pristine = copy.deepcopy(model)
+        wrapped = cls(model, loss_reduction="sum", **kwargs)
+        for step in range(2):  # the first forward pass, then one of the layout it learned
+            assert_step_correct(wrapped, pristine, ids, y)
+            wrapped.zero_grad(set_to_none=True)
     model = Adds(in_place=False)
-    pristine = copy.deepcopy(model)
-    assert_step_correct(cls(model, loss_reduction="sum", **kwargs), pristine, ids, y)
+    wrapped = cls(model, loss_reduction="sum", **kwargs)
+    ce(wrapped(ids), y).sum().backward()
+    model.in_place = True
+    with pytest.raises(ValueError) as err:
+        ce(wrapped(ids), y).sum().backward()
+    says(err, "layer 'map' (Linear) was changed in place", "h = h + x")
 
 
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))
-def test_a_layer_on_rows_picked_from_the_batch_is_refused(wrapper):
-    """A module per expert, called on the tokens routed to it (x[mask]): refused, naming the
-    layer and what to do instead."""
+def test_a_layer_on_rows_picked_from_the_batch(wrapper):
+    """A module per expert, called on the tokens routed to it (x[mask]): each row is its
+    token's sample's (tests/test_picked_rows.py). Rows picked from a tensor that is not the
+    batch's tokens (rows appended) cannot be told: refused, naming the layer and what to do
+    instead."""
     cls, kwargs = WRAPPERS[wrapper]
 
     class PerExpert(nn.Module):
-        def __init__(self):
+        def __init__(self, extra=False):
             super().__init__()
             self.tok, self.expert, self.head = nn.Embedding(11, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+            self.extra = extra
 
         def forward(self, ids):
             x = self.tok(ids)
             routed = ids % 2 == 0
-            x = x.masked_scatter(routed[..., None], self.expert(x[routed]))
+            if self.extra:  # B*T + 2 rows to pick from (13 picked)
+                flat = torch.cat([x.view(-1, 6), x[0, :2]])
+                token = torch.cat([routed.view(-1), routed.new_ones(2)]).nonzero()[:, 0]
+                out = torch.zeros_like(flat).index_add(0, token, self.expert(flat[token]))
+                x = x + out[:-2].view(x.shape)
+            else:
+                x = x.masked_scatter(routed[..., None], self.expert(x[routed]))
             return self.head(x.mean(1))
 
-    wrapped = cls(PerExpert(), **kwargs)
-    ids = torch.arange(20).view(4, 5) % 11
+    ids, y = torch.arange(20).view(4, 5) % 11, torch.randint(0, 3, (4,))
+    torch.manual_seed(0)
+    model = PerExpert()
+    pristine = copy.deepcopy(model)
+    assert_step_correct(cls(model, loss_reduction="sum", **kwargs), pristine, ids, y)
     with pytest.raises(ValueError) as err:
-        wrapped(ids)
-    says(err, "layer 'expert'", "rows picked from the batch", "grouped experts")
+        cls(PerExpert(extra=True), **kwargs)(ids)
+    says(err, "layer 'expert'", "rows picked by indexing", "grouped experts")

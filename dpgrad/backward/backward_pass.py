@@ -57,6 +57,7 @@ from dpgrad.checks.independence import Probe
 from dpgrad.checks.independence_check import IndependenceCheck, check_every
 from dpgrad.backward.layer_inputs import (batch_to_front, broadcast_inputs, check_batch, folded_rows, one_row,
                                           recomputing, shared_before, shared_call)
+from dpgrad.backward.picked_rows import PickedScopes
 from dpgrad.backward.split_calls import SplitCalls
 from dpgrad.backward.whole_calls import WholeCalls
 from dpgrad.checks.model_checks import refuse_wrapped
@@ -93,7 +94,8 @@ class BackwardPath(HookedLayers, ModelHooks, SplitCalls, WholeCalls):
     TRANSIENT = ("_forward_batch", "_input_batch", "_shared_layers", "_forward_seen", "_pass_open", "_edges",
                  "_verified", "_seen_version", "_seen_layout", "_seen_flags", "_checked", "_unrecorded", "_pending",
                  "_pass_forwards", "_probing", "independence", "finite_reports", "_buffer_state", "_keyword_rows",
-                 "_batch_from", "_input_tokens")
+                 "_batch_from", "_input_tokens", "_picked_scopes", "_unview_all", "_unview_layers",
+                 "_unviewed_calls")
     sharded = None  # the model's FSDP2 parameter groups (dpgrad.backward.fsdp.ShardedParameters)
 
     def __init__(self, model: nn.Module, *, batch_first: bool, loss_reduction: str, check_finite: bool,
@@ -142,6 +144,12 @@ class BackwardPath(HookedLayers, ModelHooks, SplitCalls, WholeCalls):
         self._seen_flags: Optional[list] = None  # their requires_grad then
         self._checked: set = set()  # the trainable parameters the guarantee's check covers
         self._probing: Optional[Probe] = None  # the independence probe in flight (its hooks record nothing)
+        self._picked_scopes = PickedScopes()  # the latest picks of rows from the batch, by module
+        # Outputs that are views, given as tensors of their own (``_unviewed``): all of them in the
+        # first forward pass, then those of the layers whose output was changed in place.
+        self._unview_all = True
+        self._unview_layers: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+        self._unviewed_calls: list = []
         self.independence = IndependenceCheck(self)  # when the independence probes run
         self.finite_reports = FiniteReports()  # finite checks the host has not read yet
         self._buffer_state: dict = {}  # layers taken whole: their buffers' state as their forward began
@@ -181,10 +189,17 @@ class BackwardPath(HookedLayers, ModelHooks, SplitCalls, WholeCalls):
     def _on_layer_call(self, layer: nn.Module, inputs, output, again=None) -> Optional[torch.Tensor]:
         """A call of a hooked layer (its forward hook): what it gives instead of ``output``, or
         None. ``again`` calls it again on other inputs (the layer itself where None)."""
+        own = self._unviewed(layer, output)  # a view that may be changed in place, as a tensor of its own
+        given = self._layer_call(layer, inputs, output if own is None else own, again)
+        return own if given is None else given
+
+    def _layer_call(self, layer: nn.Module, inputs, output, again=None) -> Optional[torch.Tensor]:
         if self.independence.rerunning:  # a forward probe's run: the outputs changed on its rows
             perturb = self.independence.perturb
             if perturb is None or shared_before(layer, inputs, self._shared_layers):
                 return None  # a layer shared by all samples has no rows of theirs to change
+            if layer in self._picked_scopes.layers:
+                return None  # nor one on picked rows, which this run (no graph) cannot tell
             return perturb(output)
         # Whatever the layer's mode: eval() changes what a layer computes (dropout), not
         # whether its gradient must be clipped.
@@ -201,6 +216,10 @@ class BackwardPath(HookedLayers, ModelHooks, SplitCalls, WholeCalls):
         if self._forward_batch is None and self.batch_first and self._input_batch > 1 and one_row(inputs):
             # A row broadcast over the batch before any layer saw the batch: the model's input holds it.
             self._forward_batch = self._input_batch
+        picked = self._picked(layer, inputs, out)
+        if picked is not None:  # rows picked from the batch's tokens (a module per expert)
+            return None if recomputing() else self._picked_call(layer, self.layer_names[layer], params, inputs, out,
+                                                                 picked, output)
         widened = broadcast_inputs(layer, inputs, self._forward_batch, self.batch_first, self.functorch_layers)
         if widened is not None:
             # The layer again, on its input expanded to the batch: that call is the one its

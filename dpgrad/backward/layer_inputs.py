@@ -163,10 +163,11 @@ def check_batch(layer: nn.Module, name: str, inputs, batch: Optional[int], batch
             f"{batch}. Per-sample gradients need the batch on one dimension "
             f"throughout: check batch_first (now {batch_first}) and that the model does "
             "not fold the batch into another dimension, e.g. a (B*T, d) input to a Linear."
-            + (" Its input is rows picked from the batch (x[mask] or x[index], as a mixture-of-experts block with "
-               "a module per expert routes tokens), which dpgrad does not take apart by sample: freeze those "
-               "modules and train the others or adapters elsewhere (LoRA on the attention), or use a model "
-               "whose experts are one grouped module (transformers' grouped experts)." if picked else "")
+            + (" Its input is rows picked by indexing (x[mask] or x[index], as a mixture-of-experts block with "
+               "a module per expert routes tokens), but not whole rows of a tensor of the batch's tokens, (B, T, "
+               "...) or (B*T, ...), which is where dpgrad tells each picked row's sample: pick from the batch's "
+               "tokens, freeze those modules and train the others or adapters elsewhere, or use a model whose "
+               "experts are one grouped module (transformers' grouped experts)." if picked else "")
         )
     return batch
 

@@ -7,8 +7,9 @@ its layout is new (``dpgrad.checks.guarantee``) and the independence probes
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
+import torch
 import torch.nn as nn
 
 from dpgrad.backward.autograd_graph import changed_views, eager_when_compiled
@@ -44,6 +45,7 @@ class ModelHooks:
         self._forward_batch = None
         self._input_batch, self._input_tokens = 0, None
         self._forward_seen = set()
+        self._unviewed_calls = []
         self._edges.begin_forward()
 
     @eager_when_compiled
@@ -54,6 +56,7 @@ class ModelHooks:
     def end_forward(self, output) -> None:
         """The end of a forward pass: the guarantee's check of its graph, when its layout is
         new (``dpgrad.checks.guarantee``)."""
+        passing = self._learn_changed_outputs()
         edges = self._edges
         calls, edges.calls = edges.calls, []
         found = tensors_in(output)
@@ -72,7 +75,9 @@ class ModelHooks:
         if not calls or not edges.outputs:
             self.independence.call = None
             return
-        key = (self._scan_version, tuple(call[0] for call in calls), edges.output_seq - sequence_number(calls[0][1]))
+        first = sequence_number(calls[0][1])
+        extra = sum(n >= first for n in passing) - (first in passing)
+        key = (self._scan_version, tuple(call[0] for call in calls), edges.output_seq - first - extra)
         views, edges.views = edges.views, []
         if key not in self._verified:
             self._refuse_changed_views(views)
@@ -80,6 +85,33 @@ class ModelHooks:
             self._verified.add(key)
         if self.check_independence:
             self.independence.end_forward(key, tensors)
+
+    def _unviewed(self, layer: nn.Module, output) -> Optional[torch.Tensor]:
+        """``output`` as a tensor of its own, where it is a view of the whole of a tensor (a
+        Linear's (B, T, p) view of its (B*T, p) product) that may be changed in place after the
+        layer (``h += x``): autograd drops a view's node, and the hook on it, when the view is
+        changed in place, while a hook on a tensor of its own gets its gradient before the
+        change. Done for every layer in the first forward pass (an operation each), then for
+        the layers whose output was changed in place (``_learn_changed_outputs``)."""
+        if not (self._unview_all or layer in self._unview_layers):
+            return None
+        if not isinstance(output, torch.Tensor) or output._base is None or not output.requires_grad:
+            return None
+        base = output._base
+        if base.numel() != output.numel() or not (base.is_contiguous() and output.is_contiguous()):
+            return None
+        own = torch.ops.aten._unsafe_view(base, output.shape)
+        self._unviewed_calls.append((layer, own, own._version))
+        return own
+
+    def _learn_changed_outputs(self) -> list:
+        """Learn the layers whose output was changed in place; returns the sequence numbers of
+        the nodes this forward pass added for the others (the first one's ``_unviewed``), which
+        the later ones will not add: the layout's key leaves them out."""
+        calls, self._unviewed_calls = self._unviewed_calls, []
+        self._unview_layers.update(layer for layer, own, version in calls if own._version != version)
+        self._unview_all = False
+        return [sequence_number(own.grad_fn) for layer, own, _ in calls if layer not in self._unview_layers]
 
     def _refuse_changed_views(self, views: list) -> None:
         """Raise, naming the layers, where a hooked output that is a view was changed in place

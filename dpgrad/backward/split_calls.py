@@ -1,18 +1,20 @@
 """The hooked calls whose samples are not one row each (``SplitCalls``, a mixin of
 ``dpgrad.backward.backward_pass.BackwardPath``): a layer called without the batch, whose output
-is shared by all samples (``dpgrad.backward.shared_outputs``), and a layer called on the batch's
-tokens flattened, (B*T, ...) (``dpgrad.backward.layer_inputs.folded_rows``). Each is recorded
+is shared by all samples (``dpgrad.backward.shared_outputs``), a layer called on the batch's
+tokens flattened, (B*T, ...) (``dpgrad.backward.layer_inputs.folded_rows``), and one called on
+rows picked from them (``dpgrad.backward.picked_rows``). Each is recorded
 as any call is, with its inputs and backprops put in the (B, ...) form every sampler takes."""
 
 from __future__ import annotations
 
 from functools import partial
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.nn as nn
 
 from dpgrad.backward.layer_inputs import unfold
+from dpgrad.backward.picked_rows import PickedRows, picked_rows
 from dpgrad.backward.shared_outputs import SharedSite, nested
 from dpgrad.samplers import registry
 from dpgrad.samplers.functorch import Keywords
@@ -54,6 +56,41 @@ class SplitCalls:
             kept[-1].unfold(batch, n)
         return self._hook_output(layer, kept, out, output, partial(self._record_folded, batch, n, copies, layer,
                                                                    params, kept, self._pending), n)
+
+    def _picked(self, layer: nn.Module, inputs, out: torch.Tensor) -> Optional[PickedRows]:
+        """The tokens of a call on rows picked from the batch's (``dpgrad.backward.picked_rows``),
+        or None."""
+        batch = self._forward_batch
+        x = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
+        if not self.batch_first or not batch or x is None or x.dim() == 0 or x.grad_fn is None:
+            return None
+        name, forward_id = self.layer_names[layer], self._edges.forward_id
+        picked = picked_rows(x, batch, name) or self._picked_scopes.find(name, forward_id, x)
+        if picked is not None:
+            self._picked_scopes.note(layer, name, forward_id, picked, out)
+        return picked
+
+    def _picked_call(self, layer: nn.Module, name: str, params: List[nn.Parameter], inputs, out: torch.Tensor,
+                     picked: PickedRows, output=None):
+        """A call of ``layer`` on rows picked from the batch's tokens: recorded with its inputs
+        and backprops put at their tokens, (B, T, ...)."""
+        if layer in self.functorch_layers:
+            raise ValueError(
+                f"layer {name!r} ({type(layer).__name__}) is called on rows picked from the batch's tokens (a module "
+                "per expert of a mixture-of-experts block), and has no per-sample gradient sampler: dpgrad takes "
+                "apart by sample the picked rows of layers with samplers (nn.Linear, nn.Embedding, norms) only. "
+                "Freeze it, or register samplers for its class (dpgrad.register_grad_sampler and "
+                "register_norm_sampler).")
+        self._note_call(layer, name, params)
+        self._edges.add(out, layer, inputs, params)
+        keep = registry.KEPT_INPUTS.get(type(layer))
+        kept = [picked.spread(a) for a in (list(inputs) if keep is None else keep(layer, inputs, out))]
+        return self._hook_output(layer, kept, out, output, partial(self._record_picked, picked, layer, params, kept,
+                                                                   self._pending))
+
+    def _record_picked(self, picked: PickedRows, layer: nn.Module, params: List[nn.Parameter], activations: list,
+                       calls, grad):
+        return self._record(layer, params, activations, calls, picked.spread(grad))
 
     def _record_folded(self, batch: int, n: int, copies: int, layer: nn.Module, params: List[nn.Parameter],
                        activations: list, calls, grad):
