@@ -238,3 +238,43 @@ def test_a_module_computing_with_its_childs_parameters(wrapper, inner):
     wrapped = check_step(wrapper, Around(inner(6)), 4, seed=11)
     layers = wrapped._path.layer_names.values()
     assert ("inner" in layers) == (inner is not ReadsTheDtype), sorted(layers)
+
+
+G = 6  # the gated layer's width
+
+
+class Gammas(nn.Module):
+    """Trainable parameters of its own (taken whole by torch.func), called on (B, T, d) with
+    the tokens' gates flattened, (B*T, k), by keyword (Inkling's shared experts), and a
+    positional (T,) table shared by all samples besides a (B, T) mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(2, G, G) * 0.3)
+
+    def forward(self, x, table, mask, gammas=None):
+        h = torch.einsum("btd,kde->kbte", x, self.weight)  # (k, B, T, d)
+        g = gammas.reshape(-1, 2, 1).transpose(0, 1).reshape(2, *x.shape[:2], 1)
+        return (h * g).sum(0) * table[:, None] * mask[..., None]
+
+
+class GatedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok, self.gate, self.mix, self.head = nn.Embedding(V, G), nn.Linear(G, 2), Gammas(), nn.Linear(G, 3)
+
+    def forward(self, ids):
+        x = self.tok(ids)
+        gammas = self.gate(x.reshape(-1, G)).softmax(-1)  # (B*T, 2)
+        table = torch.linspace(0.5, 1.5, ids.shape[1])
+        mask = (ids % 3 != 0).to(x.dtype)
+        return self.head(torch.tanh(self.mix(x, table, mask, gammas=gammas)).mean(1))
+
+
+@pytest.mark.parametrize("rows", [4, 1, 0])
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_a_layer_given_the_tokens_flattened_and_a_shared_table(wrapper, rows):
+    """The keyword of B*T rows is split as each sample's T tokens; the positional (T,) table is
+    given whole to every sample, the (B, T) mask split by sample."""
+    torch.manual_seed(6)
+    check_step(wrapper, GatedModel(), rows, seed=7)

@@ -48,8 +48,11 @@ class WholeCalls:
                 "for its type (dpgrad.register_grad_sampler).")
         if kwargs and not any(isinstance(a, torch.Tensor) for a in args):
             args, kwargs = _first_by_position(layer, args, kwargs)
+        # Positional arguments after the input that are tensors, or hold some (a tuple of masks):
+        # split by sample or given whole as keywords are (``_rows_per_sample``).
         packed = {i: a for i, a in enumerate(args)
-                  if not isinstance(a, torch.Tensor) and any(isinstance(t, torch.Tensor) for t in tree_leaves(a))}
+                  if (i > 0 and isinstance(a, torch.Tensor))
+                  or (not isinstance(a, torch.Tensor) and any(isinstance(t, torch.Tensor) for t in tree_leaves(a)))}
         call = Keywords(kwargs, packed)
 
         def again(*inputs):  # the layer on inputs widened to the batch, with its keywords
@@ -57,7 +60,9 @@ class WholeCalls:
 
         out = self._on_layer_call(layer, (*args, call), output, again)
         if (kwargs or packed) and not call.folded and self._forward_batch and not self.independence.rerunning:
-            call.split = self._rows_per_sample(layer, args, call.values)
+            call.split, flat = self._rows_per_sample(layer, args, call.values)
+            if flat:
+                call.flatten_tokens(flat, self._forward_batch)
         return out
 
     def _hook_output(self, layer: nn.Module, kept: list, out: torch.Tensor, output, record: Callable,
@@ -103,39 +108,46 @@ class WholeCalls:
         record(torch.cat([r.to(rows[0].dtype) for r in rows], 1).movedim(0, dim))
 
 
-    def _rows_per_sample(self, layer: nn.Module, args, values) -> frozenset:
+    def _rows_per_sample(self, layer: nn.Module, args, values) -> Tuple[frozenset, frozenset]:
         """The positions (among the tensors of ``values``, ``tree_flatten`` order) of those
-        holding one row per sample: their size along the batch dimension is the batch size.
-        Where that size could be another (the batch size is also a size of the layer's input),
-        what an earlier call at another batch size showed for the tensor is used, or the call
-        refused."""
+        holding one row per sample: their size along the batch dimension is the batch size; and
+        among them, those holding each sample's tokens flattened (batch first, B*T rows where
+        the layer's input is (B, T, ...): a router's weights of the tokens). Where that size
+        could be another (it is also a size of the layer's input), what an earlier call at
+        another batch size showed for the tensor is used, or the call refused."""
         B, dim = self._forward_batch, self.batch_dim
         x = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        ambiguous = B > 1 and x is not None and B in tuple(x.shape[:dim]) + tuple(x.shape[dim + 1:])
+        sizes = () if x is None else tuple(x.shape[:dim]) + tuple(x.shape[dim + 1:])
+        tokens = B * x.shape[1] if dim == 0 and x is not None and x.dim() > 2 and x.shape[1] > 1 else None
         leaves, _ = tree_flatten_with_path(values)
         paths = [path for path, v in leaves if isinstance(v, torch.Tensor)]
         tensors = [v for _, v in leaves if isinstance(v, torch.Tensor)]
         seen: Dict[Tuple[nn.Module, int], bool] = self._keyword_rows
-        split = set()
+        split, flat = set(), set()
+        call_ambiguous = B > 1 and (B in sizes or tokens in sizes)
         for i, t in enumerate(tensors):
-            rows = t.dim() > dim and t.shape[dim] == B and B > 1
-            if rows and ambiguous:
+            folded = tokens is not None and B > 1 and t.dim() > 0 and t.shape[0] == tokens
+            rows = t.dim() > dim and (t.shape[dim] == B or folded) and B > 1
+            if folded:
+                flat.add(i)
+            if rows and t.shape[dim] in sizes:
                 known = seen.get((layer, i))
                 if known is None:
+                    what = f"the batch's {tokens} tokens" if folded else f"the batch size {B}"
                     raise ValueError(
                         f"layer '{self.layer_names[layer]}' ({type(layer).__name__}) has no per-sample gradient "
                         "sampler, so torch.func runs its forward again on one sample at a time, splitting the "
                         f"tensors it was given that hold one row per sample; its {_argument(paths[i])} of shape "
-                        f"{tuple(t.shape)} has the batch size {B} along dimension {dim}, and so has the layer's "
+                        f"{tuple(t.shape)} has {what} along dimension {dim}, and so has the layer's "
                         f"input, of shape {tuple(x.shape)}, along another, so whether it holds a row per sample "
                         "cannot be told. Run a first step at a batch size that is none of the input's other "
                         "sizes (it is remembered for this layer), or freeze the layer's own parameters.")
                 rows = known
-            elif not ambiguous and B > 1:
+            elif not call_ambiguous and B > 1:
                 seen[(layer, i)] = rows
             if rows:
                 split.add(i)
-        return frozenset(split)
+        return frozenset(split), frozenset(flat & split)
 
     def _refuse_mapping_output(self, layer: nn.Module, output: dict) -> None:
         """Raise for a layer taken whole by torch.func whose output is a mapping of tensors

@@ -48,13 +48,26 @@ class Keywords:
     ``folded``: the call took the batch's tokens flattened (B*T rows), so each sample's rows are
     given as they were, (T, ...), not with a batch dimension of one."""
 
-    __slots__ = ("values", "split", "folded", "outputs")
+    __slots__ = ("values", "split", "folded", "outputs", "flat")
 
     def __init__(self, kwargs: dict, packed: Optional[dict] = None, split=frozenset(), folded: bool = False):
         self.values, self.split, self.folded = (packed or {}, kwargs), split, folded
+        # The positions among ``split`` of tensors that held the batch's tokens flattened where
+        # the layer's input is (B, T, ...), kept as (B, T, ...): each sample's rows are given as
+        # (T, ...), as they were for a batch of one.
+        self.flat = frozenset()
         # The positions, among the output's tensors, of those whose backprops were recorded
         # together (flattened per sample, end to end), or () for the first tensor's alone.
         self.outputs: tuple = ()
+
+    def flatten_tokens(self, flat: frozenset, batch: int) -> None:
+        """The tensors at ``flat`` (B*T rows) viewed as (B, T, ...), to be split by sample."""
+        leaves, spec = tree_flatten(self.values)
+        at = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+        for k in flat:
+            t = leaves[at[k]]
+            leaves[at[k]] = t.reshape(batch, t.shape[0] // batch, *t.shape[1:])
+        self.values, self.flat = tree_unflatten(leaves, spec), flat
 
     def unfold(self, batch: int, n: int) -> None:
         """Taken as a call on the batch's ``n`` tokens flattened: the keyword tensors of ``n``
@@ -126,6 +139,7 @@ class FunctionalGradients:
         leaves, spec = tree_flatten(call.values)
         tensors = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
         split = [leaves[i] for i in tensors if tensors.index(i) in call.split]
+        as_rows = {i for i in tensors if tensors.index(i) in call.flat}  # a sample's (T, ...), no batch of one
         whole = [v if i not in tensors or tensors.index(i) not in call.split else None for i, v in enumerate(leaves)]
         if not call.folded and not call.outputs:
             backprops = _by_sample(backprops, activations)
@@ -136,8 +150,8 @@ class FunctionalGradients:
         def sample_loss(trainable, acts, rows, bp):
             inputs = tuple(one(a) if isinstance(a, torch.Tensor) else a for a in acts)
             given = iter(rows)
-            packed, keywords = tree_unflatten([one(next(given)) if v is None and i in tensors else v
-                                               for i, v in enumerate(whole)], spec)
+            packed, keywords = tree_unflatten([(next(given) if i in as_rows else one(next(given)))
+                                               if v is None and i in tensors else v for i, v in enumerate(whole)], spec)
             inputs = tuple(packed.get(i, a) for i, a in enumerate(inputs))
             out = functional_call(stateless, {**frozen, **dict(zip(names, trainable))}, inputs, keywords)
             if call.outputs:  # several outputs' backprops, each sample's flattened end to end
@@ -147,7 +161,9 @@ class FunctionalGradients:
             out = _first_tensor(out)
             return (out * (bp if call.folded else bp.unsqueeze(batch_dim))).sum()
 
-        in_dims = (None, tuple(0 if isinstance(a, torch.Tensor) else None for a in activations),
+        packed_at = call.values[0]  # positional arguments taken from ``values``, split or whole
+        in_dims = (None, tuple(0 if isinstance(a, torch.Tensor) and i not in packed_at else None
+                               for i, a in enumerate(activations)),
                    tuple(batch_dim for _ in split), 0)
         trainable = tuple(params[n].detach() for n in names)
         grads = vmap(grad(sample_loss), in_dims=in_dims)(trainable, tuple(activations), tuple(split), backprops)
