@@ -75,8 +75,9 @@ class WholeCalls:
         are recorded at once, each sample's flattened and laid end to end, (B, N) along the
         batch dimension, which the recomputation takes apart (``Keywords.outputs``). Each has
         ``rows`` along the batch dimension (the batch size; B*T for a call on the tokens
-        flattened), or B*T rows flattening a (B, T, ...) input, or the call is refused: one without the batch (a parameter the layer
-        returns) is used outside the layer by all samples at once."""
+        flattened), or B*T rows flattening a (B, T, ...) input, or the call is refused: one
+        without the batch (a parameter the layer returns) is used outside the layer by all
+        samples at once."""
         outs = _grad_outputs(output) if layer in self.functorch_layers and not isinstance(output, torch.Tensor) else []
         if len(outs) < 2 or not isinstance(kept[-1], Keywords):
             out.register_hook(record)
