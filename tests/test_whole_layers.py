@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dpgrad
+from dpgrad.backward.shared_outputs import SharingError
 from per_sample_reference import assert_norms_close, assert_tensor_close, per_sample_grads, total_norm
 
 V = 11
@@ -154,23 +155,40 @@ class ReturnsItsBias(nn.Module):
 
 
 class AddsTheBias(nn.Module):
-    def __init__(self):
+    def __init__(self, use="add"):
         super().__init__()
         self.tok, self.inner, self.head = nn.Embedding(V, 6), ReturnsItsBias(6), nn.Linear(6, 3)
+        self.use = use
 
     def forward(self, ids):
         h, bias = self.inner(self.tok(ids))
-        return self.head((h + bias).mean(1))
+        if self.use == "add":
+            h = h + bias
+        elif self.use == "expand_as":  # GPT-NeoX-Japanese's bias_dropout_add(x, bias.expand_as(residual), ...)
+            h = h * 0.5 + bias.expand_as(h)
+        elif self.use == "cat":
+            h = torch.cat([h, bias.expand(1, 1, 6)], dim=1)
+        return self.head(h.mean(1))
+
+
+@pytest.mark.parametrize("rows", [4, 1, 0])
+@pytest.mark.parametrize("use", ["add", "expand_as"])
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_an_output_shared_by_all_samples(wrapper, use, rows):
+    """A parameter the layer returns (GPT-NeoX-Japanese's attention and its dense_bias): each
+    sample's gradient of it is taken where the model adds it to the batch."""
+    torch.manual_seed(8)
+    check_step(wrapper, AddsTheBias(use), rows, seed=9)
 
 
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))
-def test_an_output_shared_by_all_samples_is_refused(wrapper):
-    """Its uses outside the layer are all samples' at once: refused, naming the layer, the
-    output and the way out."""
+def test_an_output_shared_by_all_samples_meeting_the_batch_otherwise_is_refused(wrapper):
+    """Concatenated to the batch's rows: it cannot be told apart by sample; refused, naming
+    the layer."""
     cls, kwargs = WRAPPERS[wrapper]
-    wrapped = cls(AddsTheBias(), loss_reduction="sum", **kwargs)
+    wrapped = cls(AddsTheBias("cat"), loss_reduction="sum", **kwargs)
     ids = torch.randint(0, V, (4, 5), generator=torch.Generator().manual_seed(9))
-    with pytest.raises(ValueError, match=r"layer 'inner' \(ReturnsItsBias\).*output tensor 1 of shape \(6,\)"):
+    with pytest.raises(SharingError, match=r"layer 'inner'.*meets the batch in cat"):
         wrapped(ids)
 
 

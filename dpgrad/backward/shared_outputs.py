@@ -136,7 +136,7 @@ class SharedAcrossBatch(torch.Tensor):
                 return tree_map(lambda r: _wrap(r, sites) if isinstance(r, torch.Tensor) else r, ret)
             name = getattr(func, "__name__", repr(func))
             others = [i for i in shared if i not in meeting]
-            if name not in _BROADCASTING or others:
+            if name not in _BROADCASTING | _EXPANDING or others:
                 raise SharingError(_unsplittable(sites, name, [tuple(flat[i].shape) for i in shared], batch))
             for i in meeting:
                 flat[i] = _met(flat[i], width, batch)

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_leaves, tree_unflatten
 
+from dpgrad.backward.shared_outputs import SharedSite
 from dpgrad.samplers.functorch import Keywords
 
 
@@ -75,9 +76,10 @@ class WholeCalls:
         are recorded at once, each sample's flattened and laid end to end, (B, N) along the
         batch dimension, which the recomputation takes apart (``Keywords.outputs``). Each has
         ``rows`` along the batch dimension (the batch size; B*T for a call on the tokens
-        flattened), or B*T rows flattening a (B, T, ...) input, or the call is refused: one
-        without the batch (a parameter the layer returns) is used outside the layer by all
-        samples at once."""
+        flattened), or B*T rows flattening a (B, T, ...) input; or none (a parameter the layer
+        returns, added outside it): shared by all samples, it is handed on as one
+        (``dpgrad.backward.shared_outputs``), and each sample's gradient of it is taken where
+        it meets the batch."""
         outs = _grad_outputs(output) if layer in self.functorch_layers and not isinstance(output, torch.Tensor) else []
         if len(outs) < 2 or not isinstance(kept[-1], Keywords):
             out.register_hook(record)
@@ -85,27 +87,46 @@ class WholeCalls:
         dim, rows = self.batch_dim, rows or self._forward_batch
         x = next((a for a in kept if isinstance(a, torch.Tensor)), None)
         flat = rows * x.shape[1] if x is not None and x.dim() > 1 and dim == 0 else None  # (B*T, ...) of (B, T, ...)
-        for k, o in enumerate(outs):
-            if o.dim() <= dim or o.shape[dim] not in (rows, flat):
-                raise ValueError(
-                    f"layer '{self.layer_names[layer]}' ({type(layer).__name__}) has no per-sample gradient sampler, "
-                    f"and its output tensor {k} of shape {tuple(o.shape)}, which carries gradients, has no row per "
-                    f"sample along dimension {dim} ({rows} rows): a tensor shared by all samples (a parameter it "
-                    "returns), whose uses outside the layer cannot be told apart by sample. Use the parameter "
-                    "inside the layer, or freeze the layer's own parameters (requires_grad_(False)).")
+        name = self.layer_names[layer]
+        # An output without a row per sample (a parameter the layer returns, added outside it):
+        # shared by all samples, each sample's gradient taken where it meets the batch.
+        sites = {k: SharedSite(name, o, self._forward_batch, o.dim() > 0 and o.shape[0] == 1)
+                 for k, o in enumerate(outs) if o.dim() <= dim or o.shape[dim] not in (rows, flat)}
+        if sites and dim != 0:
+            k = next(iter(sites))
+            raise ValueError(
+                f"layer '{name}' ({type(layer).__name__}) has no per-sample gradient sampler, and its output tensor "
+                f"{k} of shape {tuple(outs[k].shape)}, which carries gradients, has no row per sample along "
+                f"dimension {dim}: a tensor shared by all samples (a parameter it returns), whose uses outside the "
+                "layer dpgrad tells apart by sample only with batch_first=True. Use the parameter inside the "
+                "layer, or freeze the layer's own parameters (requires_grad_(False)).")
         leaves, spec = tree_flatten(output)
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         kept[-1].outputs = tuple(next(i for i, t in enumerate(tensors) if t is o) for o in outs)
-        made = _Joined.apply(partial(self._record_outputs, record, self._forward_batch), *outs)
-        copies = dict(zip(map(id, outs), made))
+        made = _Joined.apply(partial(self._record_outputs, record, self._forward_batch, sites), *outs)
+        for k, site in sites.items():
+            site.output = made[k]
+        copies = {id(o): sites[k].shared(m) if k in sites else m for k, (o, m) in enumerate(zip(outs, made))}
         params = self.layer_params(layer)
         for o in made:  # the hooked outputs, for the guarantee's check of the graph
             self._edges.add(o, layer, kept[:-1], params)
         return tree_unflatten([copies.get(id(v), v) if isinstance(v, torch.Tensor) else v for v in leaves], spec)
 
-    def _record_outputs(self, record: Callable, batch: int, grads) -> None:
-        dim = self.batch_dim
-        rows = [g.movedim(dim, 0).reshape(batch, -1) if batch else g.new_zeros(0, 0) for g in grads]
+    def _record_outputs(self, record: Callable, batch: int, sites: dict, grads) -> None:
+        """Each output's gradient by sample, flattened and laid end to end: (B, N) along the
+        batch dimension; a shared output's from where it met the batch (zeros where unused)."""
+        dim, rows = self.batch_dim, []
+        for k, (g, (shape, like)) in enumerate(grads):
+            if k in sites:
+                try:
+                    per = sites[k].take(g) if g is not None else like.new_zeros((batch, *shape))
+                except BaseException:
+                    self._abort_pass()
+                    raise
+                rows.append(per.reshape(batch, -1) if batch else per.new_zeros(0, 0))
+            else:
+                g = like.new_zeros(shape) if g is None else g
+                rows.append(g.movedim(dim, 0).reshape(batch, -1) if batch else g.new_zeros(0, 0))
         record(torch.cat([r.to(rows[0].dtype) for r in rows], 1).movedim(0, dim))
 
 
@@ -205,15 +226,17 @@ def _buffer_state(layer: nn.Module) -> Dict[str, tuple]:
 
 class _Joined(torch.autograd.Function):
     """Copies of a layer's outputs, one node whose backward gets all of their gradients at once
-    (zeros for those not used) and hands them to ``record`` (also inside a checkpoint's
+    (None for those not used, with their shapes) and hands them to ``record`` (also inside a checkpoint's
     recomputation, where a hook on several tensors is not called)."""
 
     @staticmethod
     def forward(ctx, record, *outs):
         ctx.record = record
+        ctx.set_materialize_grads(False)
+        ctx.like = [(o.shape, o.new_empty(())) for o in outs]  # for zeros where an output is unused
         return tuple(o.clone() for o in outs)
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.record(grads)
+        ctx.record(list(zip(grads, ctx.like)))
         return (None, *grads)
