@@ -10,6 +10,10 @@ For every layer shape and T in {128, 512, 1024, 4096} (B = 8192 // T, so every c
   ``compute_linear_grad_sample`` einsum alone and followed by the norms its optimizer takes;
 - ``linear_clipped_sum``: the single backward's clipped sum ``(c ⊙ G)^T A`` against the GEMM
   (Opacus has no such step: it runs a second backward pass);
+- ``experts_norm``, ``experts_clipped_sum``: a mixture-of-experts weight (E, p, q) over its
+  routed (token, expert) pairs (top-k of E per token): dpgrad's Triton kernels over (expert,
+  sample) segments against its eager ones and the weight-gradient GEMMs per expert
+  (``gemm-per-expert``: ``L_e^T R_e`` for each expert's pairs, sorted beforehand);
 - ``roofline``: the device's limits as measured in the same run, a large GEMM's FLOP/s
   (``cublas-gemm``, 8192^3) and a large copy's bytes/s (``copy``, 1 GiB). Each row's work, the
   fewest FLOPs of its cheapest form and one read of its inputs (``benchmarks/conftest.py``,
@@ -62,6 +66,14 @@ EMBEDDINGS = (
     if QUICK
     else [("gpt2.wte", 50257, 768), ("llama7b.embed_tokens", 32000, 4096), ("llama3-8b.embed_tokens", 128256, 4096)]
 )
+# (layer, experts E, top k, p, q): the weight's (E, p, q) gradient sums left (p) x right (q) per pair.
+EXPERTS = (
+    [("qwen3-moe-like.gate_up", 8, 2, 32, 64)]
+    if QUICK
+    else [("qwen3-moe-small.gate_up", 16, 2, 1024, 1024), ("qwen3-moe-small.down", 16, 2, 1024, 512),
+          ("qwen3-30b-a3b.gate_up", 128, 8, 1536, 2048), ("qwen3-30b-a3b.down", 128, 8, 2048, 768)]
+)
+EXPERTS_PROVIDERS = ["dpgrad", "dpgrad-eager", "gemm-per-expert"]
 PROVIDERS = {
     "linear_norm": ["dpgrad-direct", "dpgrad-gram", "dpgrad-eager-direct", "dpgrad-eager-gram", "opacus", "gemm",
                     "cublas-gram"],
@@ -151,6 +163,30 @@ def embedding_call(provider: str, V: int, d: int, T: int):
     return need, lambda: compute_embedding_norm_sample(layer, [ids], G)
 
 
+def experts_call(kernel: str, provider: str, E: int, k: int, p: int, q: int, T: int):
+    """(bytes it needs, the call) for an experts kernel and provider, on ``TOKENS_PER_CALL``
+    tokens routed to k of E experts each."""
+    B, N = batch_for(T), batch_for(T) * T
+    expert = torch.rand(N, E, device=DEV).topk(k, dim=1).indices.reshape(-1)
+    sample = torch.arange(N, device=DEV).repeat_interleave(k) // T
+    left = torch.randn(N * k, p, device=DEV, dtype=DTYPE)
+    right = torch.randn(N * k, q, device=DEV, dtype=DTYPE)
+    coef = torch.rand(B, device=DEV)[sample]
+    ops = backend.ops_for(left, right)
+    need = 2 * N * k * (p + q) + 4 * E * p * q + 16 * N * k
+    order = torch.argsort(expert)
+    counts = torch.bincount(expert, minlength=E).tolist()
+    Ls, Rs = left[order].split(counts), right[order].split(counts)
+    calls = {
+        ("experts_norm", "dpgrad"): lambda: ops.experts_sq_norms(left, right, expert, sample, E, B),
+        ("experts_norm", "dpgrad-eager"): lambda: eager.experts_sq_norms(left, right, expert, sample, E, B),
+        ("experts_clipped_sum", "dpgrad"): lambda: ops.experts_clipped_sum(left, right, expert, coef, E, DTYPE),
+        ("experts_clipped_sum", "dpgrad-eager"): lambda: eager.experts_clipped_sum(left, right, expert, coef, E,
+                                                                                    DTYPE),
+    }
+    return need, calls.get((kernel, provider), lambda: [L.T @ R for L, R in zip(Ls, Rs)])
+
+
 def _run(bench, need: int, call) -> None:
     """Time ``call`` (or record why not) for the ``bench`` row."""
     if "-eager" in bench.provider and not CUDA:
@@ -232,3 +268,16 @@ def test_embedding_norm(bench, provider, name, V, d, T):
                  dtype=str(DTYPE).removeprefix("torch."))
     bench.describe("kernels", "embedding_norm", shape, provider)
     _run(bench, *embedding_call(provider, V, d, T))
+
+
+EXPERTS_CASES = [(name, E, k, p, q, T) for T in SEQ_LENS for name, E, k, p, q in EXPERTS]
+
+
+@pytest.mark.parametrize("kernel", ["experts_norm", "experts_clipped_sum"])
+@pytest.mark.parametrize("provider", EXPERTS_PROVIDERS)
+@pytest.mark.parametrize("name, E, k, p, q, T", EXPERTS_CASES, ids=_ids(EXPERTS_CASES))
+def test_experts_kernel(bench, kernel, provider, name, E, k, p, q, T):
+    shape = dict(kernel=kernel, layer=name, E=E, k=k, p=p, q=q, T=T, B=batch_for(T),
+                 dtype=str(DTYPE).removeprefix("torch."))
+    bench.describe("kernels", kernel, shape, provider)
+    _run(bench, *experts_call(kernel, provider, E, k, p, q, T))

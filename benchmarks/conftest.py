@@ -156,12 +156,17 @@ def kernel_work(shape: Dict[str, object]) -> Optional[Tuple[float, float]]:
     norms: the direct form's ``2*B*T*d*p`` (the weight-gradient GEMM's) or the Gram form's
     ``B*T^2*(d+p)`` (both Gram matrices, symmetric: half of ``2*B*T^2*(d+p)``), whichever is
     fewer. Per-sample gradients and clipped sums: the GEMM's FLOPs, and their output written.
-    Embedding norms: reading the ids and G. None for a row of another kind."""
+    Embedding norms: reading the ids and G. Experts' norms and clipped sums: the weight-gradient
+    GEMMs over the routed pairs, and reading the pairs' factors. None for a row of another kind."""
     kernel, e = shape.get("kernel"), _ELEMENT_BYTES.get(str(shape.get("dtype")), 4)
     if kernel == "roofline":
         return float(shape["flops"]), float(shape["bytes"])
     if kernel == "embedding_norm":
         return 0.0, float(8 * shape["B"] * shape["T"] + e * shape["B"] * shape["T"] * shape["d"])
+    if kernel in ("experts_norm", "experts_clipped_sum"):  # the per-expert weight-gradient GEMMs over the pairs
+        pairs, p, q = int(shape["B"]) * int(shape["T"]) * int(shape["k"]), int(shape["p"]), int(shape["q"])
+        written = 4 * shape["B"] if kernel == "experts_norm" else e * int(shape["E"]) * p * q
+        return 2.0 * pairs * p * q, float(e * pairs * (p + q) + written)
     if kernel not in ("linear_norm", "linear_grad_sample", "linear_clipped_sum"):
         return None
     B, T, d, p = (int(shape[k]) for k in ("B", "T", "d", "p"))
@@ -195,7 +200,8 @@ def _derive_kernels(rows: List[dict]) -> None:
     for case in results.by_case(rows).values():
         # Per-sample gradients against Opacus's with the norms its optimizer then takes, as
         # dpgrad's kernel fuses them.
-        opacus, gemm = case.get("opacus-with-norm") or case.get("opacus"), case.get("gemm")
+        opacus = case.get("opacus-with-norm") or case.get("opacus")
+        gemm = case.get("gemm") or case.get("gemm-per-expert")
         gram = case.get("cublas-gram")
         for name, r in case.items():
             if r["status"] != "ok" or r["shape"].get("kernel") == "roofline":

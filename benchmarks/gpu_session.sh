@@ -31,7 +31,10 @@
 #                                                   and dpgrad single, each eager and graphed
 #                                                   (PROVIDERS="non-private-compile
 #                                                   dpgrad-single-compile": under torch.compile)
-#   bash benchmarks/gpu_session.sh kernels          bench_kernels.py, full sizes
+#   bash benchmarks/gpu_session.sh kernels [-k EXPR]
+#                                                   bench_kernels.py, full sizes (-k experts: the
+#                                                   mixture-of-experts kernels alone, against their
+#                                                   eager twins and cuBLAS per expert)
 #   bash benchmarks/gpu_session.sh kernels-compare BASE
 #                                                   the kernel table at commit BASE (dpgrad's own
 #                                                   kernels only), then at the checkout (every
@@ -174,7 +177,7 @@ for key in sorted({key for key, _ in seen}):
 PYEOF
         ;;
     kernels)
-        bench benchmarks/bench_kernels.py
+        bench benchmarks/bench_kernels.py "$@"
         ;;
     kernels-compare)
         base=$1
