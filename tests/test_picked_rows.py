@@ -134,18 +134,24 @@ def test_a_layer_without_samplers_on_picked_rows_is_refused():
         wrapped(batch(4, 5)[0])
 
 
-def test_a_token_picked_twice_by_one_call_is_refused():
-    """Two rows of one token in one call cannot both be put at its place."""
+class Twice(PerExpert):
+    """Each token through expert 0 twice in one call, one pick per slot of its top 2 (a token
+    routed to one expert twice), the two outputs weighted apart."""
 
-    class Twice(PerExpert):
-        def forward(self, ids):
-            flat = self.tok(ids).view(-1, D)
-            token = torch.arange(flat.shape[0]).repeat(2)
-            return self.head(self.experts[0](flat[token]).view(2, *ids.shape, D).sum(0).mean(1))
+    def forward(self, ids):
+        flat = self.tok(ids).view(-1, D)
+        token = torch.arange(flat.shape[0]).repeat(2)
+        weight = torch.tensor([0.5, 1.5]).repeat_interleave(flat.shape[0])[:, None]
+        out = torch.zeros_like(flat).index_add(0, token, self.experts[0](flat[token]) * weight)
+        return self.head(torch.tanh(out.view(*ids.shape, D)).mean(1))
 
-    wrapped = dpgrad.GradSampleModuleFastGradientClipping(Twice())
-    with pytest.raises(ValueError, match=r"layer 'experts.0.fc1' is called on rows picked.*more than once"):
-        wrapped(batch(4, 5)[0])
+
+@pytest.mark.parametrize("B", [4, 1])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_token_picked_twice_by_one_call(mode, B):
+    """Each pick gets a slot of its own: a sample's rows are all its picks."""
+    torch.manual_seed(7)
+    check_ghost(Twice(), *batch(B, 5, seed=8), MODES[mode])
 
 
 def test_rows_picked_from_a_time_major_flatten_are_refused():

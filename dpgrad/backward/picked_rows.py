@@ -10,8 +10,8 @@ the source holds the batch's tokens batch-first (B, T, ...) or flattened (B*T, .
 is sample i // T's (the independence check refuses another order). The later layers of the same
 module call, on rows of the same count (the expert's second Linear, after its activation),
 take the same tokens. A call is recorded with its inputs and backprops scattered to each row's
-token, (B, T, ...), zero where the expert got no token: every sampler takes it as any call, and
-a zero row adds nothing to a sample's gradient.
+token, (B, T, ...), zero where the expert got no token (a token picked twice gets a place per
+pick): every sampler takes it as any call, and a zero row adds nothing to a sample's gradient.
 """
 
 from __future__ import annotations
@@ -30,12 +30,13 @@ _DEPTH = 8  # nodes walked at most
 
 
 class PickedRows:
-    """Which token of the batch each of a call's ``rows`` rows is: ``tokens`` (rows,) into a
-    grid of ``batch * per_sample`` positions, sample-major."""
+    """Where each of a call's ``rows`` rows goes: ``tokens`` (rows,), its slot in a grid of
+    ``batch * per_sample`` positions, sample-major (its token's, or one of its token's where a
+    token is picked twice)."""
 
     __slots__ = ("tokens", "rows", "batch", "per_sample")
 
-    def __init__(self, tokens: torch.Tensor, batch: int, per_sample: int):
+    def __init__(self, tokens: torch.Tensor, per_sample: int, batch: int):
         self.tokens, self.rows = tokens, tokens.numel()
         self.batch, self.per_sample = batch, per_sample
 
@@ -86,10 +87,10 @@ def _tokens(fn) -> Optional[Tuple[torch.Tensor, Tuple[int, ...], Tuple[int, ...]
     return picked.reshape(-1), grid, sizes[consumed:]
 
 
-def picked_rows(x: torch.Tensor, batch: int, name: str) -> Optional[PickedRows]:
-    """The tokens of the rows of ``x``, the input of layer ``name``, where it is rows picked by
-    indexing from a tensor of the batch's B*T tokens; else None. Raises ValueError, naming the
-    layer, where one token is picked twice."""
+def picked_rows(x: torch.Tensor, batch: int) -> Optional[PickedRows]:
+    """The tokens of the rows of ``x``, a layer's input, where it is rows picked by
+    indexing from a tensor of the batch's B*T tokens; else None. A token picked twice in the
+    call (one token routed to an expert twice) gets a slot per pick."""
     fn = _source_index(x) if x.grad_fn is not None else None
     found = _tokens(fn) if fn is not None else None
     if found is None or batch <= 0:
@@ -98,12 +99,22 @@ def picked_rows(x: torch.Tensor, batch: int, name: str) -> Optional[PickedRows]:
     count = math.prod(grid)
     if count % batch or tokens.numel() != x.shape[0] or tuple(x.shape[1:]) != whole:
         return None
-    if torch.unique(tokens).numel() != tokens.numel():
-        raise ValueError(
-            f"layer {name!r} is called on rows picked from the batch's tokens, one of them more than once in this "
-            "call, so dpgrad cannot put each row at its token to take the call apart by sample. Pick each token once "
-            "per call (a mixture-of-experts block calls each expert on its tokens once).")
-    return PickedRows(tokens, batch, count // batch)
+    return PickedRows(*_slots(tokens, count // batch), batch)
+
+
+def _slots(tokens: torch.Tensor, per_sample: int) -> Tuple[torch.Tensor, int]:
+    """(each row's slot, slots per sample): its token's, where no token is picked twice; else
+    ``m`` slots a token (m its most picks), a row's being ``token * m`` plus how many rows
+    before it picked the same token. One wait for the device (the count of distinct tokens)."""
+    if tokens.numel() == 0 or torch.unique(tokens).numel() == tokens.numel():
+        return tokens, per_sample
+    order = torch.argsort(tokens, stable=True)
+    ordered = tokens[order]
+    first = torch.searchsorted(ordered, ordered)  # where each row's token begins among the sorted
+    repeat = torch.empty_like(tokens)
+    repeat[order] = torch.arange(tokens.numel(), device=tokens.device) - first
+    m = int(repeat.max()) + 1
+    return tokens * m + repeat, per_sample * m
 
 
 class PickedScopes:

@@ -65,7 +65,7 @@ class SplitCalls:
         if not self.batch_first or not batch or x is None or x.dim() == 0 or x.grad_fn is None:
             return None
         name, forward_id = self.layer_names[layer], self._edges.forward_id
-        picked = picked_rows(x, batch, name) or self._picked_scopes.find(name, forward_id, x)
+        picked = picked_rows(x, batch) or self._picked_scopes.find(name, forward_id, x)
         if picked is not None:
             self._picked_scopes.note(layer, name, forward_id, picked, out)
         return picked
