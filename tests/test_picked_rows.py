@@ -67,7 +67,7 @@ class PerExpert(nn.Module):
         return self.head(torch.tanh(out.view(Bn, Tn, D) + x).mean(1))
 
 
-@pytest.mark.parametrize("B", [4, 1])
+@pytest.mark.parametrize("B", [4, 1, 0])
 @pytest.mark.parametrize("pick", ["index", "index_select", "mask", "switch"])
 @pytest.mark.parametrize("mode", list(MODES))
 def test_experts_on_picked_rows_are_exact(mode, pick, B):
