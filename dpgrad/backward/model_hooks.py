@@ -46,6 +46,7 @@ class ModelHooks:
         self._input_batch, self._input_tokens = 0, None
         self._forward_seen = set()
         self._unviewed_calls = []
+        self._picked_scopes.begin_forward()
         self._edges.begin_forward()
 
     @eager_when_compiled

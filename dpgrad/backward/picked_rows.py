@@ -128,6 +128,10 @@ class PickedScopes:
         # tell their rows by) leaves their outputs as they are.
         self.layers: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
+    def begin_forward(self) -> None:
+        """Let go of the last forward pass's picks (and the autograd nodes they hold)."""
+        self._scopes.clear()
+
     def note(self, layer: torch.nn.Module, name: str, forward_id: int, picked: PickedRows, out: torch.Tensor) -> None:
         scope = name
         while scope:  # every module holding the layer (a LoRA adapter's lora_B is lora_A's sibling)
