@@ -264,7 +264,7 @@ def served_by(cls: type, module: str) -> bool:
     (none replaced by a user's own): a kept-inputs function keeps something else than the
     inputs only for the samplers it was written for."""
     return all(getattr(table[cls], "__module__", None) == module for table in TABLES
-               if table not in (KEPT_INPUTS, BATCH_COPIES) and cls in table)
+               if table is not KEPT_INPUTS and table is not BATCH_COPIES and cls in table)
 
 
 def register_kept_inputs(target_class_or_classes: Target):
