@@ -31,7 +31,7 @@ reverse) is widened to fp32, as the reference multiplies them.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -39,7 +39,7 @@ import triton.language as tl
 
 from .gemm_tiles import GEMM_TILES, I32_MAX, check_offsets, columns, grouped_tile
 from .triton_common import INTERPRET, cdiv, check_dtypes, configs, dot_fp32, empty, family_configs, launch
-from .triton_common import keep_only, min_block, one_family, placeholder, prune_for
+from .triton_common import PRUNE_RULES, SPILLS, config_name, keep_only, min_block, one_family, placeholder, prune_for
 from .triton_common import round_to_bf16, skeleton_family
 
 # The configs are the ones that compile without spilling for every target (sm_80, sm_90,
@@ -378,3 +378,20 @@ def experts_grad_sample(left: torch.Tensor, right: Optional[torch.Tensor], exper
     else:
         _segment_launch(left, right, seg.order, every, seg.offsets, out, placeholder(device), B, E, 0, store=True)
     return out.to(out_dtype)
+
+
+# What the oldest supported Triton (3.6) spills with besides (``python -m
+# dpgrad.tools.kernel_compile`` under triton==3.6.0, sm_80 and sm_90), kept from those launches
+# here, below the kernels, whose compile results are keyed by their lines.
+keep_only("_experts_rows_kernel", one_family("X"),
+          {"half": [n for n in _ROWS if n not in ("BP=128 BR=16 w2", "BP=256 BR=16 w4")]})
+keep_only("_experts_clipped_sum_kernel", skeleton_family, {"fp32": ["BK=16 BM=64 BN=64 GROUP=8 w8"]})
+
+
+def _wide_half_into_fp32(config: Dict[str, Any], capability: int, pointers: Dict[str, Optional[str]]) -> bool:
+    """The segment kernel's widest half tile writing fp32 per-sample gradients on sm_80."""
+    return (capability == 80 and pointers.get("W") == "fp32" and pointers.get("G") in ("bf16", "fp16")
+            and config_name(config) == "BK=64 BM=128 BN=64 GROUP=8 w8")
+
+
+PRUNE_RULES.setdefault("_experts_segment_kernel", []).append((_wide_half_into_fp32, SPILLS))
