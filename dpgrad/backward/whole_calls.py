@@ -2,12 +2,14 @@
 ``dpgrad.backward.backward_pass.BackwardPath``): layers without samplers of their own, whose
 per-sample gradients come from running their forward again on one sample at a time
 (``dpgrad.samplers.functorch``). Such a call is recorded as any call, with what that
-recomputation needs besides the positional inputs: its keyword arguments, the tensors among them
-that hold one row per sample (split by sample as the positional inputs are) told apart from
-those given whole to every sample (a causal mask, rotary tables of one row). Refused, naming the
-layer: a call whose forward changed the layer's buffers (the recomputation would see other
-values), and a keyword tensor whose first size equals the batch size by chance the first time
-the layer is seen (whether it holds a row per sample cannot be told)."""
+recomputation needs besides its input: its other arguments, positional or by keyword, the
+tensors among them that hold one row per sample (split by sample as the input is; B*T rows of
+the batch's tokens flattened, each sample's T) told apart from those given whole to every
+sample (a causal mask, rotary tables of one row). An output shared by all samples (a parameter
+the layer returns) is handed on as one (``dpgrad.backward.shared_outputs``). Refused, naming
+the layer: a call whose forward changed the layer's buffers (the recomputation would see other
+values), and a tensor whose first size equals the batch size (or the token count) by chance
+the first time the layer is seen (whether it holds a row per sample cannot be told)."""
 
 from __future__ import annotations
 
