@@ -4,7 +4,8 @@ A layer called on an input without the batch (T5's relative attention bias on (T
 buckets, a position table on (1, T) ids, a Linear on a learned token) gives each sample the
 gradient of where its output meets that sample's row; subclasses of nn.Embedding with a forward
 of their own (BART's scaled word embeddings, its learned positions) are clipped at their
-F.embedding calls. Every case: per-sample norms within fp32 rel 1e-5 of torch.func in float64,
+F.embedding calls, subclasses of nn.Linear at their F.linear calls (Phi-MoE's router, drawing
+its experts at random).  Every case: per-sample norms within fp32 rel 1e-5 of torch.func in float64,
 and ``p.grad`` the clipped sum, in both modes; ``GradSampleModule``'s per-sample gradients too.
 What cannot be split by sample is refused, naming the layer.
 """
@@ -76,10 +77,11 @@ def loss_of(out, y):
     return F.cross_entropy(out, y, reduction="none")
 
 
-def check_ghost(model: nn.Module, ids, y, single: bool, warmup=None):
-    """dpgrad's clipped step against the float64 reference: norms and p.grad (after a step on
-    the ``warmup`` batch, whose gradients are dropped, where given)."""
-    ref = per_sample_grads(model, ids, y, loss_of)
+def check_ghost(model: nn.Module, ids, y, single: bool, warmup=None, ref=None, seed=None):
+    """dpgrad's clipped step against the float64 reference (``ref``, else torch.func's): norms
+    and p.grad (after a step on the ``warmup`` batch, whose gradients are dropped, where given;
+    the generator seeded with ``seed`` right before the step's forward pass, where given)."""
+    ref = per_sample_grads(model, ids, y, loss_of) if ref is None else ref
     ref_norms = total_norm(ref) if ids.shape[0] else torch.zeros(0, dtype=torch.float64)
     C = float(ref_norms.median()) if ids.shape[0] else 1.0
     model = copy.deepcopy(model)
@@ -88,6 +90,8 @@ def check_ghost(model: nn.Module, ids, y, single: bool, warmup=None):
     if warmup is not None:
         criterion(wrapped(warmup[0]), warmup[1]).backward()
         wrapped.zero_grad(set_to_none=True)
+    if seed is not None:
+        torch.manual_seed(seed)
     criterion(wrapped(ids), y).backward()
     norms = wrapped.per_sample_gradient_norms
     assert_norms_close(norms, ref_norms, "per-sample norms")
@@ -317,3 +321,137 @@ def test_an_embedding_subclass_with_the_base_forward_is_hooked_as_an_embedding()
     model = Model()
     assert not dpgrad.GradSampleModuleFastGradientClipping(copy.deepcopy(model))._path.functorch_layers
     check_ghost(model, *batch(4, 5), single=True)
+
+
+E = 3
+
+
+class NoisyRouter(nn.Linear):
+    """Phi-MoE's router: logits from ``super().forward``, then each token's expert drawn at
+    random in training (Gumbel noise, drawn in fp32: the same draws in a float64 copy)."""
+
+    def forward(self, x):
+        logits = super().forward(x)
+        noise = -torch.empty(logits.shape).exponential_().log().to(logits.dtype) if self.training else 0
+        pick = (logits + noise).argmax(-1, keepdim=True)
+        return logits.softmax(-1).gather(-1, pick), pick
+
+
+class Routed(nn.Module):
+    """Tokens, a router (``router``: a Linear subclass), E experts' outputs from one Linear of
+    which each token keeps its pick's, weighted by its routing score, and a head."""
+
+    def __init__(self, router: nn.Module):
+        super().__init__()
+        self.tok, self.router = nn.Embedding(V, D), router
+        self.experts, self.head = nn.Linear(D, E * D), nn.Linear(D, 3)
+
+    def forward(self, ids):
+        x = self.tok(ids)
+        score, pick = self.router(x)
+        chosen = self.experts(x).unflatten(-1, (E, D)).gather(-2, pick[..., None].expand(*pick.shape, D)).squeeze(-2)
+        return self.head((x + score * chosen).mean(1))
+
+
+def batched_reference(model: nn.Module, ids, y, seed: int):
+    """Per-sample float64 gradients by autograd, a backward pass per sample's loss through one
+    forward pass of the whole batch, the generator seeded with ``seed`` first (dpgrad's draws)."""
+    model64 = copy.deepcopy(model).double()
+    torch.manual_seed(seed)
+    losses = loss_of(model64(ids), y)
+    params = {n: p for n, p in model64.named_parameters() if p.requires_grad}
+    grads = [torch.autograd.grad(loss, list(params.values()), retain_graph=True, allow_unused=True) for loss in losses]
+    return {n: torch.stack([g[i] if g[i] is not None else torch.zeros_like(p) for g in grads])
+            if grads else torch.zeros(0, *p.shape, dtype=torch.float64) for i, (n, p) in enumerate(params.items())}
+
+
+@pytest.mark.parametrize("B", [4, 1, 0])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_linear_subclass_drawing_at_random_is_clipped_at_its_f_linear_call(mode, B):
+    """torch.func cannot run the router again per sample (its draws, under vmap); hooked at
+    F.linear, its logits' per-sample gradients are exact, and so is the rest of the model."""
+    torch.manual_seed(6)
+    model = Routed(NoisyRouter(D, E))
+    assert not dpgrad.GradSampleModuleFastGradientClipping(copy.deepcopy(model))._path.functorch_layers
+    ids, y = batch(B, 5, seed=B)
+    check_ghost(model, ids, y, MODES[mode], ref=batched_reference(model, ids, y, seed=11), seed=11)
+
+
+def test_a_linear_subclass_per_sample_gradients():
+    torch.manual_seed(7)
+    model = Routed(NoisyRouter(D, E))
+    ids, y = batch(4, 6)
+    ref = batched_reference(model, ids, y, seed=3)
+    wrapped = dpgrad.GradSampleModule(copy.deepcopy(model), loss_reduction="sum")
+    torch.manual_seed(3)
+    loss_of(wrapped(ids), y).sum().backward()
+    for n, p in wrapped._module.named_parameters():
+        assert_tensor_close(p.grad_sample, ref[n], f"{n} per-sample gradients")
+
+
+class Transposed(nn.Linear):
+    """Falcon's: the product written out, F.linear never called (torch.func takes it whole)."""
+
+    def forward(self, x):
+        logits = x @ self.weight.T + self.bias
+        return logits.softmax(-1).max(-1, keepdim=True).values, logits.argmax(-1, keepdim=True)
+
+
+class LogitScaled(NoisyRouter):
+    """Dory's LM head: a parameter of its own beside the weight (torch.func takes it whole)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.scale = nn.Parameter(torch.rand(E) + 0.5)
+
+    def forward(self, x):
+        logits = super(NoisyRouter, self).forward(x) * self.scale
+        return logits.softmax(-1).max(-1, keepdim=True).values, logits.argmax(-1, keepdim=True)
+
+
+class Renamed(nn.Linear):
+    pass
+
+
+class RenamedRouter(Renamed):
+    def forward(self, x):
+        logits = super().forward(x)
+        return logits.softmax(-1).max(-1, keepdim=True).values, logits.argmax(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("router,whole", [(Transposed, True), (LogitScaled, True), (RenamedRouter, False)],
+                         ids=["transposed", "own-parameter", "base-forward"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_linear_subclasses_are_exact_hooked_or_whole(mode, router, whole):
+    """A subclass whose forward does not call F.linear, or that holds a parameter F.linear is
+    not given, is taken whole by torch.func; a subclass of a subclass with the base's forward
+    (``Renamed``) is a Linear, and so is one whose forward calls it."""
+    torch.manual_seed(8)
+    model = Routed(router(D, E))
+    layers = dpgrad.GradSampleModuleFastGradientClipping(copy.deepcopy(model))._path.functorch_layers
+    assert [type(m) for m in layers] == ([router] if whole else [])
+    check_ghost(model, *batch(4, 5), MODES[mode])
+    assert not dpgrad.GradSampleModule(nn.Sequential(Renamed(D, 2)))._path.functorch_layers
+
+
+def test_a_linear_subclass_dropping_its_bias_is_refused():
+    class NoBias(nn.Linear):
+        def forward(self, x):
+            return F.linear(x, self.weight)
+
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(nn.Sequential(NoBias(D, 2)))
+    with pytest.raises(FunctionalCallError, match=r"layer '0' \(NoBias, an nn.Linear subclass\) calls F.linear on its "
+                                                  r"weight with no bias, where the layer has one"):
+        wrapped(torch.randn(2, 3, D))
+
+
+def test_a_linear_subclass_computing_without_f_linear_is_refused():
+    class Sometimes(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) if x.shape[0] > 2 else x @ self.weight.T + self.bias
+
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(nn.Sequential(Sometimes(D, 2)))
+    wrapped(torch.randn(3, 2, D))
+    with pytest.raises(FunctionalCallError, match=r"layer '0' \(Sometimes, a subclass of nn.Linear with a forward of "
+                                                  r"its own\) computed its output without calling F.linear"):
+        wrapped(torch.randn(2, 2, D))

@@ -97,7 +97,7 @@ class ClippingPath(ClippedBackward, NormRows, BackwardPath):
         """Whether the layer is clipped from its norm alone (single backward: only if it can
         also sum it clipped)."""
         kind = type(layer)
-        return (self.ghost and kind in self.NORM_SAMPLERS and not registry.structure_unmet(layer)
+        return (self.ghost and kind in self.NORM_SAMPLERS and not registry.samplers_unmet(layer)
                 and (not self.single_backward or kind in self.CLIPPED_SUM_SAMPLERS))
 
     def _check_layers(self, model: nn.Module) -> None:

@@ -1,26 +1,28 @@
 """Layers hooked at a function's calls on their weight, not at their own forward: a subclass of
 a layer type with samplers whose forward does more than the type's (Hugging Face's
 ``BartScaledWordEmbedding`` multiplies the embeddings by a scale, ``BartLearnedPositionalEmbedding``
-offsets its position ids). Its samplers are its base type's, given what the function was given
-(the ids) and the gradient of what it returned, whatever the forward does around it.
+offsets its position ids, Phi-MoE's router draws its experts at random after ``super().forward``).
+Its samplers are its base type's, given what the function was given (the ids, the input) and
+the gradient of what it returned, whatever the forward does around it.
 
 ``FunctionalCalls`` is a ``TorchFunctionMode`` in force during such a layer's forward only (its
 forward pre-hook enters it, its forward hook, which runs even when the forward raises, leaves
-it): each call of the layer type's function (``F.embedding``) on the layer's weight is handed to
-the path as a call of the layer, and so is an Embedding subclass's own indexing of its weight
-by a slice or by ids (Whisper's learned positions, ``self.weight[a:b]``), the lookup
+it): each call of the layer type's function (``F.embedding``, ``F.linear``) on the layer's weight
+is handed to the path as a call of the layer, and so is an Embedding subclass's own indexing of
+its weight by a slice or by ids (Whisper's learned positions, ``self.weight[a:b]``), the lookup
 ``F.embedding`` makes of those rows.
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Callable, List
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+from dpgrad.samplers import registry
 
 
 class FunctionalCallError(RuntimeError):
@@ -36,7 +38,8 @@ class FunctionalCalls(TorchFunctionMode):
         super().__init__()
         self.layer, self.name, self.function, self.on_call = layer, name, function, on_call
         self.calls = 0
-        self._signature = inspect.signature(function)
+        self._signature = registry.signature(function)
+        self._label = f"F.{function.__name__}"
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -49,7 +52,7 @@ class FunctionalCalls(TorchFunctionMode):
         bound = self._signature.bind(*args, **kwargs)
         if bound.arguments["weight"] is not self.layer.weight:
             return func(*args, **kwargs)
-        return self._lookup(func, bound, "calls F.embedding on its weight")
+        return self._lookup(func, bound, f"calls {self._label} on its weight")
 
     def _lookup(self, func, bound, how: str):
         bound.apply_defaults()
@@ -69,6 +72,16 @@ class FunctionalCalls(TorchFunctionMode):
         """Refuse a call whose arguments the samplers, which read them from the layer, would
         not follow."""
         layer = self.layer
+        if self.function is F.linear:
+            if call["bias"] is not layer.bias:
+                raise FunctionalCallError(
+                    f"layer '{self.name}' ({type(layer).__name__}, an nn.Linear subclass) {how} with "
+                    f"{'no bias' if call['bias'] is None else 'a bias other than its own'}, where the layer has "
+                    f"{'none' if layer.bias is None else 'one'}; dpgrad clips it as nn.Linear's samplers do, its "
+                    "weight and its own bias together. Call F.linear(x, self.weight, self.bias) (or "
+                    f"super().forward), or register samplers for {type(layer).__name__} "
+                    "(dpgrad.register_grad_sampler and register_norm_sampler).")
+            return
         padding = call["padding_idx"]
         if padding is not None and padding < 0:
             padding += layer.num_embeddings
@@ -82,6 +95,10 @@ class FunctionalCalls(TorchFunctionMode):
                 f"{', '.join(f'{k}={getattr(layer, k)!r}' for k in differs)}; dpgrad clips it as the layer's "
                 "attributes say. Call F.embedding with the layer's own settings, or register samplers for "
                 f"{type(layer).__name__} (dpgrad.register_grad_sampler and register_norm_sampler).")
+
+# For messages: the layer type each function computes, and how a forward calls it.
+_CALLS = {F.embedding: ("nn.Embedding", "F.embedding(ids, self.weight, ...)"),
+          F.linear: ("nn.Linear", "F.linear(x, self.weight, self.bias)")}
 
 
 def _lookup_ids(index, weight: torch.Tensor):
@@ -116,9 +133,9 @@ class FunctionalHooks:
         # None: the forward raised (the hook runs all the same), and that error stands.
         trains = any(p.requires_grad for p in layer.parameters(recurse=False))
         if output is not None and mode.calls == 0 and self.active() and trains:
+            base, call = _CALLS[self.function]
             raise FunctionalCallError(
-                f"layer '{self.name}' ({type(layer).__name__}, a subclass of nn.Embedding with a forward of its "
-                "own) computed its output without calling F.embedding on its weight, where dpgrad takes each "
-                "sample's gradient. Compute the lookup with F.embedding(ids, self.weight, ...) (or "
-                "super().forward), or register samplers for the class (dpgrad.register_grad_sampler and "
-                "register_norm_sampler).")
+                f"layer '{self.name}' ({type(layer).__name__}, a subclass of {base} with a forward of its "
+                f"own) computed its output without calling F.{self.function.__name__} on its weight, where dpgrad "
+                f"takes each sample's gradient. Compute it with {call} (or super().forward), or register "
+                "samplers for the class (dpgrad.register_grad_sampler and register_norm_sampler).")

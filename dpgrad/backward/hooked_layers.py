@@ -86,7 +86,7 @@ class HookedLayers:
 
     def whole(self, layer: nn.Module) -> bool:
         """Whether the layer's per-sample gradients come from torch.func, for it whole."""
-        return self.force_functorch or type(layer) not in self.GRAD_SAMPLERS or registry.structure_unmet(layer)
+        return self.force_functorch or type(layer) not in self.GRAD_SAMPLERS or registry.samplers_unmet(layer)
 
     def _hook(self) -> list:
         """Hook every layer with trainable parameters of its own, and the model itself (at

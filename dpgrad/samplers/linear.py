@@ -22,6 +22,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from dpgrad.samplers import registry
 from dpgrad.kernels.backend import guarded, ops_for
@@ -29,6 +30,9 @@ from dpgrad.kernels import reference
 from dpgrad.kernels.reference import accumulation_dtype, same_layout
 from dpgrad.backward.layer_inputs import saved_operand
 from dpgrad.samplers.registry import (
+    CALLED_BY_NAME,
+    FUNCTIONAL_CALLS,
+    SIGNATURES,
     register_clipped_sum_sampler,
     register_factor_sampler,
     register_grad_sample_group,
@@ -43,6 +47,20 @@ from dpgrad.tuning import get_tuner
 
 CONV1D = "transformers.pytorch_utils.Conv1D"
 LAYERS = [nn.Linear, CONV1D]
+
+
+# A subclass of nn.Linear whose forward calls F.linear on its weight (through super().forward,
+# doing more around it: Phi-MoE's and Llama 4's routers) is hooked at those calls; one that
+# computes its output otherwise is taken whole by torch.func.
+FUNCTIONAL_CALLS[nn.Linear] = F.linear
+CALLED_BY_NAME.add(nn.Linear)
+
+
+def _linear(input, weight, bias=None):
+    """F.linear's signature (a builtin's, which inspect cannot read)."""
+
+
+SIGNATURES[F.linear] = _linear
 
 
 def flatten_tokens(activations: torch.Tensor, backprops: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -32,7 +32,9 @@ classes in the tables once a model holding them is wrapped.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
+import functools
+import inspect
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Type, Union
 
 import torch.nn as nn
 
@@ -89,6 +91,13 @@ def _register(table: Dict[Type[nn.Module], Sampler], target: Target):
 # scaled word embeddings, learned position tables) is hooked at that function's calls on its
 # weight (``dpgrad.backward.functional_calls``).
 FUNCTIONAL_CALLS: Dict[Type[nn.Module], Callable] = {}
+# Of those, the types whose subclasses with a forward of their own take their samplers only
+# where that forward names the function or its base's forward (``super().forward``): another
+# forward computes the output some other way (Falcon's ``input @ self.weight.T``), which
+# torch.func, taking the layer whole, follows.
+CALLED_BY_NAME: Set[Type[nn.Module]] = set()
+# Functions with the signatures of builtin ones there, which inspect cannot read.
+SIGNATURES: Dict[Callable, Callable] = {}
 # The subclasses entered so, each with its base.
 INHERITED: Dict[Type[nn.Module], Type[nn.Module]] = {}
 
@@ -124,11 +133,25 @@ def taken_whole(module: nn.Module) -> Optional[Callable]:
     return WHOLE_FORWARDS.get(class_path(type(module))) if WHOLE_FORWARDS else None
 
 
-def structure_unmet(module: nn.Module) -> bool:
-    """Whether ``module``'s class took samplers from a ``STRUCTURAL`` predicate that this
-    module does not meet (another instance did): torch.func takes it whole."""
+def samplers_unmet(module: nn.Module) -> bool:
+    """Whether ``module``'s class took samplers that this module does not meet, and torch.func
+    takes it whole: from a ``STRUCTURAL`` predicate it does not meet (another instance did), or
+    from a ``FUNCTIONAL_CALLS`` base while it holds parameters of its own that the base's
+    function is not given (Dory's LM head, an nn.Linear subclass with a ``logit_scale``)."""
     predicate = _STRUCTURED.get(type(module))
-    return predicate is not None and not predicate(module)
+    if predicate is not None:
+        return not predicate(module)
+    base = INHERITED.get(type(module))
+    if base is None:
+        return False
+    takes = signature(FUNCTIONAL_CALLS[base]).parameters
+    return any(name not in takes for name, _ in module.named_parameters(recurse=False))
+
+
+@functools.lru_cache(maxsize=None)
+def signature(function: Callable) -> inspect.Signature:
+    """``function``'s signature; a builtin's (F.linear) is its entry in ``SIGNATURES``."""
+    return inspect.signature(SIGNATURES.get(function, function))
 
 
 def register_structure(predicate: Callable[[nn.Module], bool]):
@@ -183,7 +206,17 @@ def _functional_base(cls: type) -> "Type[nn.Module] | None":
         return INHERITED[cls]
     if cls in GRAD_SAMPLERS or cls in FUNCTIONAL_CALLS:
         return None
-    return next((base for base in cls.__mro__[1:] if base in FUNCTIONAL_CALLS), None)
+    base = next((base for base in cls.__mro__[1:] if base in FUNCTIONAL_CALLS), None)
+    if base in CALLED_BY_NAME and cls.forward is not base.forward and not _names(cls.forward, FUNCTIONAL_CALLS[base]):
+        return None
+    return base
+
+
+def _names(forward: Callable, function: Callable) -> bool:
+    """Whether ``forward``'s code names ``function`` (``F.linear``) or calls ``super().forward``."""
+    code = getattr(forward, "__code__", None)
+    names = set(code.co_names) if code is not None else set()
+    return function.__name__ in names or {"super", "forward"} <= names
 
 
 def functional_call(cls: type) -> "Callable | None":
