@@ -37,7 +37,7 @@ def _moe(cls, seed, device="cpu", config_class=None, **extra):
     torch.manual_seed(seed)
     common = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=V,
                   max_position_embeddings=T, pad_token_id=0, bos_token_id=1, eos_token_id=1)
-    config = getattr(transformers, config_class or f"{cls}Config")(**common, **extra)
+    config = getattr(transformers, config_class or f"{cls}Config")(**{**common, **extra})
     # The float64 reference needs the experts' eager loop (grouped_mm takes no float64).
     config._experts_implementation = "eager"
     return causal_lm(getattr(transformers, f"{cls}ForCausalLM")(config), position_ids=False, device=device)
@@ -71,7 +71,17 @@ def llama4():
     return case
 
 
-CASES = {"qwen3_moe": qwen3_moe, "mixtral": mixtral, "qwen2_moe": qwen2_moe, "llama4": llama4}
+def longcat_flash():
+    """LongCat-Flash: zero-computation experts (the identity, numbered after the routed ones,
+    whose rows of ``gate_up_proj`` go unused) beside four routed experts, a router with a score
+    bias; its layer (``num_layers``) two attention blocks and two MLPs around the MoE block."""
+    return _moe("LongcatFlash", 9, num_layers=1, ffn_hidden_size=16, expert_ffn_hidden_size=8, n_routed_experts=4,
+                zero_expert_num=2, moe_topk=2, num_key_value_heads=2, q_lora_rank=8, kv_lora_rank=8,
+                qk_nope_head_dim=4, qk_rope_head_dim=4, head_dim=4, v_head_dim=8, routed_scaling_factor=1.0)
+
+
+CASES = {"qwen3_moe": qwen3_moe, "mixtral": mixtral, "qwen2_moe": qwen2_moe, "llama4": llama4,
+         "longcat_flash": longcat_flash}
 
 
 def _pairs(S, E, Bn, p, q, seed, dtype=torch.float64):
@@ -163,12 +173,12 @@ def checked_grad_samples(case, which) -> int:
     return checked
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "llama4"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "llama4", "longcat_flash"])
 def test_experts_per_sample_gradients(name):
     """GradSampleModule: (B, E, 2I, d) and (B, E, d, I) per-sample gradients of the experts
     (Llama 4's (B, E, d, 2I) and (B, E, I, d)), and the router's."""
     checked = checked_grad_samples(CASES[name](), lambda n: "experts" in n or "gate.weight" in n or "router" in n)
-    assert checked == 2 * 3  # two layers: gate_up_proj, down_proj, the router
+    assert checked == (1 if name == "longcat_flash" else 2) * 3  # per MoE block: gate_up_proj, down_proj, the router
 
 
 def _by_parameter(name: str) -> str:
@@ -178,7 +188,7 @@ def _by_parameter(name: str) -> str:
 @pytest.mark.parametrize("from_norms", [False, True], ids=["auto", "norms"])
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("grouping", ["per_block", "per_layer"])
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "llama4"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "llama4", "longcat_flash"])
 def test_moe_group_clipping(name, grouping, mode, from_norms):
     """One clipping group per decoder layer (experts and router with their block), or per
     parameter (an expert module's two 3-D weights clipped apart): each group's per-sample
@@ -213,7 +223,7 @@ def test_moe_group_clipping(name, grouping, mode, from_norms):
             assert_tensor_close(params[n].grad, expected, f"clipped {n}.grad", scale)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "llama4"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "llama4", "longcat_flash"])
 def test_moe_batch_of_one(name):
     """(Transformers' attention cannot run an empty batch; the flattened Linear below takes one.)"""
     rows = 1
@@ -332,22 +342,25 @@ def moe_lora(name: str):
     for n, p in model.named_parameters():
         if "lora_B" in n:  # zero at start: the A's gradients would all be zero
             nn.init.normal_(p, std=0.2)
+        if "router.classifier.lora_" in n:  # LongCat's router reads classifier.weight, never calling it
+            p.requires_grad_(False)
     wrapped = [m for m in model.modules() if type(m).__name__ == "ParamWrapper"]
-    assert any(m.parameter_name == "weight" for m in wrapped)  # a router
+    assert name == "longcat_flash" or any(m.parameter_name == "weight" for m in wrapped)  # a router
     assert any(m.parameter_name == "down_proj" for m in wrapped)  # experts
     return type(case)(model, case.forward, case.per_sample_loss)
 
 
 @pytest.mark.parametrize("from_norms", [False, True], ids=["auto", "norms"])
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "longcat_flash"])
 def test_lora_on_routers_and_experts_is_exact(name, mode, from_norms):
     """The router's adapters through torch.func (peft's wrapper recomputed with W + s B A), the
     experts' adapters from the experts' pair factors."""
     with _ghost(from_norms):
         model = check(moe_lora(name), MODES[mode])
     adapters = [n for n, p in model.named_parameters() if "experts.lora_" in n or "experts.base_layer.lora_" in n]
-    assert len(adapters) == 2 * 2 * 2  # two layers, two experts weights, A and B
+    blocks = sum(type(m).__name__.endswith("Experts") for m in model.modules())
+    assert blocks and len(adapters) == blocks * 2 * 2  # per block: two experts weights, A and B
     assert all(dict(model.named_parameters())[n].grad is not None for n in adapters)
 
 

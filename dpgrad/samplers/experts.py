@@ -1,8 +1,9 @@
 """Samplers for mixture-of-experts weights stored as 3-D tensors: Hugging Face's grouped experts
 (``gate_up_proj`` (E, 2I, d) and ``down_proj`` (E, d, I), or ``up_proj``, with or without
 biases, transposed or not; Qwen3-MoE, Mixtral, DeepSeek, OLMoE and the other classes its
-``use_experts_implementation`` decorates), called on the tokens flattened, ``(hidden_states
-(N, d), top_k_index (N, k), top_k_weights (N, k))``.
+``use_experts_implementation`` decorates; LongCat-Flash's, beside its zero-computation
+experts), called on the tokens flattened, ``(hidden_states (N, d), top_k_index (N, k),
+top_k_weights (N, k))``.
 
 The hooks hand these samplers the call unfolded to (B, N / B, ...) (``dpgrad.backward.layer_inputs.
 folded_rows``): token i is sample i // (N / B)'s. Each (token, expert) pair adds ``dh ⊗ x`` to its
@@ -59,6 +60,26 @@ def is_dense_experts(module: nn.Module) -> bool:
 @register_structure(is_dense_experts)
 class DenseExperts(nn.Module):
     """The registry's key for Llama 4's experts (``is_dense_experts``)."""
+
+
+def is_zero_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is LongCat-Flash's experts: routed experts as grouped experts'
+    (``gate_up_proj`` (E + Z, 2I, d), of which the first E rows are used, ``down_proj`` (E, d, I),
+    gated by ``act_fn``), and Z zero-computation experts, the identity, numbered from E."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (type(module).__name__ == "LongcatFlashExperts" and isinstance(gate_up, nn.Parameter)
+            and isinstance(down, nn.Parameter) and gate_up.dim() == 3 and down.dim() == 3
+            and getattr(module, "num_routed_experts", None) == down.shape[0] <= gate_up.shape[0]
+            and gate_up.shape[1] == 2 * down.shape[2] and gate_up.shape[2] == down.shape[1]
+            and callable(getattr(module, "act_fn", None)))
+
+
+@register_structure(is_zero_experts)
+class ZeroExperts(nn.Module):
+    """The registry's key for LongCat-Flash's experts (``is_zero_experts``)."""
+
+
+EXPERTS = [GroupedExperts, DenseExperts, ZeroExperts]
 
 
 @register_batch_copies(DenseExperts)
@@ -141,25 +162,27 @@ def pair_factors(layer: nn.Module, activations: List[torch.Tensor], backprops: t
     x, G = x.reshape(B * T, d), backprops.reshape(B * T, -1)
     token = torch.arange(B * T, device=x.device).repeat_interleave(k)
     expert, weight = index.reshape(-1), routing.reshape(-1).detach()
-    # Expert parallelism marks the pairs of other ranks' experts with E: they weigh nothing here.
+    # Expert parallelism marks the pairs of other ranks' experts with E, LongCat-Flash its zero
+    # experts with E and on: they weigh nothing here.
     weight = weight.masked_fill(expert >= E, 0)
     expert = expert.clamp(max=E - 1)
     sample = token // T
     order = torch.argsort(expert, stable=True)
     # searchsorted, not bincount, whose CUDA version reads the largest expert back to the host.
     ends = torch.searchsorted(expert[order], torch.arange(1, E + 1, device=x.device), out_int32=True)
-    up_name = "gate_up_proj" if layer.has_gate else "up_proj"
+    gated = getattr(layer, "has_gate", True)  # LongCat-Flash's: gated, (E, p, q), act_fn(gate) * up
+    up_name = "gate_up_proj" if gated else "up_proj"
 
     def live(name: str) -> Optional[torch.Tensor]:
         w = weights[name] if name in weights else _param(layer, name)
-        return None if w is None else w.detach()
+        return None if w is None else w.detach()[:E]  # LongCat-Flash's zero experts' rows unused
 
     up, up_bias, down, down_bias = live(up_name), live(up_name + "_bias"), live("down_proj"), live("down_proj_bias")
-    transposed = layer.is_transposed
+    transposed = getattr(layer, "is_transposed", False)
     xs = x[token].detach()
     with torch.enable_grad():
         h = _grouped_linear(xs, up, up_bias, order, ends, transposed).requires_grad_()
-        u = layer._apply_gate(h) if layer.has_gate else layer.act_fn(h)
+        u = _gate(layer, h) if gated else layer.act_fn(h)
         z = _grouped_linear(u, down, down_bias, order, ends, transposed)
         dz, dh = torch.autograd.grad(z * weight.to(z.dtype)[:, None], (z, h), G[token])
     u = u.detach()
@@ -167,6 +190,14 @@ def pair_factors(layer: nn.Module, activations: List[torch.Tensor], backprops: t
                "down_proj": (u, dz) if transposed else (dz, u), "down_proj_bias": (dz, None)}
     present = {n: f for n, f in factors.items() if live(n) is not None}
     return Pairs(present, expert, sample, B, E, order, ends)
+
+
+def _gate(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The gated activation of up projections ``h``, as the module computes it."""
+    if hasattr(layer, "_apply_gate"):
+        return layer._apply_gate(h)
+    gate, up = h.chunk(2, dim=-1)
+    return layer.act_fn(gate) * up
 
 
 def dense_pair_factors(layer: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor) -> Pairs:
@@ -223,20 +254,22 @@ def segment_sq_norms(layer: nn.Module, pairs: Pairs, left: torch.Tensor, right: 
 
 
 def segment_clipped_sum(layer: nn.Module, pairs: Pairs, left: torch.Tensor, right: Optional[torch.Tensor],
-                        pair_coef: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The sum over pairs of each pair's clipping coefficient times its outer product, (E, p, q)."""
+                        pair_coef: torch.Tensor, dtype: torch.dtype, experts: Optional[int] = None) -> torch.Tensor:
+    """The sum over pairs of each pair's clipping coefficient times its outer product, (E, p, q)
+    (``experts`` rows where given: a weight with rows for experts no pair has)."""
     return _on_segments("the experts' clipped sum", layer, left, right, lambda ops: ops.experts_clipped_sum(
-        left, right, pairs.expert, pair_coef, pairs.experts, dtype))
+        left, right, pairs.expert, pair_coef, experts or pairs.experts, dtype))
 
 
 def segment_grad_sample(layer: nn.Module, pairs: Pairs, left: torch.Tensor, right: Optional[torch.Tensor],
-                        dtype: torch.dtype) -> torch.Tensor:
-    """Per-sample gradients (B, E, p, q) of one weight (or (B, E, p) of a bias) from its factors."""
+                        dtype: torch.dtype, experts: Optional[int] = None) -> torch.Tensor:
+    """Per-sample gradients (B, E, p, q) of one weight (or (B, E, p) of a bias) from its factors
+    (``experts`` as for ``segment_clipped_sum``)."""
     return _on_segments("the experts' per-sample gradients", layer, left, right, lambda ops: ops.experts_grad_sample(
-        left, right, pairs.expert, pairs.sample, pairs.experts, pairs.batch, dtype))
+        left, right, pairs.expert, pairs.sample, experts or pairs.experts, pairs.batch, dtype))
 
 
-@register_norm_sampler([GroupedExperts, DenseExperts])
+@register_norm_sampler(EXPERTS)
 def experts_norm_sample(layer: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor
                         ) -> Dict[nn.Parameter, torch.Tensor]:
     """Per-sample gradient L2 norms of each expert weight, (B,), over all its experts."""
@@ -244,19 +277,20 @@ def experts_norm_sample(layer: nn.Module, activations: List[torch.Tensor], backp
     return {p: segment_sq_norms(layer, pairs, left, right).sqrt() for p, (left, right) in factors.items()}
 
 
-@register_clipped_sum_sampler([GroupedExperts, DenseExperts])
+@register_clipped_sum_sampler(EXPERTS)
 def experts_clipped_sum(layer: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor,
                         coef: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
     """Clipped gradients of the expert weights, each of its parameter's shape and dtype."""
     factors, pairs = expert_factors(layer, activations, backprops)
     pair_coef = coef[pairs.sample]
-    return {p: segment_clipped_sum(layer, pairs, left, right, pair_coef, p.dtype)
+    return {p: segment_clipped_sum(layer, pairs, left, right, pair_coef, p.dtype, p.shape[0])
             for p, (left, right) in factors.items()}
 
 
-@register_grad_sampler([GroupedExperts, DenseExperts])
+@register_grad_sampler(EXPERTS)
 def experts_grad_sample(layer: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor
                         ) -> Dict[nn.Parameter, torch.Tensor]:
     """Per-sample gradients of the expert weights, (B, *parameter.shape)."""
     factors, pairs = expert_factors(layer, activations, backprops)
-    return {p: segment_grad_sample(layer, pairs, left, right, p.dtype) for p, (left, right) in factors.items()}
+    return {p: segment_grad_sample(layer, pairs, left, right, p.dtype, p.shape[0])
+            for p, (left, right) in factors.items()}

@@ -17,6 +17,7 @@ from torch.func import functional_call
 from dpgrad.samplers.experts import (
     _grouped_linear,
     is_grouped_experts,
+    is_zero_experts,
     pair_factors,
     segment_clipped_sum,
     segment_grad_sample,
@@ -67,9 +68,9 @@ def chain(module: nn.Module) -> Tuple[nn.Module, List[nn.Module]]:
 
 
 def is_lora_experts(module: nn.Module) -> bool:
-    """A ParamWrapper (outermost or not) over grouped experts."""
+    """A ParamWrapper (outermost or not) over grouped experts (or LongCat-Flash's)."""
     inner, wrappers = chain(module)
-    return bool(wrappers) and is_grouped_experts(inner)
+    return bool(wrappers) and (is_grouped_experts(inner) or is_zero_experts(inner))
 
 
 @register_structure(is_lora_experts)
@@ -98,9 +99,10 @@ def _layouts(item: _Adapted, E: int):
 
 
 def lora_experts_factors(layer: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor):
-    """``(factors, views, pairs)``: per trainable parameter of the unit (adapters' and the
-    experts' own) its per-pair factors, and for each adapter parameter the function taking an
-    (..., E, a, b) tensor in the factors' layout to the parameter's own."""
+    """``(factors, views, experts, pairs)``: per trainable parameter of the unit (adapters' and
+    the experts' own) its per-pair factors and the number of experts it has rows for, and for
+    each adapter parameter the function taking an (..., E, a, b) tensor in the factors' layout
+    to the parameter's own."""
     inner, wrappers = chain(layer)
     adapted = _adapted(wrappers)
     weights: Dict[str, torch.Tensor] = {}
@@ -110,11 +112,11 @@ def lora_experts_factors(layer: nn.Module, activations: List[torch.Tensor], back
         base = weights.get(item.name, getattr(inner, item.name).detach())
         weights[item.name] = torch.baddbmm(base, lhs, rhs, alpha=scaling)
     pairs = pair_factors(inner, activations, backprops, weights)
-    factors, views = {}, {}
+    factors, views, experts = {}, {}, {}
     for name, pair in pairs.factors.items():
         p = getattr(inner, name)
         if isinstance(p, nn.Parameter) and p.requires_grad:
-            factors[p] = pair
+            factors[p], experts[p] = pair, p.shape[0]
     for item in adapted:
         lhs, rhs, scaling, swapped = layouts[item]
         left, right = pairs.factors[item.name]
@@ -125,13 +127,14 @@ def lora_experts_factors(layer: nn.Module, activations: List[torch.Tensor], back
         a_pair, b_pair = (d_rhs, d_lhs) if swapped else (d_lhs[::-1], d_rhs[::-1])
         for p, pair, view in ((A, a_pair, _a_view(A)), (Bw, b_pair, _b_view(Bw))):
             if p.requires_grad:
-                factors[p], views[p] = pair, view
-    return factors, views, pairs
+                factors[p], views[p], experts[p] = pair, view, getattr(inner, item.name).shape[0]
+    return factors, views, experts, pairs
 
 
 def _grouped(rows: torch.Tensor, weight: torch.Tensor, pairs, transposed: bool) -> torch.Tensor:
-    """Each pair's ``rows`` through its expert's ``weight`` (``rows @ w.T``, or ``rows @ w``)."""
-    return _grouped_linear(rows, weight.to(rows.dtype), None, pairs.order, pairs.ends, transposed)
+    """Each pair's ``rows`` through its expert's ``weight`` (``rows @ w.T``, or ``rows @ w``;
+    rows of experts no pair has, LongCat-Flash's zero experts', left out)."""
+    return _grouped_linear(rows, weight[:pairs.experts].to(rows.dtype), None, pairs.order, pairs.ends, transposed)
 
 
 def _a_view(A: nn.Parameter) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -148,7 +151,7 @@ def _b_view(Bw: nn.Parameter) -> Callable[[torch.Tensor], torch.Tensor]:
 def lora_experts_norm_sample(layer: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor
                              ) -> Dict[nn.Parameter, torch.Tensor]:
     """Per-sample gradient L2 norms of the adapters (and any trainable experts weight), (B,)."""
-    factors, _, pairs = lora_experts_factors(layer, activations, backprops)
+    factors, _, _, pairs = lora_experts_factors(layer, activations, backprops)
     return {p: segment_sq_norms(layer, pairs, left, right).sqrt()
             for p, (left, right) in factors.items()}
 
@@ -157,11 +160,11 @@ def lora_experts_norm_sample(layer: nn.Module, activations: List[torch.Tensor], 
 def lora_experts_clipped_sum(layer: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor,
                              coef: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
     """Clipped gradients, each of its parameter's shape and dtype."""
-    factors, views, pairs = lora_experts_factors(layer, activations, backprops)
+    factors, views, experts, pairs = lora_experts_factors(layer, activations, backprops)
     pair_coef = coef[pairs.sample]
     out = {}
     for p, (left, right) in factors.items():
-        g = segment_clipped_sum(layer, pairs, left, right, pair_coef, p.dtype)
+        g = segment_clipped_sum(layer, pairs, left, right, pair_coef, p.dtype, experts[p])
         out[p] = views[p](g) if p in views else g
     return out
 
@@ -170,9 +173,9 @@ def lora_experts_clipped_sum(layer: nn.Module, activations: List[torch.Tensor], 
 def lora_experts_grad_sample(layer: nn.Module, activations: List[torch.Tensor], backprops: torch.Tensor
                              ) -> Dict[nn.Parameter, torch.Tensor]:
     """Per-sample gradients, (B, *parameter.shape)."""
-    factors, views, pairs = lora_experts_factors(layer, activations, backprops)
+    factors, views, experts, pairs = lora_experts_factors(layer, activations, backprops)
     out = {}
     for p, (left, right) in factors.items():
-        g = segment_grad_sample(layer, pairs, left, right, p.dtype)
+        g = segment_grad_sample(layer, pairs, left, right, p.dtype, experts[p])
         out[p] = views[p](g) if p in views else g
     return out
