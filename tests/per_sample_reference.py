@@ -64,10 +64,15 @@ def per_sample_grads(
 
     try:
         grads = vmap(grad(sample_loss), in_dims=(None, batch_dim, 0))(trainable, x64, y64)
-    except RuntimeError as exc:  # shapes that depend on the data (a mixture of experts' routing)
-        if "dynamic shape" not in str(exc):
+    except RuntimeError as exc:  # shapes that depend on the data (a mixture of experts' routing, counts read)
+        if "dynamic shape" not in str(exc) and "storage" not in str(exc):
             raise
-        rows = [grad(sample_loss)(trainable, x64.select(batch_dim, b), y64[b]) for b in range(B)]
+        rows = []
+        for b in range(B):  # plain autograd, one sample at a time
+            leaves = {n: p.clone().requires_grad_() for n, p in trainable.items()}
+            got = torch.autograd.grad(sample_loss(leaves, x64.select(batch_dim, b), y64[b]), list(leaves.values()),
+                                      allow_unused=True)
+            rows.append({n: torch.zeros_like(leaves[n]) if g is None else g for n, g in zip(leaves, got)})
         grads = {n: torch.stack([r[n] for r in rows]) for n in names}
     return {n: grads[n] for n in names}
 

@@ -478,31 +478,3 @@ def test_privacy_arguments_carry_the_setting():
 
     assert PrivacyArguments(noise_multiplier=1.0).check_independence is True
     assert PrivacyArguments(noise_multiplier=1.0, check_independence=False).check_independence is False
-
-
-def test_a_layer_routing_by_value_under_vmap_is_named():
-    """A layer without a sampler that picks rows by their values (nonzero, as a hand-written
-    mixture-of-experts layer does): torch.func takes it whole and cannot run it under vmap.
-    dpgrad says so, naming the layer and the fix."""
-    class Routed(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.experts = nn.Parameter(torch.randn(2, 4, 4))
-
-        def forward(self, x):
-            out = torch.zeros_like(x)
-            for e in range(2):
-                rows = (x[..., 0] > 0).eq(bool(e)).nonzero(as_tuple=True)
-                out[rows] = x[rows] @ self.experts[e]
-            return out
-
-    model = nn.Sequential(nn.Linear(4, 4), Routed(), nn.Linear(4, 3))
-    wrapped = dpgrad.GradSampleModuleFastGradientClipping(model, max_grad_norm=1.0, single_backward=True)
-    logits = wrapped(torch.randn(3, 5, 4)).mean(1)
-    unchanged = mark(model)
-    with pytest.raises(RuntimeError) as err:
-        wrapped.clipped_backward(F.cross_entropy(logits, torch.zeros(3, dtype=torch.long), reduction="none"))
-    message = str(err.value)
-    for fragment in ["layer '1' (Routed)", "vmap", "nonzero", "requires_grad_(False)"]:
-        assert fragment in message, message
-    unchanged()

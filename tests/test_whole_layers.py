@@ -2,7 +2,9 @@
 their forward again on one sample at a time, against float64 per-sample references: a layer
 whose output holds several tensors that carry gradients (computed side by side, as a
 hyper-connection's mixing weights are; one from another, as a router's top-k weights from its
-scores or an attention's output from its weights), whichever of them the model uses.
+scores or an attention's output from its weights), whichever of them the model uses; a layer
+vmap cannot batch (rows picked by value, counts read to the host), re-run sample by sample; one
+drawing random numbers, refused.
 """
 
 from __future__ import annotations
@@ -296,3 +298,64 @@ def test_a_layer_given_the_tokens_flattened_and_a_shared_table(wrapper, rows):
     given whole to every sample, the (B, T) mask split by sample."""
     torch.manual_seed(6)
     check_step(wrapper, GatedModel(), rows, seed=7)
+
+
+class ByValue(nn.Module):
+    """Rows routed by their values to one of two experts (``nonzero``, as a hand-written
+    mixture-of-experts layer does), or grouped by expert with counts read to the host (JetMoE's
+    ``expert_size.tolist()`` and ``split``): vmap cannot batch either."""
+
+    def __init__(self, d, counts: bool):
+        super().__init__()
+        self.experts = nn.Parameter(torch.randn(2, d, d) * 0.3)
+        self.counts = counts
+
+    def forward(self, x):
+        if self.counts:
+            flat = x.reshape(-1, x.shape[-1])
+            pick = (flat[:, 0] > 0).long()
+            order = pick.argsort(stable=True)
+            sizes = torch.bincount(pick, minlength=2).tolist()
+            out = torch.cat([part @ self.experts[e] for e, part in enumerate(flat[order].split(sizes))])
+            return out[order.argsort()].view_as(x)
+        out = torch.zeros_like(x)
+        for e in range(2):
+            rows = (x[..., 0] > 0).eq(bool(e)).nonzero(as_tuple=True)
+            out = out.index_put(rows, x[rows] @ self.experts[e])
+        return out
+
+
+class Noisy(nn.Module):
+    """Noise drawn in its forward (after rows routed by value, which vmap cannot batch, where
+    ``routed``): a second run would draw other numbers."""
+
+    def __init__(self, d, p: float, routed: bool = False):
+        super().__init__()
+        self.w, self.p = nn.Parameter(torch.randn(d, d) * 0.3), p
+        self.routed = ByValue(d, counts=False) if routed else None
+
+    def forward(self, x):
+        x = x if self.routed is None else self.routed(x)
+        return F.dropout(x @ self.w, self.p, self.training)
+
+
+@pytest.mark.parametrize("rows", [4, 1, 0])
+@pytest.mark.parametrize("counts", [False, True], ids=["nonzero", "tolist"])
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_a_layer_vmap_cannot_batch_is_run_sample_by_sample(wrapper, counts, rows):
+    torch.manual_seed(9)
+    check_step(wrapper, Around(ByValue(6, counts)), rows, seed=2)
+
+
+@pytest.mark.parametrize("routed", [False, True], ids=["batched", "sample-by-sample"])
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_a_layer_drawing_random_numbers_is_refused_and_without_draws_exact(wrapper, routed):
+    """Dropout in training draws (refused, naming the layer, whether vmap or the loop runs it
+    again); at p = 0 it draws nothing."""
+    torch.manual_seed(10)
+    check_step(wrapper, Around(Noisy(6, 0.0, routed)), 4, seed=3)
+    cls, kwargs = WRAPPERS[wrapper]
+    wrapped = cls(Around(Noisy(6, 0.5, routed)), loss_reduction="sum", **kwargs)
+    ids = torch.randint(0, V, (3, 5))
+    with pytest.raises(RuntimeError, match=r"(?s)layer 'inner' \(Noisy\).*draws random numbers.*requires_grad_"):
+        F.cross_entropy(wrapped(ids), torch.zeros(3, dtype=torch.long), reduction="sum").backward()

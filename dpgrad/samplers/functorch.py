@@ -2,7 +2,10 @@
 
 Used for layers with trainable parameters but no registered grad sampler, and for every
 layer under ``force_functorch=True``. The layer's forward is re-run on one sample at a time,
-vectorised by vmap, on a parameter-free copy of the layer.
+vectorised by vmap, on a parameter-free copy of the layer. A forward vmap cannot batch, one
+whose shapes depend on its inputs' values (indexing by a boolean mask, ``.tolist()`` of
+counts), is re-run sample by sample in a loop; one that draws random numbers is refused (a
+re-run would draw others than the forward pass did).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn as nn
 from torch.func import functional_call, grad, vmap
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dpgrad.kernels.backend import first_line, layer_name
@@ -166,8 +170,60 @@ class FunctionalGradients:
                                for i, a in enumerate(activations)),
                    tuple(batch_dim for _ in split), 0)
         trainable = tuple(params[n].detach() for n in names)
-        grads = vmap(grad(sample_loss), in_dims=in_dims)(trainable, tuple(activations), tuple(split), backprops)
+        args = (trainable, tuple(activations), tuple(split), backprops)
+        try:
+            grads = vmap(grad(sample_loss), in_dims=in_dims)(*args)
+        except RuntimeError as exc:
+            if not _data_dependent(exc):
+                raise
+            grads = _sample_by_sample(sample_loss, args, in_dims)
         return dict(zip(names, grads))
+
+
+# What vmap says of a forward whose shapes depend on its inputs' values.
+_DYNAMIC = ("dynamic shape", "data-dependent", ".item()", "doesn't have storage")
+
+
+def _data_dependent(exc: RuntimeError) -> bool:
+    return any(s in str(exc) for s in _DYNAMIC)
+
+
+class _NoDraws(TorchDispatchMode):
+    """Refuses an operation that draws random numbers."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs or {}):
+            raise RuntimeError(f"vmap: called random operation {func} while in randomness error mode (its forward "
+                               "draws random numbers, which a second run would draw anew)")
+        return func(*args, **(kwargs or {}))
+
+
+def _draws(func, args, kwargs) -> bool:
+    """Whether ``func``, an operation that may draw random numbers, does: not attention or
+    dropout with a probability of zero."""
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name in ("dropout_p", "p"):
+            value = kwargs.get(arg.name, args[i] if i < len(args) else arg.default_value)
+            return value != 0
+    return True
+
+
+def _sample_by_sample(sample_loss, args, in_dims) -> tuple:
+    """``vmap(grad(sample_loss), in_dims)(*args)`` as a loop over the samples, by autograd."""
+    trainable, activations, split, backprops = args
+
+    def take(x, dim, b):
+        return x if dim is None or not isinstance(x, torch.Tensor) else x.select(dim, b)
+
+    per_sample = []
+    for b in range(backprops.shape[0]):
+        leaves = tuple(t.detach().requires_grad_() for t in trainable)
+        with torch.enable_grad(), _NoDraws():
+            loss = sample_loss(leaves, tuple(take(a, d, b) for a, d in zip(activations, in_dims[1])),
+                               tuple(take(r, d, b) for r, d in zip(split, in_dims[2])), backprops[b])
+            got = torch.autograd.grad(loss, leaves, allow_unused=True)
+        per_sample.append([torch.zeros_like(t) if g is None else g for g, t in zip(got, leaves)])
+    return tuple(torch.stack(gs) for gs in zip(*per_sample))
 
 
 def _by_sample(backprops: torch.Tensor, activations: List) -> torch.Tensor:
@@ -213,13 +269,13 @@ def ft_compute_per_sample_gradient(
                 f"failed so ({first_line(exc)}). Freeze the layer (requires_grad_(False)) and train the others (or "
                 "adapters such as LoRA), or register a grad sampler for its type (dpgrad.register_grad_sampler)."
             ) from exc
+        why = ("it draws random numbers (a router's noise, dropout in training), which a second run would draw "
+               "anew" if "random" in str(exc) else "it depends on the values of its inputs")
         raise RuntimeError(
             f"layer {layer_name(layer)} has no per-sample gradient sampler, so torch.func computes its "
-            f"per-sample gradients by running its forward on one sample at a time under vmap, and that "
-            f"forward cannot run so ({first_line(exc)}): it depends on the values of its inputs (it picks "
-            "rows by index, with nonzero, where or .item(), as a hand-written mixture-of-experts layer does; "
-            "transformers' grouped experts have dpgrad's samplers). "
-            "Freeze the layer (requires_grad_(False)) and train the others (or adapters such as LoRA), or "
-            "register a grad sampler for its type (dpgrad.register_grad_sampler)."
+            f"per-sample gradients by running its forward on one sample at a time, and that forward cannot run "
+            f"so ({first_line(exc)}): {why}. Freeze the layer (requires_grad_(False)) and train the others (or "
+            "adapters such as LoRA), move its random draws outside it (set its dropout to 0), or register a grad "
+            "sampler for its type (dpgrad.register_grad_sampler)."
         ) from exc
     return {params[name]: g for name, g in grads.items()}
