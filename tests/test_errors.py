@@ -493,14 +493,14 @@ class Scale(nn.Module):
         return x @ self.weight
 
 
-def test_weight_tied_between_ghost_and_per_sample_layers_refused_before_any_change():
+@pytest.mark.parametrize("loss_reduction", ["sum", "mean"])
+def test_weight_tied_between_ghost_and_per_sample_layers(loss_reduction):
+    """The Linear, which ghost clipping would clip from its norm, is clipped from its per-sample
+    gradients, which are summed with those torch.func gives the other use."""
     model, pristine = make(TiedToFunctorch)
-    with pytest.raises(NotImplementedError) as err:
-        FGC(model, use_ghost_clipping=True)
-    says(err, "'lin'", "'other'", "per-sample gradients", "use_ghost_clipping=False")
-    assert_untouched(model)
-    x = torch.randn(3, 4)
-    assert_trains_normally(model, pristine, x, torch.randint(0, 4, (3,)))
+    wrapped = FGC(model, use_ghost_clipping=True, loss_reduction=loss_reduction)
+    assert wrapped._path.by_grad_sample == {model.lin}
+    assert_step_correct(wrapped, pristine, torch.randn(3, 4), torch.randint(0, 4, (3,)), loss_reduction)
 
 
 @pytest.mark.parametrize("wrapper", ["gsm", "fgc"])

@@ -455,3 +455,55 @@ def test_a_linear_subclass_computing_without_f_linear_is_refused():
     with pytest.raises(FunctionalCallError, match=r"layer '0' \(Sometimes, a subclass of nn.Linear with a forward of "
                                                   r"its own\) computed its output without calling F.linear"):
         wrapped(torch.randn(2, 2, D))
+
+
+class WithToken(nn.Embedding):
+    """T5Gemma2's word embeddings: a learned row of its own written over the lookup wherever the
+    ids hold one token (a parameter beside the weight, a boolean mask: torch.func takes the
+    layer whole, sample by sample)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.token = nn.Parameter(torch.randn(self.embedding_dim))
+
+    def forward(self, ids):
+        out = super().forward(ids) * 2.0
+        out[ids == 1] = self.token
+        return out
+
+
+class TiedWithToken(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok, self.out = WithToken(V, D), nn.Linear(D, V, bias=False)
+        self.out.weight = self.tok.weight
+
+    def forward(self, ids):
+        return self.out(torch.tanh(self.tok(ids))).mean(1)
+
+
+@pytest.mark.parametrize("B", [4, 1])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_an_embedding_taken_whole_tied_to_the_output_layer(mode, B):
+    """The tied output layer, which ghost clipping would clip from its norms, is clipped from its
+    per-sample gradients, summed with the embedding's (torch.func's) for their shared weight."""
+    torch.manual_seed(12)
+    model = TiedWithToken()
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(copy.deepcopy(model))
+    assert [type(m) for m in wrapped._path.functorch_layers] == [WithToken]
+    assert [type(m) for m in wrapped._path.by_grad_sample] == [nn.Linear]
+    ids = torch.randint(0, V, (B, 6), generator=torch.Generator().manual_seed(B))
+    ids[:, 0] = 1
+    y = torch.randint(0, V, (B,), generator=torch.Generator().manual_seed(9))
+    ref = per_sample_grads(model, ids, y, loss_v)
+    C = float(total_norm(ref).median())
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(copy.deepcopy(model), max_grad_norm=C,
+                                                          single_backward=MODES[mode])
+    criterion = dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss(), "mean")
+    criterion(wrapped(ids), y).backward()
+    norms = wrapped.per_sample_gradient_norms
+    assert_norms_close(norms, total_norm(ref))
+    coef = (C / (norms.double() + 1e-6)).clamp(max=1.0)
+    for n, p in wrapped._module.named_parameters():
+        expected = torch.einsum("b,b...->...", coef, ref[n])
+        assert_tensor_close(p.grad, expected, n, (coef[:, None] * ref[n].flatten(1).abs()).sum(0).max().item())

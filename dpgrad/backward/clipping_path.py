@@ -98,7 +98,8 @@ class ClippingPath(ClippedBackward, NormRows, BackwardPath):
         also sum it clipped)."""
         kind = type(layer)
         return (self.ghost and kind in self.NORM_SAMPLERS and not registry.samplers_unmet(layer)
-                and (not self.single_backward or kind in self.CLIPPED_SUM_SAMPLERS))
+                and (not self.single_backward or kind in self.CLIPPED_SUM_SAMPLERS)
+                and layer not in getattr(self, "by_grad_sample", ()))
 
     def _check_layers(self, model: nn.Module) -> None:
         # Parameters a ghost-clipped layer shares: their uses' factors are kept for the cross
@@ -112,28 +113,29 @@ class ClippingPath(ClippedBackward, NormRows, BackwardPath):
     def _shared_ghost_parameters(self, hooked: Dict[str, nn.Module], whole: Dict[nn.Module, bool]) -> set:
         """Trainable parameters that several hooked layers use, at least one ghost-clipped.
 
-        Raises, before the model is touched, where a shared parameter's norm cannot be exact:
-        a ghost-clipped use beside a per-sample-gradient one, or a layer without a factor
-        sampler.
+        A layer with a norm sampler that shares a parameter with a use whose per-sample
+        gradients torch.func computes (an embedding subclass with a parameter of its own, tied
+        to the output layer) is clipped from its per-sample gradients too (``by_grad_sample``):
+        the shared parameter's are then the sum of its uses'. Raises, before the model is
+        touched, where a shared parameter's norm cannot be exact: a layer without a factor sampler.
         """
-        owners: Dict[nn.Parameter, Dict[str, bool]] = {}
-        for name, layer in hooked.items():
-            for p in layer.parameters(recurse=whole[layer]):
-                if p.requires_grad:
-                    owners.setdefault(p, {})[name] = self.uses_norm_sampler(layer)
+        self.by_grad_sample: Set[nn.Module] = set()
+        while True:
+            owners: Dict[nn.Parameter, Dict[str, bool]] = {}
+            for name, layer in hooked.items():
+                for p in layer.parameters(recurse=whole[layer]):
+                    if p.requires_grad:
+                        owners.setdefault(p, {})[name] = self.uses_norm_sampler(layer)
+            mixed = {hooked[n] for layers in owners.values() if len(layers) > 1 and not all(layers.values())
+                     for n, ghost in layers.items() if ghost} - self.by_grad_sample
+            if not mixed:
+                break
+            self.by_grad_sample |= mixed
         shared = set()
         for p, layers in owners.items():
             if len(layers) < 2 or not any(layers.values()):
                 continue
             names = list(layers)
-            if not all(layers.values()):
-                raise NotImplementedError(
-                    f"layers {names} share one parameter, and ghost clipping takes the norms of "
-                    f"{[n for n, g in layers.items() if g]} from norm samplers but of "
-                    f"{[n for n, g in layers.items() if not g]} from per-sample gradients, which "
-                    "cannot be combined exactly. Untie the parameter, or wrap with "
-                    "use_ghost_clipping=False."
-                )
             self.check_factors({n: hooked[n] for n in names})
             shared.add(p)
         return shared
