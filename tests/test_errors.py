@@ -380,30 +380,38 @@ class _OwnParameterModel(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.scale = nn.Parameter(torch.ones(4))
+        self.scale = nn.Parameter(torch.ones(4) + 0.1 * torch.randn(4))
         self.body = nn.Linear(4, 3)
         self.as_dict = True
 
     def forward(self, x):
-        logits = self.body(x * self.scale)
-        return {"logits": logits} if self.as_dict else logits
+        h = x * self.scale
+        logits = self.body(h)
+        return {"logits": logits, "hidden": h} if self.as_dict else logits + (h[:, :3] ** 2 if self.both else 0)
 
 
+@pytest.mark.parametrize("both", [False, True], ids=["logits", "both"])
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))
-def test_a_layer_taken_whole_returning_a_dict_is_refused(wrapper):
+def test_a_layer_taken_whole_returning_a_dict(wrapper, both):
+    """The model itself taken whole (a parameter of its own) returning a mapping, as Hugging
+    Face's models return a ModelOutput: its tensors that carry gradients are followed, the
+    first alone or several, each one's gradient from outside the layer taken."""
     cls, kwargs = WRAPPERS[wrapper]
     torch.manual_seed(0)
     model = _OwnParameterModel()
+    model.both = both
     pristine = copy.deepcopy(model)
     pristine.as_dict = False
-    wrapped = cls(model, loss_reduction="sum", **kwargs)
     x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
-    with pytest.raises(ValueError) as err:
-        wrapped(x)
-    says(err, "the model itself holds trainable parameters of its own (['scale'])", "returned a dict",
-         "Move those parameters into a submodule")
-    model.as_dict = False
-    assert_step_correct(wrapped, pristine, x, y)
+    ref = per_sample_grads(pristine, x, y, ce)
+    wrapped = cls(model, loss_reduction="sum", **kwargs)
+    out = wrapped(x)
+    ce(out["logits"] + (out["hidden"][:, :3] ** 2 if both else 0), y).sum().backward()
+    if cls is FGC:
+        assert_norms_close(wrapped.get_norm_sample(), total_norm(ref))
+    else:
+        for n, p in model.named_parameters():
+            assert_tensor_close(p.grad_sample, ref[n], n)
 
 
 def test_input_without_batch_dimension_batch_second():

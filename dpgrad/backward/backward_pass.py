@@ -206,8 +206,6 @@ class BackwardPath(HookedLayers, ModelHooks, SplitCalls, WholeCalls):
         if not (self.hooks_enabled and torch.is_grad_enabled()):
             return None
         out = output if isinstance(output, torch.Tensor) else _first_tensor(output)
-        if out is None and isinstance(output, dict) and self.layer_params(layer):
-            self._refuse_mapping_output(layer, output)
         if out is None or not out.requires_grad:
             return None
         params = self.layer_params(layer)

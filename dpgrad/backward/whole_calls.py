@@ -173,23 +173,6 @@ class WholeCalls:
                 split.add(i)
         return frozenset(split), frozenset(flat & split)
 
-    def _refuse_mapping_output(self, layer: nn.Module, output: dict) -> None:
-        """Raise for a layer taken whole by torch.func whose output is a mapping of tensors
-        (a Hugging Face ModelOutput, a dict): its per-sample gradients follow its first output
-        tensor, and a mapping has none to follow."""
-        if not any(isinstance(v, torch.Tensor) and v.requires_grad for v in output.values()):
-            return
-        name = self.layer_names[layer]
-        own = [n for n, p in layer.named_parameters(recurse=False) if p.requires_grad]
-        who = f"layer '{name}'" if name else "the model itself"
-        raise ValueError(
-            f"{who} holds trainable parameters of its own ({own}), so its per-sample gradients come "
-            f"from torch.func, taking it whole, through its output; it returned a {type(output).__name__}, "
-            "whose tensors cannot be followed. Move those parameters into a submodule that returns a "
-            "tensor (e.g. a small nn.Module holding them, called in forward), or have the layer return a "
-            "tensor or a tuple."
-        )
-
 
 def _grad_outputs(output) -> list:
     """The tensors of a layer's output that carry gradients."""

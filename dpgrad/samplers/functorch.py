@@ -86,10 +86,12 @@ class Keywords:
 
 
 def _first_tensor(output):
+    """The first tensor of an output: itself, or in a tuple, a list or a mapping (a Hugging
+    Face ModelOutput's first field, its last hidden state), searched depth first."""
     if isinstance(output, torch.Tensor):
         return output
-    if isinstance(output, (tuple, list)):
-        for item in output:
+    if isinstance(output, (tuple, list, dict)):
+        for item in (output.values() if isinstance(output, dict) else output):
             found = _first_tensor(item)
             if found is not None:
                 return found
