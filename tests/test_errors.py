@@ -913,6 +913,39 @@ def test_a_keyword_tensor_whose_rows_may_be_the_batch_by_chance(wrapper):
     assert_step_correct(wrapped, pristine, x4, y4)
 
 
+class FromTheBatch(nn.Module):
+    """``Masked`` given a keyword tensor computed from the batch's rows (as Funnel's attention
+    gets its unpooled states beside the pooled ones), or a table computed from parameters alone
+    (``table``: a learned (4, 4) gate, shared by all samples)."""
+
+    def __init__(self, table: bool):
+        super().__init__()
+        self.pre, self.inner, self.head = nn.Linear(4, 4), Masked(), nn.Linear(4, 3)
+        self.gate = nn.Linear(4, 4) if table else None
+
+    def forward(self, x):
+        h = self.pre(x)
+        mask = torch.sigmoid(h.flip(-1)) if self.gate is None else torch.sigmoid(self.gate(torch.eye(4)))
+        return self.head(self.inner(h, mask=mask))
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_a_keyword_tensor_computed_from_the_batch_is_split_at_any_batch_size(wrapper):
+    """B == 4 == features: a keyword tensor autograd computed from the batch's rows holds a row
+    per sample (it meets the layer's input behind both); one computed from parameters alone
+    cannot be told from a table, and is refused at first."""
+    cls, kwargs = WRAPPERS[wrapper]
+    x4, y4 = torch.randn(4, 4), torch.randint(0, 3, (4,))
+    torch.manual_seed(0)
+    model = FromTheBatch(table=False)
+    pristine = copy.deepcopy(model)
+    assert_step_correct(cls(model, loss_reduction="sum", **kwargs), pristine, x4, y4)
+    wrapped = cls(FromTheBatch(table=True), loss_reduction="sum", **kwargs)
+    with pytest.raises(ValueError) as err:
+        wrapped(x4)
+    says(err, "layer 'inner' (Masked)", "keyword argument 'mask'", "batch size 4")
+
+
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))
 def test_a_linear_output_changed_in_place(wrapper):
     """A Linear's (B, T, p) output is a view of its (B*T, p) product; changed in place (``h +=

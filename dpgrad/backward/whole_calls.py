@@ -156,6 +156,8 @@ class WholeCalls:
                 flat.add(i)
             if rows and t.shape[dim] in sizes:
                 known = seen.get((layer, i))
+                if known is None and _computed_from(t, x):  # from the batch's own rows (Funnel's unpooled states)
+                    known = seen[(layer, i)] = True
                 if known is None:
                     what = f"the batch's {tokens} tokens" if folded else f"the batch size {B}"
                     raise ValueError(
@@ -172,6 +174,32 @@ class WholeCalls:
             if rows:
                 split.add(i)
         return frozenset(split), frozenset(flat & split)
+
+
+def _computed_from(t: torch.Tensor, x: torch.Tensor, limit: int = 256) -> bool:
+    """Whether ``t`` and the layer's input ``x`` (which holds the batch along the batch
+    dimension) were computed from one tensor that autograd tracked: a node other than a
+    parameter's among the first ``limit`` behind each. A table shared by all samples (positions,
+    a relative bias) is computed from parameters and constants alone, not from the batch's rows."""
+    behind_x = _behind(x.grad_fn, limit)
+    return bool(behind_x) and not behind_x.isdisjoint(_behind(t.grad_fn, limit))
+
+
+def _behind(start, limit: int) -> set:
+    """The autograd nodes behind ``start`` (itself included, parameters' AccumulateGrad left
+    out), breadth first, at most ``limit``."""
+    seen, frontier, found = {start}, [start], set()
+    while frontier and len(found) < limit:
+        fn = frontier.pop(0)
+        if fn is None or not hasattr(fn, "next_functions"):
+            continue
+        if type(fn).__name__ != "AccumulateGrad":
+            found.add(fn)
+        for nxt, _ in fn.next_functions:
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
+                frontier.append(nxt)
+    return found
 
 
 def _grad_outputs(output) -> list:
