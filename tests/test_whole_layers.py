@@ -249,11 +249,25 @@ class Around(nn.Module):
         return self.head(torch.tanh(self.inner(self.tok(ids))).mean(1))
 
 
-@pytest.mark.parametrize("inner", [ShortConv, CallsAMethod, ReadsTheDtype])
+class Axial(nn.Module):
+    """Reformer's axial position embeddings: factors held in an nn.ParameterList (which cannot
+    be called), broadcast over the batch and concatenated."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weights = nn.ParameterList([nn.Parameter(torch.randn(1, 5, d // 2) * 0.3),
+                                         nn.Parameter(torch.randn(1, 5, d - d // 2) * 0.3)])
+
+    def forward(self, x):
+        return x + torch.cat([w.expand(x.shape[0], -1, -1)[:, :x.shape[1]] for w in self.weights], -1)
+
+
+@pytest.mark.parametrize("inner", [ShortConv, CallsAMethod, ReadsTheDtype, Axial])
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))
 def test_a_module_computing_with_its_childs_parameters(wrapper, inner):
     """Taken whole with its children where it uses a child's parameters otherwise than by
-    calling it; where it only reads a child's dtype, the child stays a layer of its own."""
+    calling it (a ParameterList's, which cannot be called); where it only reads a child's
+    dtype, the child stays a layer of its own."""
     torch.manual_seed(10)
     wrapped = check_step(wrapper, Around(inner(6)), 4, seed=11)
     layers = wrapped._path.layer_names.values()

@@ -60,10 +60,14 @@ def uses_child_parameters(module: nn.Module) -> bool:
     itself rather than calling the child (``causal_conv1d_fn(x, self.conv.weight, ...)``, as
     short convolutions of hybrid models do; ``F.linear(x, self.classifier.weight)``), or calls
     a method of the child's own class other than its forward (Gemma 3n's
-    ``self.altup.correct(...)``): such a module is one layer with its children, taken whole by
-    torch.func."""
-    names, methods = _children_read(type(module))
+    ``self.altup.correct(...)``), or holds trainable parameters in an ``nn.ParameterList`` or
+    ``nn.ParameterDict``, which cannot be called (Reformer's axial position embeddings): such a
+    module is one layer with its children, taken whole by torch.func."""
     children = module._modules
+    if any(isinstance(c, (nn.ParameterList, nn.ParameterDict)) and any(p.requires_grad for p in c.parameters())
+           for c in children.values()):
+        return True
+    names, methods = _children_read(type(module))
     read = {n for n in names if n in children}
     read |= {n for n, m in methods if n in children and m != "forward" and _own_method(children[n], m)}
     return any(children[n] is not None and any(p.requires_grad for p in children[n].parameters(recurse=False))
