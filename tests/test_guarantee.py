@@ -630,6 +630,62 @@ def test_reentrant_checkpointing_with_per_sample_gradients_is_exact():
     check_exact(model, wrapped, reference_model, x.detach(), y)
 
 
+class _RunAgain(torch.autograd.Function):
+    """Reformer's reversible layers in small: the block runs without autograd in the forward
+    pass and again in the backward, which backpropagates through it there (into its parameters,
+    which autograd's graph of the loss never shows)."""
+
+    @staticmethod
+    def forward(ctx, x, block):
+        ctx.block = block
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return block(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            torch.autograd.backward(ctx.block(x), grad)
+        return x.grad, None
+
+
+class RunAgain(nn.Module):
+    """A layer, then two run again in ``_RunAgain``'s backward (the loss's backward reaches it
+    through the first), then the head; ``plain`` runs them all as usual."""
+
+    def __init__(self, plain: bool = False):
+        super().__init__()
+        self.pre, self.l1, self.l2, self.head = nn.Linear(5, 5), nn.Linear(5, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+        self.plain = plain
+
+    def forward(self, x):
+        def block(t):
+            return self.l2(torch.tanh(self.l1(t)))
+
+        h = torch.tanh(self.pre(x))
+        return self.head(block(h) if self.plain else _RunAgain.apply(h, block))
+
+
+@pytest.mark.parametrize("mode", ["single", "double"])
+def test_layers_run_again_in_a_custom_backward_are_refused(mode):
+    """What reaches l1's and twice's parameters inside that backward is not clipped: the
+    ghost-clipping wrapper refuses at the first such call, naming the layer, p.grad untouched;
+    GradSampleModule's hooks run in that backward too, and its per-sample gradients are exact."""
+    torch.manual_seed(0)
+    model = RunAgain()
+    x, y = batch(B=3)
+    check_refused(model, wrap(model, mode), x, y, ["ran inside the backward pass", "reversible layers",
+                                                   "dpgrad.GradSampleModule"], error=RuntimeError)
+    model = RunAgain()
+    reference_model = copy.deepcopy(model)
+    reference_model.plain = True
+    wrapped = wrap(model, "gsm")
+    step(wrapped, x, y)
+    check_exact(model, wrapped, reference_model, x, y)
+
+
 # ---------------------------------------------------------------------------- torch.compile
 # Compiling takes seconds: these run once, on the default backend (the kernels run outside
 # the compiled code, in the finish step).

@@ -33,6 +33,15 @@ REENTRANT_CHECKPOINT = (
     "torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)."
 )
 
+RUN_IN_BACKWARD = (
+    "layer '{name}' ({kind}) ran inside the backward pass, with gradients on: a custom autograd Function "
+    "runs it again in its backward and backpropagates through it there (reversible layers, as Reformer's; "
+    "reentrant activation checkpointing), so what reaches its parameters goes around the ghost-clipping "
+    "wrapper's per-sample clipping. Use a model without reversible layers, non-reentrant checkpointing "
+    "(torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)), or dpgrad.GradSampleModule, whose "
+    "hooks run again in that backward pass."
+)
+
 
 class NormPass(Enum):
     """What a backward pass through the clipping path is."""
@@ -236,4 +245,4 @@ def scaled(grads: List[torch.Tensor], coefs: List[torch.Tensor]) -> List[torch.T
     return [g if m else g * (coefs[0] if each is None else each[i]) for i, (g, m) in enumerate(zip(grads, mine))]
 
 
-__all__ = ["ClippedBackward", "NormPass", "REENTRANT_CHECKPOINT"]
+__all__ = ["ClippedBackward", "NormPass", "REENTRANT_CHECKPOINT", "RUN_IN_BACKWARD"]

@@ -27,7 +27,7 @@ uses' factors (``registry.register_factor_sampler``), never a per-sample gradien
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.nn as nn
@@ -36,11 +36,12 @@ from dpgrad.samplers import registry
 from dpgrad.backward.autograd_graph import region
 from dpgrad.backward.backward_pass import BackwardPath
 from dpgrad.backward.finite_checks import FiniteCheck
-from dpgrad.backward.clipped_backward import REENTRANT_CHECKPOINT, ClippedBackward, NormPass
+from dpgrad.backward.clipped_backward import REENTRANT_CHECKPOINT, RUN_IN_BACKWARD, ClippedBackward, NormPass
 from dpgrad.backward.clipped_sums import ClippedSums
 from dpgrad.backward.finish_plan import Planner
 from dpgrad.backward.fsdp import ShardedParameters
 from dpgrad.backward.group_flush import EarlyNorms, GroupFlush
+from dpgrad.backward.layer_inputs import recomputing
 from dpgrad.backward.norm_rows import NormRows
 from dpgrad.samplers.groups import Group, Record
 from dpgrad.tuning import get_tuner
@@ -178,6 +179,14 @@ class ClippingPath(ClippedBackward, NormRows, BackwardPath):
     def _visit_node(self, node) -> None:
         if type(node).__name__ == "CheckpointFunctionBackward":
             raise RuntimeError(REENTRANT_CHECKPOINT)
+
+    def _layer_call(self, layer: nn.Module, inputs, output, again=None) -> Optional[torch.Tensor]:
+        if torch._C._current_graph_task_id() != -1 and torch.is_grad_enabled() and self.hooks_enabled \
+                and not self.independence.rerunning and not recomputing():
+            # A custom autograd Function's backward running the layer again and backpropagating
+            # through it there: what reaches its parameters so goes around the clipping.
+            raise RuntimeError(RUN_IN_BACKWARD.format(name=self.layer_names.get(layer, "?"), kind=type(layer).__name__))
+        return super()._layer_call(layer, inputs, output, again)
 
     # ------------------------------------------------------------------ a pass
     @property
