@@ -10,6 +10,7 @@ drawing random numbers, refused.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -373,3 +374,28 @@ def test_a_layer_drawing_random_numbers_is_refused_and_without_draws_exact(wrapp
     ids = torch.randint(0, V, (3, 5))
     with pytest.raises(RuntimeError, match=r"(?s)layer 'inner' \(Noisy\).*draws random numbers.*requires_grad_"):
         F.cross_entropy(wrapped(ids), torch.zeros(3, dtype=torch.long), reduction="sum").backward()
+
+
+class ScaledBlock(nn.Module):
+    """A parameter of its own beside two Linears: torch.func takes the block whole, Linears and all."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(d))
+        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.up(x * self.scale)))
+
+
+def test_a_layer_taken_whole_with_layers_inside_is_warned_of():
+    """Once for the model, naming the layer, why, and how many layers it swallows; exact all
+    the same. One with no such layer inside (axial positions' ParameterList) is not warned of."""
+    torch.manual_seed(12)
+    with pytest.warns(UserWarning, match=r"dpgrad: torch.func takes these layers whole.*'inner' \(ScaledBlock: "
+                                         r"parameters of its own, \['scale'\]; 2 layers inside\).*small submodule"):
+        check_step("fgc", Around(ScaledBlock(6)), 4, seed=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dpgrad.GradSampleModuleFastGradientClipping(Around(Axial(6)))
+    assert not [w for w in caught if "dpgrad:" in str(w.message)]

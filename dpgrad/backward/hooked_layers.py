@@ -6,6 +6,7 @@ change, refused when they change between a forward pass and its backward pass)."
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
@@ -115,6 +116,7 @@ class HookedLayers:
             else:  # hooked at its calls of the function (dpgrad.backward.functional_calls)
                 handles += FunctionalHooks(layer, name, function, self._on_layer_call, self._recording).register()
         name_layers(self.layer_names)
+        _warn_swallowed([(self.layer_names[m], m) for m in self.functorch_layers], self.GRAD_SAMPLERS)
         # One parameter, looked up at each forward pass: a model whose parameters were replaced
         # without a registration (sharded by fully_shard after wrapping) would get per-sample
         # state on others.
@@ -229,3 +231,24 @@ class HookedLayers:
 def _same_objects(a: tuple, b: tuple) -> bool:
     """Whether two tuples hold the same objects (tensors compared by identity, not value)."""
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+def _warn_swallowed(layers: List[Tuple[str, nn.Module]], samplers: dict) -> None:
+    """Warn, once for the model, where torch.func takes a layer whole with two or more trainable
+    layers inside it that have samplers of their own (a base model holding a parameter of its
+    own): each step then runs them all again per sample, slower and with more memory."""
+    found = []
+    for name, layer in sorted(layers, key=lambda item: item[0]):
+        inside = [m for m in layer.modules() if m is not layer and type(m) in samplers and own_trainable(m)]
+        if len(inside) >= 2:
+            own = [n for n, p in layer.named_parameters(recurse=False) if p.requires_grad]
+            why = f"parameters of its own, {own}" if own else "computes with its children's parameters or methods"
+            found.append(f"'{name or 'the model'}' ({type(layer).__name__}: {why}; {len(inside)} layers inside)")
+    if not found:
+        return
+    listed = "; ".join(found[:3]) + (f"; and {len(found) - 3} more" if len(found) > 3 else "")
+    warnings.warn(
+        f"dpgrad: torch.func takes these layers whole, with the layers inside them that have samplers of their own: "
+        f"{listed}. Each step runs their forwards again one sample at a time, slower and with more memory than those "
+        "samplers. To keep them, move a layer's own parameters into a small submodule that holds them alone (called "
+        "in its forward), or freeze them.", stacklevel=4)
