@@ -399,3 +399,34 @@ def test_a_layer_taken_whole_with_layers_inside_is_warned_of():
         warnings.simplefilter("always")
         dpgrad.GradSampleModuleFastGradientClipping(Around(Axial(6)))
     assert not [w for w in caught if "dpgrad:" in str(w.message)]
+
+
+class Latents(nn.Module):
+    """Perceiver's latents: given the batch size alone, they make the batch's rows."""
+
+    def __init__(self, n, d):
+        super().__init__()
+        self.latents = nn.Parameter(torch.randn(n, d))
+
+    def forward(self, batch_size: int):
+        return self.latents.expand(batch_size, -1, -1)
+
+
+class Perceiving(nn.Module):
+    def __init__(self, d=6):
+        super().__init__()
+        self.tok, self.latents, self.head = nn.Embedding(V, d), Latents(3, d), nn.Linear(d, 3)
+
+    def forward(self, ids):
+        x = self.tok(ids)
+        q = self.latents(batch_size=ids.shape[0])
+        attended = torch.softmax(q @ x.transpose(1, 2), -1) @ x  # each sample's latents attend to its tokens
+        return self.head(torch.tanh(attended + q).mean(1))
+
+
+@pytest.mark.parametrize("rows", [4, 1, 0])
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_a_layer_given_no_tensor_that_makes_the_batch_s_rows(wrapper, rows):
+    """Each sample's gradient of the latents is that of its own rows of their output."""
+    torch.manual_seed(13)
+    check_step(wrapper, Perceiving(), rows, seed=5)

@@ -45,6 +45,7 @@ from typing import List, Optional, Set
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_leaves
 
 from dpgrad.samplers import registry
 from dpgrad.backward.autograd_graph import ForwardEdges, eager_when_compiled, region
@@ -61,7 +62,7 @@ from dpgrad.backward.picked_rows import PickedScopes
 from dpgrad.backward.split_calls import SplitCalls
 from dpgrad.backward.whole_calls import WholeCalls
 from dpgrad.checks.model_checks import refuse_wrapped
-from dpgrad.samplers.functorch import _first_tensor
+from dpgrad.samplers.functorch import Keywords, _first_tensor
 from dpgrad.samplers.groups import Record
 from dpgrad.tuning.progress import TUNING_PROGRESS
 
@@ -238,13 +239,23 @@ class BackwardPath(HookedLayers, ModelHooks, SplitCalls, WholeCalls):
             return self._shared_call(layer, name, params, inputs, output, leading)
         if self._forward_batch is None:  # the layer whose input gives the batch size (for messages)
             self._batch_from = (name, next((tuple(a.shape) for a in inputs if isinstance(a, torch.Tensor)), None))
-        self._forward_batch = check_batch(layer, name, inputs, self._forward_batch, self.batch_first)
+        if not self._makes_batch(layer, inputs, out, batch if self._forward_batch is None else self._forward_batch):
+            self._forward_batch = check_batch(layer, name, inputs, self._forward_batch, self.batch_first)
         self._note_call(layer, name, params)
         self._edges.add(out, layer, inputs, params)
         keep = registry.KEPT_INPUTS.get(type(layer))
         kept = list(inputs) if keep is None or layer in self.functorch_layers else keep(layer, inputs, out)
         # Not detached: they are only read under no_grad, and the list is emptied when read.
         return self._hook_output(layer, kept, out, output, partial(self._record, layer, params, kept, self._pending))
+
+    def _makes_batch(self, layer: nn.Module, inputs, out: torch.Tensor, batch: Optional[int]) -> bool:
+        """Whether ``layer``, taken whole, was given no tensor and returned the batch's rows
+        (Perceiver's latents, ``self.latents.expand(batch_size, -1, -1)``): its samples' gradients
+        are those of its output's rows (``dpgrad.samplers.functorch``)."""
+        dim = self.batch_dim
+        return (layer in self.functorch_layers and batch is not None and out.dim() > dim and out.shape[dim] == batch
+                and not any(isinstance(t, torch.Tensor)
+                            for t in tree_leaves([a.values if isinstance(a, Keywords) else a for a in inputs])))
 
     def _note_call(self, layer: nn.Module, name: str, params: List[nn.Parameter]) -> None:
         """A hooked call of ``layer`` in this forward pass."""

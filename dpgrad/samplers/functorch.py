@@ -149,6 +149,14 @@ class FunctionalGradients:
         whole = [v if i not in tensors or tensors.index(i) not in call.split else None for i, v in enumerate(leaves)]
         if not call.folded and not call.outputs:
             backprops = _by_sample(backprops, activations)
+        if not split and not call.outputs and not any(isinstance(a, torch.Tensor) for a in activations):
+            # Given nothing with a row per sample (Perceiver's latents, made for batch_size rows).
+            packed, keywords = tree_unflatten(whole, spec)
+            inputs = tuple(packed.get(i, a) for i, a in enumerate(activations))
+            grads = _by_output_rows(lambda given: functional_call(
+                stateless, {**frozen, **dict(zip(names, given))}, inputs, keywords),
+                tuple(params[n].detach() for n in names), backprops, batch_dim)
+            return dict(zip(names, grads))
 
         def one(a):  # a sample's input as the layer takes it
             return a if call.folded else a.unsqueeze(batch_dim)
@@ -208,6 +216,22 @@ def _draws(func, args, kwargs) -> bool:
             value = kwargs.get(arg.name, args[i] if i < len(args) else arg.default_value)
             return value != 0
     return True
+
+
+def _by_output_rows(forward, trainable: tuple, backprops: torch.Tensor, batch_dim: int) -> tuple:
+    """Per-sample gradients of a layer given no tensor with a row per sample, whose output has
+    one (``forward(trainable)``, run once): each sample's is the gradient of the output's rows
+    with that sample's backprops alone, one backward pass per sample."""
+    leaves = tuple(t.detach().requires_grad_() for t in trainable)
+    with torch.enable_grad(), _NoDraws():
+        out = _first_tensor(forward(leaves))
+        per_sample = []
+        for b in range(backprops.shape[batch_dim]):
+            cotangent = torch.zeros_like(out)
+            cotangent.select(batch_dim, b).copy_(backprops.select(batch_dim, b))
+            got = torch.autograd.grad(out, leaves, cotangent, retain_graph=True, allow_unused=True)
+            per_sample.append([torch.zeros_like(t) if g is None else g for g, t in zip(got, leaves)])
+    return tuple(torch.stack(gs) for gs in zip(*per_sample))
 
 
 def _sample_by_sample(sample_loss, args, in_dims) -> tuple:
