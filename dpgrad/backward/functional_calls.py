@@ -96,6 +96,7 @@ class FunctionalCalls(TorchFunctionMode):
                 "attributes say. Call F.embedding with the layer's own settings, or register samplers for "
                 f"{type(layer).__name__} (dpgrad.register_grad_sampler and register_norm_sampler).")
 
+
 # For messages: the layer type each function computes, and how a forward calls it.
 _CALLS = {F.embedding: ("nn.Embedding", "F.embedding(ids, self.weight, ...)"),
           F.linear: ("nn.Linear", "F.linear(x, self.weight, self.bias)")}

@@ -229,8 +229,7 @@ def _by_output_rows(forward, trainable: tuple, backprops: torch.Tensor, batch_di
         for b in range(backprops.shape[batch_dim]):
             cotangent = torch.zeros_like(out)
             cotangent.select(batch_dim, b).copy_(backprops.select(batch_dim, b))
-            got = torch.autograd.grad(out, leaves, cotangent, retain_graph=True, allow_unused=True)
-            per_sample.append([torch.zeros_like(t) if g is None else g for g, t in zip(got, leaves)])
+            per_sample.append(_grads(out, leaves, cotangent, retain_graph=True))
     return tuple(torch.stack(gs) for gs in zip(*per_sample))
 
 
@@ -247,9 +246,15 @@ def _sample_by_sample(sample_loss, args, in_dims) -> tuple:
         with torch.enable_grad(), _NoDraws():
             loss = sample_loss(leaves, tuple(take(a, d, b) for a, d in zip(activations, in_dims[1])),
                                tuple(take(r, d, b) for r, d in zip(split, in_dims[2])), backprops[b])
-            got = torch.autograd.grad(loss, leaves, allow_unused=True)
-        per_sample.append([torch.zeros_like(t) if g is None else g for g, t in zip(got, leaves)])
+            per_sample.append(_grads(loss, leaves))
     return tuple(torch.stack(gs) for gs in zip(*per_sample))
+
+
+def _grads(out: torch.Tensor, leaves: tuple, cotangent: Optional[torch.Tensor] = None, retain_graph=False) -> list:
+    """The gradients of ``out`` (times ``cotangent``) with respect to ``leaves``, zeros for those
+    it does not reach."""
+    got = torch.autograd.grad(out, leaves, cotangent, retain_graph=retain_graph, allow_unused=True)
+    return [torch.zeros_like(t) if g is None else g for g, t in zip(got, leaves)]
 
 
 def _by_sample(backprops: torch.Tensor, activations: List) -> torch.Tensor:
