@@ -507,3 +507,19 @@ def test_an_embedding_taken_whole_tied_to_the_output_layer(mode, B):
     for n, p in wrapped._module.named_parameters():
         expected = torch.einsum("b,b...->...", coef, ref[n])
         assert_tensor_close(p.grad, expected, n, (coef[:, None] * ref[n].flatten(1).abs()).sum(0).max().item())
+
+
+@pytest.mark.parametrize("sub", [Scaled, NoisyRouter], ids=["embedding", "linear"])
+def test_a_subclass_sharded_by_fsdp_is_hooked_at_its_function_calls(sub):
+    """fully_shard makes ``FSDP<Name>(FSDPModule, <Name>)`` of a module it shards: that class is
+    hooked at the function's calls as its origin is (at its own forward, a scaled embedding's
+    per-sample gradients would take the scale in)."""
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    from dpgrad.samplers import registry
+    sharded = type(f"FSDP{sub.__name__}", (fsdp.FSDPModule, sub), {})
+    model = nn.Module()
+    model.layer = sub(V, D)
+    model.layer.__class__ = sharded
+    registry.resolve(model)
+    function = F.embedding if issubclass(sub, nn.Embedding) else F.linear
+    assert registry.functional_call(sharded) is function is registry.functional_call(sub)

@@ -182,6 +182,8 @@ def resolve(model: nn.Module) -> None:
             _inherit(origin, base)
         if origin is not cls:
             _inherit(cls, origin)
+            if base is not None:  # hooked at the function's calls as its origin is
+                INHERITED[cls] = base
     for m in model.modules():
         cls = type(m)
         if cls not in GRAD_SAMPLERS:
