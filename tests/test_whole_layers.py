@@ -430,3 +430,29 @@ def test_a_layer_given_no_tensor_that_makes_the_batch_s_rows(wrapper, rows):
     """Each sample's gradient of the latents is that of its own rows of their output."""
     torch.manual_seed(13)
     check_step(wrapper, Perceiving(), rows, seed=5)
+
+
+class Table(nn.Module):
+    """Given nothing, returns its (T, d) table, shared by all samples (not the batch's rows)."""
+
+    def __init__(self, t, d):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(t, d))
+
+    def forward(self):
+        return self.table * 1.0
+
+
+def test_a_table_the_size_of_the_batch_is_not_taken_for_its_rows():
+    """B == T: the table's rows are positions, not samples; refused, naming the layer."""
+    class Positions(nn.Module):
+        def __init__(self, d=6):
+            super().__init__()
+            self.tok, self.pos, self.head = nn.Embedding(V, d), Table(4, d), nn.Linear(d, 3)
+
+        def forward(self, ids):
+            return self.head(torch.tanh(self.tok(ids) + self.pos()).mean(1))
+
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(Positions())
+    with pytest.raises(ValueError, match=r"layer 'pos' got an input of shape None with no batch dimension"):
+        wrapped(torch.randint(0, V, (4, 4)))

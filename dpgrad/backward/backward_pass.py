@@ -249,12 +249,13 @@ class BackwardPath(HookedLayers, ModelHooks, SplitCalls, WholeCalls):
         return self._hook_output(layer, kept, out, output, partial(self._record, layer, params, kept, self._pending))
 
     def _makes_batch(self, layer: nn.Module, inputs, out: torch.Tensor, batch: Optional[int]) -> bool:
-        """Whether ``layer``, taken whole, was given no tensor and returned the batch's rows
-        (Perceiver's latents, ``self.latents.expand(batch_size, -1, -1)``): its samples' gradients
-        are those of its output's rows (``dpgrad.samplers.functorch``)."""
+        """Whether ``layer``, taken whole, was given no tensor and returned the batch's rows, as
+        an expand makes them (Perceiver's latents, ``self.latents.expand(batch_size, -1, -1)``):
+        its samples' gradients are those of its output's rows (``dpgrad.samplers.functorch``). A
+        table whose first size is the batch size by chance is no expand."""
         dim = self.batch_dim
         return (layer in self.functorch_layers and batch is not None and out.dim() > dim and out.shape[dim] == batch
-                and not any(isinstance(t, torch.Tensor)
+                and (out.stride(dim) == 0 or batch <= 1) and not any(isinstance(t, torch.Tensor)
                             for t in tree_leaves([a.values if isinstance(a, Keywords) else a for a in inputs])))
 
     def _note_call(self, layer: nn.Module, name: str, params: List[nn.Parameter]) -> None:
