@@ -193,6 +193,21 @@ def _children(node: Node) -> List[Node]:
     return [child for child, _ in node.next_functions if child is not None]
 
 
+def nodes_behind(start: Optional[Node], limit: int) -> set:
+    """The first ``limit`` autograd nodes behind ``start`` (itself included), breadth first."""
+    seen, frontier, found = {start}, [start], set()
+    while frontier and len(found) < limit:
+        node = frontier.pop(0)
+        if node is None or not hasattr(node, "next_functions"):
+            continue
+        found.add(node)
+        for child in _children(node):
+            if child not in seen:
+                seen.add(child)
+                frontier.append(child)
+    return found
+
+
 def lowest_marked_edges(root: Node, mark: object) -> List[GradientEdge]:
     """Gradient edges of the marked outputs under ``root`` that have no marked node below them.
 

@@ -22,6 +22,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from dpgrad.backward.autograd_graph import nodes_behind
+
 # Autograd nodes between the indexing and the layer's input that keep its rows in order.
 _KEEP_ROWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AliasBackward0",
                         "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2",
@@ -155,8 +157,7 @@ class PickedScopes:
 
 def _reaches(start, target, limit: int = 64) -> bool:
     """Whether the autograd node ``target`` is among the first ``limit`` nodes behind ``start``."""
-    if start is None or target is None:
-        return False
+    return start is not None and target is not None and target in nodes_behind(start, limit)
     seen, frontier = {start}, [start]
     while frontier and len(seen) <= limit:
         fn = frontier.pop(0)

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_leaves, tree_unflatten
 
+from dpgrad.backward.autograd_graph import nodes_behind
 from dpgrad.backward.shared_outputs import SharedSite
 from dpgrad.samplers.functorch import Keywords
 
@@ -186,20 +187,8 @@ def _computed_from(t: torch.Tensor, x: torch.Tensor, limit: int = 256) -> bool:
 
 
 def _behind(start, limit: int) -> set:
-    """The autograd nodes behind ``start`` (itself included, parameters' AccumulateGrad left
-    out), breadth first, at most ``limit``."""
-    seen, frontier, found = {start}, [start], set()
-    while frontier and len(found) < limit:
-        fn = frontier.pop(0)
-        if fn is None or not hasattr(fn, "next_functions"):
-            continue
-        if type(fn).__name__ != "AccumulateGrad":
-            found.add(fn)
-        for nxt, _ in fn.next_functions:
-            if nxt is not None and nxt not in seen:
-                seen.add(nxt)
-                frontier.append(nxt)
-    return found
+    """The autograd nodes behind ``start`` (``nodes_behind``) but parameters' AccumulateGrad."""
+    return {node for node in nodes_behind(start, limit) if type(node).__name__ != "AccumulateGrad"}
 
 
 def _grad_outputs(output) -> list:
