@@ -198,13 +198,16 @@ def _data_dependent(exc: RuntimeError) -> bool:
     return any(s in str(exc) for s in _DYNAMIC)
 
 
+class RandomDraw(RuntimeError):
+    """A forward run again per sample drew random numbers."""
+
+
 class _NoDraws(TorchDispatchMode):
     """Refuses an operation that draws random numbers."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs or {}):
-            raise RuntimeError(f"vmap: called random operation {func} while in randomness error mode (its forward "
-                               "draws random numbers, which a second run would draw anew)")
+            raise RandomDraw(f"called random operation {func}")
         return func(*args, **(kwargs or {}))
 
 
@@ -293,7 +296,7 @@ def ft_compute_per_sample_gradient(
     except torch.OutOfMemoryError:
         raise
     except RuntimeError as exc:
-        if "vmap" not in str(exc):
+        if "vmap" not in str(exc) and not isinstance(exc, RandomDraw):
             raise RuntimeError(
                 f"layer {layer_name(layer)} has no per-sample gradient sampler, so torch.func computes its "
                 f"per-sample gradients by running its forward again on one sample at a time, and that forward "
