@@ -23,7 +23,7 @@ BACKEND_TESTS := test_reference_models.py test_single_backward.py test_opacus_su
 	test_hf_models.py test_opacus_training_step.py test_errors.py test_opacus_integration.py \
 	test_mixed_precision.py test_gpu_dp_step.py test_gpu_graphs.py test_dp_optimizer.py test_fsdp.py test_clipping_groups.py \
 	test_no_wrap.py test_conv.py test_vision_models.py test_shared_layers.py test_moe.py \
-	test_picked_rows.py
+	test_picked_rows.py test_batch_dims.py
 
 # gpt2-small in bf16 on a CUDA GPU, the tiny preset in fp32 (eager fallback) otherwise; then
 # the benchmark suites in quick mode (minutes on a CPU; a line per suite, pytest's output in

@@ -102,8 +102,9 @@ def _check_one_loss_per_sample(loss_per_sample: torch.Tensor, batch: Optional[in
     seen = ""
     if source is not None and got[:1] != (batch,):  # not even a leading size of the batch's
         seen = (f" (the batch size along dimension {batch_dim} of the input of layer '{source[0]}', of shape "
-                f"{source[1]}, the first layer called; a model whose layers take the time dimension first, such "
-                f"as XLNet's, is wrapped with batch_first=False)")
+                f"{source[1]}, the first layer called; a model whose input holds the batch along dimension 1, "
+                f"(T, B, ...), is wrapped with batch_first=False, while layers that take it so inside a batch-first "
+                f"model are found by dpgrad)")
     raise ValueError(
         f"the criterion gave losses of shape {got} for a batch of {batch} samples{seen}: give one loss per sample, "
         f"shape ({batch},) (for a loss per token, pass shape=(B, T) of the outputs before they were flattened)")

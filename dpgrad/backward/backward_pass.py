@@ -60,7 +60,7 @@ from dpgrad.backward.layer_inputs import (batch_to_front, broadcast_inputs, chec
                                           recomputing, shared_before, shared_call)
 from dpgrad.backward.picked_rows import PickedScopes
 from dpgrad.backward.split_calls import SplitCalls
-from dpgrad.backward.whole_calls import WholeCalls
+from dpgrad.backward.whole_calls import WholeCalls, batch_front_of
 from dpgrad.checks.model_checks import refuse_wrapped
 from dpgrad.samplers.functorch import Keywords, _first_tensor
 from dpgrad.samplers.groups import Record
@@ -95,8 +95,8 @@ class BackwardPath(HookedLayers, ModelHooks, SplitCalls, WholeCalls):
     TRANSIENT = ("_forward_batch", "_input_batch", "_shared_layers", "_forward_seen", "_pass_open", "_edges",
                  "_verified", "_seen_version", "_seen_layout", "_seen_flags", "_checked", "_unrecorded", "_pending",
                  "_pass_forwards", "_probing", "independence", "finite_reports", "_buffer_state", "_keyword_rows",
-                 "_batch_from", "_input_tokens", "_picked_scopes", "_unview_all", "_unview_layers",
-                 "_unviewed_calls")
+                 "_batch_from", "_input_tokens", "_batch_dims", "_readings", "_picked_scopes", "_unview_all",
+                 "_unview_layers", "_unviewed_calls")
     sharded = None  # the model's FSDP2 parameter groups (dpgrad.backward.fsdp.ShardedParameters)
 
     def __init__(self, model: nn.Module, *, batch_first: bool, loss_reduction: str, check_finite: bool,
@@ -123,7 +123,7 @@ class BackwardPath(HookedLayers, ModelHooks, SplitCalls, WholeCalls):
         """What a new path, or a copy, starts with in place of ``TRANSIENT``."""
         self._forward_batch: Optional[int] = None
         self._batch_from: Optional[tuple] = None  # (layer name, input shape) that gave it
-        self._input_batch = 0  # the batch size the model's first tensor input shows (0: none)
+        self._input_batch: Optional[int] = None  # the batch size the model's first tensor input shows
         self._input_tokens: Optional[int] = None  # and its next size
         # The layers called without the batch dimension (and their inputs' dimensions then).
         self._shared_layers: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
@@ -154,8 +154,13 @@ class BackwardPath(HookedLayers, ModelHooks, SplitCalls, WholeCalls):
         self.independence = IndependenceCheck(self)  # when the independence probes run
         self.finite_reports = FiniteReports()  # finite checks the host has not read yet
         self._buffer_state: dict = {}  # layers taken whole: their buffers' state as their forward began
-        # Layers taken whole: (layer, keyword tensor position) -> whether it held a row per sample.
+        # Layers taken whole: (layer, keyword tensor position) -> whether it held a row per sample, at
+        # which batch size, and its shape then.
         self._keyword_rows: dict = {}
+        # Layers taken whole: how their calls were read (``WholeCalls._check_new_reading``).
+        self._readings: "weakref.WeakKeyDictionary[nn.Module, set]" = weakref.WeakKeyDictionary()
+        # The dimension a layer's calls hold the batch along, where one could hold it along several.
+        self._batch_dims: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k not in self.TRANSIENT}
@@ -201,7 +206,9 @@ class BackwardPath(HookedLayers, ModelHooks, SplitCalls, WholeCalls):
                 return None  # a layer shared by all samples has no rows of theirs to change
             if layer in self._picked_scopes.layers:
                 return None  # nor one on picked rows, which this run (no graph) cannot tell
-            return perturb(output)
+            whole = bool(inputs) and isinstance(inputs[-1], Keywords)  # a layer taken whole: its input moved
+            moved = inputs[-1].moved if whole else self._call_batch_dim(layer, inputs)
+            return perturb(output, moved or self.batch_dim)
         # Whatever the layer's mode: eval() changes what a layer computes (dropout), not
         # whether its gradient must be clipped.
         if not (self.hooks_enabled and torch.is_grad_enabled()):
@@ -212,7 +219,7 @@ class BackwardPath(HookedLayers, ModelHooks, SplitCalls, WholeCalls):
         params = self.layer_params(layer)
         if not params:
             return None
-        if self._forward_batch is None and self.batch_first and self._input_batch > 1 and one_row(inputs):
+        if self._forward_batch is None and self.batch_first and (self._input_batch or 0) > 1 and one_row(inputs):
             # A row broadcast over the batch before any layer saw the batch: the model's input holds it.
             self._forward_batch = self._input_batch
         picked = self._picked(layer, inputs, out)
@@ -228,7 +235,16 @@ class BackwardPath(HookedLayers, ModelHooks, SplitCalls, WholeCalls):
             return None
         name = self.layer_names[layer]
         batch = self._forward_batch or self._input_batch or None
-        rows = folded_rows(layer, inputs, batch, self.batch_first, self._input_tokens)
+        whole = bool(inputs) and isinstance(inputs[-1], Keywords)
+        transposed = 0 if layer in self.functorch_layers else self._call_batch_dim(layer, inputs)
+        if transposed:  # (T, B, ...) in a batch-first model
+            if self._forward_batch is None:  # the model input's (``_call_batch_dim``), 0 included
+                self._forward_batch, self._batch_from = self._input_batch, (name, tuple(inputs[0].shape))
+            return self._transposed_call(layer, name, params, inputs, out, output)
+        # A layer taken whole holding the batch along another dimension (``_on_whole_call``): its
+        # input as recorded, batch first.
+        given = batch_front_of(inputs, inputs[-1].moved) if whole else inputs
+        rows = folded_rows(layer, given, batch, self.batch_first, self._input_tokens)
         if rows is not None:  # the batch's tokens flattened, (B*T, ...)
             if self._forward_batch is None:  # the first hooked call: the batch is the model input's
                 self._forward_batch, self._batch_from = batch, (name, tuple(inputs[0].shape))
@@ -238,13 +254,14 @@ class BackwardPath(HookedLayers, ModelHooks, SplitCalls, WholeCalls):
         if leading is not None and isinstance(output, torch.Tensor):
             return self._shared_call(layer, name, params, inputs, output, leading)
         if self._forward_batch is None:  # the layer whose input gives the batch size (for messages)
-            self._batch_from = (name, next((tuple(a.shape) for a in inputs if isinstance(a, torch.Tensor)), None))
+            self._batch_from = (name, next((tuple(a.shape) for a in given if isinstance(a, torch.Tensor)), None))
         if not self._makes_batch(layer, inputs, out, batch if self._forward_batch is None else self._forward_batch):
-            self._forward_batch = check_batch(layer, name, inputs, self._forward_batch, self.batch_first)
+            self._forward_batch = check_batch(layer, name, given, self._forward_batch, self.batch_first,
+                                              ambiguous=transposed is None or (whole and inputs[-1].moved is None))
         self._note_call(layer, name, params)
         self._edges.add(out, layer, inputs, params)
         keep = registry.KEPT_INPUTS.get(type(layer))
-        kept = list(inputs) if keep is None or layer in self.functorch_layers else keep(layer, inputs, out)
+        kept = list(given) if keep is None or layer in self.functorch_layers else keep(layer, inputs, out)
         # Not detached: they are only read under no_grad, and the list is emptied when read.
         return self._hook_output(layer, kept, out, output, partial(self._record, layer, params, kept, self._pending))
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from dpgrad.backward.shared_outputs import SharedAcrossBatch
+from dpgrad.samplers import registry
 
 
 def broadcast_inputs(layer: nn.Module, inputs, batch: Optional[int], batch_first: bool, whole_layers
@@ -108,15 +109,15 @@ def one_row(inputs) -> bool:
     return x is not None and x.dim() > 0 and x.shape[0] == 1
 
 
-def input_batch(args: tuple, kwargs: dict, batch_dim: int) -> Tuple[int, Optional[int]]:
+def input_batch(args: tuple, kwargs: dict, batch_dim: int) -> Tuple[Optional[int], Optional[int]]:
     """The batch size the model's first tensor argument (positional, then keyword) shows along
-    ``batch_dim``, or 0: where the first hooked call has one row, whether it is a row
+    ``batch_dim``, or None: where the first hooked call has one row, whether it is a row
     broadcast over the batch or a batch of one; and its next size (tokens, batch first), or
     None: where a call takes the batch's tokens flattened before any layer trains (LoRA)."""
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.Tensor):
-            return (a.shape[batch_dim] if a.dim() > batch_dim else 0), (a.shape[1] if a.dim() > 1 else None)
-    return 0, None
+            return (a.shape[batch_dim] if a.dim() > batch_dim else None), (a.shape[1] if a.dim() > 1 else None)
+    return None, None
 
 
 def shared_before(layer: nn.Module, inputs, shared: dict) -> bool:
@@ -126,11 +127,20 @@ def shared_before(layer: nn.Module, inputs, shared: dict) -> bool:
     return x is not None and shared.get(layer) == x.dim()
 
 
-def check_batch(layer: nn.Module, name: str, inputs, batch: Optional[int], batch_first: bool) -> int:
+AMBIGUOUS = (" Or its input holds the batch along another dimension, as a time-first layer's (T, B, ...) or Gemma "
+             "3n's decoder layers' (streams, B, T, d) do, which dpgrad cannot tell in a batch of as many samples as "
+             "another of the input's sizes: run a first step at another batch size (what it shows is remembered "
+             "for the layer).")
+
+
+def check_batch(layer: nn.Module, name: str, inputs, batch: Optional[int], batch_first: bool,
+                ambiguous: bool = False) -> int:
     """The forward pass's batch size after this call of ``layer`` (``name``): its own where
     ``batch`` is None (the pass's first hooked call). Raises ValueError, naming the layer, for
     an input with no batch dimension, one row where the pass has several samples (a row the
-    model broadcasts over the batch), or another number of samples."""
+    model broadcasts over the batch), or another number of samples; ``ambiguous``: the input
+    might be time-first (``batch_dim_of`` could not tell), which the message adds."""
+    hint = AMBIGUOUS if ambiguous else ""
     batch_dim = 0 if batch_first else 1
     x = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else next(
         (a for a in inputs if isinstance(a, torch.Tensor)), None)
@@ -153,7 +163,7 @@ def check_batch(layer: nn.Module, name: str, inputs, batch: Optional[int], batch
             f"{batch} samples: the model broadcasts it over the batch, so its "
             "gradient is the whole batch's, not per sample. Give the input one row per sample; "
             "for Hugging Face models, whose position ids default to a single row, pass "
-            "position_ids=torch.arange(T).expand(B, T) (with B samples of T tokens)."
+            "position_ids=torch.arange(T).expand(B, T) (with B samples of T tokens)." + hint
         )
     if n != batch:
         picked = x.grad_fn is not None and type(x.grad_fn).__name__.startswith("Index")
@@ -167,7 +177,7 @@ def check_batch(layer: nn.Module, name: str, inputs, batch: Optional[int], batch
                "a module per expert routes tokens), but not whole rows of a tensor of the batch's tokens, (B, T, "
                "...) or (B*T, ...), which is where dpgrad tells each picked row's sample: pick from the batch's "
                "tokens, freeze those modules and train the others or adapters elsewhere, or use a model whose "
-               "experts are one grouped module (transformers' grouped experts)." if picked else "")
+               "experts are one grouped module (transformers' grouped experts)." if picked else "") + hint
         )
     return batch
 
@@ -213,6 +223,61 @@ def recomputing() -> bool:
         return False
     top = _top_saved_tensors_hooks()
     return top is not None and "_recomputation_hook" in getattr(top[0], "__qualname__", "")
+
+
+_PER_POSITION = {"dpgrad.samplers.linear": 1, "dpgrad.samplers.embedding": 0, "dpgrad.samplers.norms": None}
+
+
+def position_features(layer: nn.Module) -> Optional[int]:
+    """The trailing input dimensions a layer's samplers take as its features where every
+    dimension before them is a position, its samples' rows along any of them: 1 for Linear,
+    the normalised shape's for LayerNorm and RMSNorm, 0 for Embedding (ids); None for the rest
+    (convolutions, GroupNorm, a user's own samplers), whose batch is where batch_first says."""
+    cls = type(layer)
+    if cls not in registry.GRAD_SAMPLERS or isinstance(layer, nn.GroupNorm):
+        return None
+    for module, features in _PER_POSITION.items():
+        if registry.served_by(cls, module):
+            if features is not None:
+                return features
+            shape = getattr(layer, "normalized_shape", None)
+            weight = getattr(layer, "weight", None)
+            return len(shape) if shape is not None else (weight.dim() if isinstance(weight, torch.Tensor) else None)
+    return None
+
+
+def batch_dim_of(layer: nn.Module, x, batch: Optional[int], tokens: Optional[int], batch_first: bool,
+                 whole: bool, known) -> Optional[int]:
+    """The dimension along which this call of ``layer``, on input ``x``, holds the forward
+    pass's ``batch`` inside a batch-first model: 0 as the model does, or another where the
+    layer runs with the batch elsewhere. A layer whose samplers take every dimension before
+    its features as positions (``position_features``) may hold it along dimension 1, (T, B,
+    ...) (XLNet's layers and the summary after them, Longformer's global attention on (G, B,
+    d), G global tokens); a layer torch.func takes ``whole`` along any one dimension of a
+    3-D or larger input (Gemma 3n's decoder layers on (streams, B, T, d)). Taken so where the
+    input's first size is neither the batch, nor the batch's tokens flattened (``tokens``: the
+    model input's second size), nor, with 1 there, a (1, T, d) table broadcast over the batch.
+    Where the first size is the batch's too (T == B), or the batch's size is at two other
+    dimensions, what an earlier call at another batch size showed (``known``: layer -> dim,
+    kept up to date here) decides; None where nothing has (taken batch first: a wrong guess is
+    the independence check's to catch, and ``check_batch`` says why it may refuse)."""
+    if not batch_first or batch is None or not isinstance(x, torch.Tensor) or x.dim() < (3 if whole else 2):
+        return 0
+    first = x.shape[0]
+    dims = [d for d in range(1, x.dim()) if x.shape[d] == batch] if whole else [1] if x.shape[1] == batch else []
+    if dims and not whole:  # (the common call, batch first, asks no more than its sizes)
+        features = position_features(layer)
+        dims = [] if features is None or x.dim() < 2 + features else dims
+    if not dims or isinstance(x, SharedAcrossBatch):
+        if first == batch and known.get(layer) != 0:
+            known[layer] = 0
+        return 0
+    if tokens is not None and first == batch * tokens and first != batch:
+        return 0
+    if first == batch or len(dims) > 1 or (first == 1 and dims == [1] and x.shape[1] == tokens):
+        return known.get(layer)
+    known[layer] = dims[0]
+    return dims[0]
 
 
 def feature_dims(layer: nn.Module) -> int:

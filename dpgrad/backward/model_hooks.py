@@ -43,7 +43,7 @@ class ModelHooks:
         self._sync_with_model()
         self._check_probe()
         self._forward_batch = None
-        self._input_batch, self._input_tokens = 0, None
+        self._input_batch, self._input_tokens = None, None
         self._forward_seen = set()
         self._unviewed_calls = []
         self._picked_scopes.begin_forward()

@@ -13,7 +13,7 @@ from typing import List, Optional
 import torch
 import torch.nn as nn
 
-from dpgrad.backward.layer_inputs import unfold
+from dpgrad.backward.layer_inputs import batch_dim_of, batch_to_front, unfold
 from dpgrad.backward.picked_rows import PickedRows, picked_rows
 from dpgrad.backward.shared_outputs import SharedSite, nested
 from dpgrad.samplers import registry
@@ -57,6 +57,26 @@ class SplitCalls:
         return self._hook_output(layer, kept, out, output, partial(self._record_folded, batch, n, copies, layer,
                                                                    params, kept, self._pending), n)
 
+    def _transposed_call(self, layer: nn.Module, name: str, params: List[nn.Parameter], inputs, out: torch.Tensor,
+                         output=None):
+        """A call of ``layer`` on the batch along dimension 1, (T, B, ...), in a batch-first model
+        (``dpgrad.backward.layer_inputs.time_first``): recorded with its inputs and backprops
+        batch first."""
+        self._note_call(layer, name, params)
+        self._edges.add(out, layer, inputs, params)
+        keep = registry.KEPT_INPUTS.get(type(layer))
+        kept = [batch_to_front(a) for a in (list(inputs) if keep is None else keep(layer, inputs, out))]
+        return self._hook_output(layer, kept, out, output, partial(self._record_transposed, layer, params, kept,
+                                                                   self._pending))
+
+    def _call_batch_dim(self, layer: nn.Module, inputs) -> Optional[int]:
+        """The dimension this call of ``layer`` holds the batch along (``batch_dim_of``; None: it
+        cannot be told yet)."""
+        batch = self._input_batch if self._forward_batch is None else self._forward_batch
+        x = next((a for a in inputs if isinstance(a, torch.Tensor)), None)
+        return batch_dim_of(layer, x, batch, self._input_tokens, self.batch_first, layer in self.functorch_layers,
+                            self._batch_dims)
+
     def _picked(self, layer: nn.Module, inputs, out: torch.Tensor) -> Optional[PickedRows]:
         """The tokens of a call on rows picked from the batch's (``dpgrad.backward.picked_rows``),
         or None."""
@@ -91,6 +111,9 @@ class SplitCalls:
     def _record_picked(self, picked: PickedRows, layer: nn.Module, params: List[nn.Parameter], activations: list,
                        calls, grad):
         return self._record(layer, params, activations, calls, picked.spread(grad))
+
+    def _record_transposed(self, layer: nn.Module, params: List[nn.Parameter], activations: list, calls, grad):
+        return self._record(layer, params, activations, calls, batch_to_front(grad))
 
     def _record_folded(self, batch: int, n: int, copies: int, layer: nn.Module, params: List[nn.Parameter],
                        activations: list, calls, grad):

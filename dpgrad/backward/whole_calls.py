@@ -5,11 +5,16 @@ per-sample gradients come from running their forward again on one sample at a ti
 recomputation needs besides its input: its other arguments, positional or by keyword, the
 tensors among them that hold one row per sample (split by sample as the input is; B*T rows of
 the batch's tokens flattened, each sample's T) told apart from those given whole to every
-sample (a causal mask, rotary tables of one row). An output shared by all samples (a parameter
-the layer returns) is handed on as one (``dpgrad.backward.shared_outputs``). Refused, naming
-the layer: a call whose forward changed the layer's buffers (the recomputation would see other
-values), and a tensor whose first size equals the batch size (or the token count) by chance
-the first time the layer is seen (whether it holds a row per sample cannot be told)."""
+sample (a causal mask, rotary tables of one row). A call whose input holds the batch along
+another dimension (Gemma 3n's decoder layers on (streams, B, T, d), a time-first attention) is
+recorded batch first and run again with its batch moved back. An output shared by all samples
+(a parameter the layer returns) is handed on as one (``dpgrad.backward.shared_outputs``). The
+first call read so is checked: run again on one sample at a time, it must give what the
+forward pass gave (``Keywords.check``). Refused, naming the layer: a call whose forward
+changed the layer's buffers (the recomputation would see other values), a tensor whose first
+size equals the batch size (or the token count) by chance the first time the layer is seen
+(whether it holds a row per sample cannot be told), and a recomputation that does not give
+what the forward pass gave."""
 
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import torch.nn as nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_leaves, tree_unflatten
 
 from dpgrad.backward.autograd_graph import nodes_behind
+from dpgrad.backward.layer_inputs import batch_dim_of, recomputing
 from dpgrad.backward.shared_outputs import SharedSite
 from dpgrad.samplers.functorch import Keywords
 
@@ -52,22 +58,61 @@ class WholeCalls:
                 "for its type (dpgrad.register_grad_sampler).")
         if kwargs and not any(isinstance(a, torch.Tensor) for a in args):
             args, kwargs = _first_by_position(layer, args, kwargs)
+        moved = self._moved_batch(layer, args, output)  # the batch along another dimension: recorded batch first
         # Positional arguments after the input that are tensors, or hold some (a tuple of masks):
         # split by sample or given whole as keywords are (``_rows_per_sample``).
         packed = {i: a for i, a in enumerate(args)
                   if (i > 0 and isinstance(a, torch.Tensor))
                   or (not isinstance(a, torch.Tensor) and any(isinstance(t, torch.Tensor) for t in tree_leaves(a)))}
-        call = Keywords(kwargs, packed)
+        call = Keywords(kwargs, packed, moved=moved)
 
         def again(*inputs):  # the layer on inputs widened to the batch, with its keywords
             return layer(*inputs[:-1], **kwargs)
 
         out = self._on_layer_call(layer, (*args, call), output, again)
         if (kwargs or packed) and not call.folded and self._forward_batch and not self.independence.rerunning:
-            call.split, flat = self._rows_per_sample(layer, args, call.values)
+            call.split, flat, call.along = self._rows_per_sample(layer, batch_front_of(args, moved), call.values,
+                                                                 moved)
             if flat:
                 call.flatten_tokens(flat, self._forward_batch)
+        self._check_new_reading(layer, args, call, output if out is None else out)
         return out
+
+    def _check_new_reading(self, layer: nn.Module, args, call: Keywords, output) -> None:
+        """Have the recomputation of this call checked against its forward pass
+        (``Keywords.check``: its outputs copied, as the model may change them in place) where
+        the call was given tensors besides its input, or the batch along another dimension, and
+        the layer is called so for the first time: its input's shape and where the batch lies in
+        it and in the other tensors it was given are new."""
+        if call.folded or self.independence.rerunning or not (self.hooks_enabled and torch.is_grad_enabled()) \
+                or recomputing():
+            return
+        if not call.moved and not any(isinstance(t, torch.Tensor) for t in tree_leaves(call.values)):
+            return  # its input alone, split along the batch dimension: nothing was read
+        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        reading = (None if x is None else tuple(x.shape), call.moved, call.split, call.flat, tuple(call.along.items()))
+        seen = self._readings.setdefault(layer, set())
+        if reading in seen:
+            return
+        seen.add(reading)
+        tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
+        chosen = [tensors[i] for i in call.outputs] if call.outputs else tensors[:1]
+        call.check = (call.moved or self.batch_dim, tuple(t.detach().clone() for t in chosen))
+
+    def _moved_batch(self, layer: nn.Module, args, output) -> Optional[int]:
+        """The dimension other than the model's that this call holds the batch along, in its
+        first input and in each output tensor that carries gradients (``batch_dim_of``), or 0
+        (also where an output holds it elsewhere); None where it cannot be told yet."""
+        if self.independence.rerunning:
+            return self._batch_dims.get(layer) or 0
+        if not (self.hooks_enabled and torch.is_grad_enabled()) or recomputing():
+            return 0
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        batch = self._input_batch if self._forward_batch is None else self._forward_batch
+        dim = batch_dim_of(layer, x, batch, self._input_tokens, self.batch_first, True, self._batch_dims)
+        if dim and any(t.dim() <= dim or t.shape[dim] != batch for t in _grad_outputs(output)):
+            return 0
+        return dim
 
     def _hook_output(self, layer: nn.Module, kept: list, out: torch.Tensor, output, record: Callable,
                      rows: Optional[int] = None):
@@ -84,10 +129,11 @@ class WholeCalls:
         (``dpgrad.backward.shared_outputs``), and each sample's gradient of it is taken where
         it meets the batch."""
         outs = _grad_outputs(output) if layer in self.functorch_layers and not isinstance(output, torch.Tensor) else []
+        moved = kept[-1].moved if kept and isinstance(kept[-1], Keywords) else 0
         if len(outs) < 2 or not isinstance(kept[-1], Keywords):
-            out.register_hook(record)
+            out.register_hook(partial(_moved_front, moved, record) if moved else record)
             return None
-        dim, rows = self.batch_dim, rows or self._forward_batch
+        dim, rows = moved or self.batch_dim, rows or self._forward_batch
         x = next((a for a in kept if isinstance(a, torch.Tensor)), None)
         flat = rows * x.shape[1] if x is not None and x.dim() > 1 and dim == 0 else None  # (B*T, ...) of (B, T, ...)
         name = self.layer_names[layer]
@@ -106,7 +152,7 @@ class WholeCalls:
         leaves, spec = tree_flatten(output)
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         kept[-1].outputs = tuple(next(i for i, t in enumerate(tensors) if t is o) for o in outs)
-        made = _Joined.apply(partial(self._record_outputs, record, self._forward_batch, sites), *outs)
+        made = _Joined.apply(partial(self._record_outputs, record, self._forward_batch, sites, dim), *outs)
         for k, site in sites.items():
             site.output = made[k]
         copies = {id(o): sites[k].shared(m) if k in sites else m for k, (o, m) in enumerate(zip(outs, made))}
@@ -115,10 +161,11 @@ class WholeCalls:
             self._edges.add(o, layer, kept[:-1], params)
         return tree_unflatten([copies.get(id(v), v) if isinstance(v, torch.Tensor) else v for v in leaves], spec)
 
-    def _record_outputs(self, record: Callable, batch: int, sites: dict, grads) -> None:
-        """Each output's gradient by sample, flattened and laid end to end: (B, N) along the
-        batch dimension; a shared output's from where it met the batch (zeros where unused)."""
-        dim, rows = self.batch_dim, []
+    def _record_outputs(self, record: Callable, batch: int, sites: dict, dim: int, grads) -> None:
+        """Each output's gradient by sample (the batch along ``dim`` in each), flattened and laid
+        end to end: (B, N) along the model's batch dimension; a shared output's from where it met
+        the batch (zeros where unused)."""
+        rows = []
         for k, (g, (shape, like)) in enumerate(grads):
             if k in sites:
                 try:
@@ -130,16 +177,21 @@ class WholeCalls:
             else:
                 g = like.new_zeros(shape) if g is None else g
                 rows.append(g.movedim(dim, 0).reshape(batch, -1) if batch else g.new_zeros(0, 0))
-        record(torch.cat([r.to(rows[0].dtype) for r in rows], 1).movedim(0, dim))
+        record(torch.cat([r.to(rows[0].dtype) for r in rows], 1).movedim(0, self.batch_dim))
 
 
-    def _rows_per_sample(self, layer: nn.Module, args, values) -> Tuple[frozenset, frozenset]:
+    def _rows_per_sample(self, layer: nn.Module, args, values, moved: Optional[int] = 0
+                         ) -> Tuple[frozenset, frozenset, dict]:
         """The positions (among the tensors of ``values``, ``tree_flatten`` order) of those
         holding one row per sample: their size along the batch dimension is the batch size; and
         among them, those holding each sample's tokens flattened (batch first, B*T rows where
-        the layer's input is (B, T, ...): a router's weights of the tokens). Where that size
-        could be another (it is also a size of the layer's input), what an earlier call at
-        another batch size showed for the tensor is used, or the call refused."""
+        the layer's input is (B, T, ...): a router's weights of the tokens); and of those laid out
+        as the layer's input where it holds the batch along dimension ``moved`` (the key and
+        value of a time-first attention), that dimension by position. A tensor of the
+        shape it had at another batch size does not hold the batch, whatever its sizes (a
+        position table as long as B*T by chance). Where that size could be another (it is also
+        a size of the layer's input), and no step at another batch size has been seen, a tensor
+        computed from the input's own tracked tensor holds the batch; another is refused."""
         B, dim = self._forward_batch, self.batch_dim
         x = next((a for a in args if isinstance(a, torch.Tensor)), None)
         sizes = () if x is None else tuple(x.shape[:dim]) + tuple(x.shape[dim + 1:])
@@ -147,19 +199,22 @@ class WholeCalls:
         leaves, _ = tree_flatten_with_path(values)
         paths = [path for path, v in leaves if isinstance(v, torch.Tensor)]
         tensors = [v for _, v in leaves if isinstance(v, torch.Tensor)]
-        seen: Dict[Tuple[nn.Module, int], bool] = self._keyword_rows
-        split, flat = set(), set()
-        call_ambiguous = B > 1 and (B in sizes or tokens in sizes)
+        # (layer, position) -> (held a row per sample, at which batch size, its shape then)
+        seen: Dict[Tuple[nn.Module, int], Tuple[bool, int, tuple]] = self._keyword_rows
+        split, flat, along = set(), set(), {}
         for i, t in enumerate(tensors):
             folded = tokens is not None and B > 1 and t.dim() > 0 and t.shape[0] == tokens
+            if moved and B > 1 and t.dim() > moved and t.shape[moved] == B and t.shape[0] != B and not folded:
+                split.add(i)
+                along[i] = moved
+                seen[(layer, i)] = (True, B, tuple(t.shape))
+                continue
             rows = t.dim() > dim and (t.shape[dim] == B or folded) and B > 1
-            if folded:
-                flat.add(i)
-            if rows and t.shape[dim] in sizes:
-                known = seen.get((layer, i))
-                if known is None and _computed_from(t, x):  # from the batch's own rows (Funnel's unpooled states)
-                    known = seen[(layer, i)] = True
-                if known is None:
+            known = seen.get((layer, i))
+            if known is not None and known[1] != B:  # seen at another batch size: same shape, no batch in it
+                rows = rows and tuple(t.shape) != known[2]
+            elif rows and t.shape[dim] in sizes:
+                if known is None and not _computed_from(t, x):  # from the batch's own rows (Funnel's unpooled states)
                     what = f"the batch's {tokens} tokens" if folded else f"the batch size {B}"
                     raise ValueError(
                         f"layer '{self.layer_names[layer]}' ({type(layer).__name__}) has no per-sample gradient "
@@ -169,12 +224,23 @@ class WholeCalls:
                         f"input, of shape {tuple(x.shape)}, along another, so whether it holds a row per sample "
                         "cannot be told. Run a first step at a batch size that is none of the input's other "
                         "sizes (it is remembered for this layer), or freeze the layer's own parameters.")
-                rows = known
-            elif not call_ambiguous and B > 1:
-                seen[(layer, i)] = rows
+                rows = True if known is None else known[0]
+            seen[(layer, i)] = (rows, B, tuple(t.shape))
             if rows:
                 split.add(i)
-        return frozenset(split), frozenset(flat & split)
+            if rows and folded:
+                flat.add(i)
+        return frozenset(split), frozenset(flat), along
+
+
+def batch_front_of(inputs, moved: int):
+    """A call's inputs with the first one's batch moved from dimension ``moved`` to the front."""
+    return (inputs[0].movedim(moved, 0), *inputs[1:]) if moved else inputs
+
+
+def _moved_front(dim: int, record: Callable, grad: torch.Tensor):
+    """``record`` given the backprops of an output holding the batch along ``dim``, batch first."""
+    return record(grad.movedim(dim, 0))
 
 
 def _computed_from(t: torch.Tensor, x: torch.Tensor, limit: int = 256) -> bool:

@@ -153,21 +153,23 @@ class Perturb:
         self._generator = generator
         self._generators: Dict[torch.device, torch.Generator] = {}
 
-    def __call__(self, output):
+    def __call__(self, output, batch_dim: Optional[int] = None):
+        """``output`` changed on the probed rows along ``batch_dim`` (the model's where None; a
+        layer's call may hold the batch on another, ``dpgrad.backward.layer_inputs.time_first``)."""
+        dim = self.batch_dim if batch_dim is None else batch_dim
         if isinstance(output, torch.Tensor):
-            return self._tensor(output)
+            return self._tensor(output, dim)
         if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-            return (self._tensor(output[0]),) + output[1:]
+            return (self._tensor(output[0], dim),) + output[1:]
         return output
 
-    def _tensor(self, t: torch.Tensor) -> torch.Tensor:
-        if not self.rows.samples or not t.is_floating_point() or t.dim() <= self.batch_dim \
-                or t.shape[self.batch_dim] != self.batch:
+    def _tensor(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        if not self.rows.samples or not t.is_floating_point() or t.dim() <= dim or t.shape[dim] != self.batch:
             return t
         generator = self._generators.get(t.device)
         if generator is None:
             generator = self._generators[t.device] = self._generator(t.device)
-        return perturbed(t, self.rows.mask(t.device), self.batch_dim, generator)
+        return perturbed(t, self.rows.mask(t.device), dim, generator)
 
 
 # (samples probed, where, rows outside them that moved)

@@ -20,6 +20,7 @@ from torch.func import functional_call, grad, vmap
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from dpgrad.checks.forward_probe import moved_rows
 from dpgrad.kernels.backend import first_line, layer_name
 from dpgrad.samplers import registry
 
@@ -50,12 +51,16 @@ class Keywords:
     ``tree_flatten`` order, of those that hold one row per sample along the batch dimension
     (split by sample as the positional tensors are; the others are given whole to every sample);
     ``folded``: the call took the batch's tokens flattened (B*T rows), so each sample's rows are
-    given as they were, (T, ...), not with a batch dimension of one."""
+    given as they were, (T, ...), not with a batch dimension of one; ``moved``: the dimension
+    the layer took the batch along in its input and output where not the model's (Gemma 3n's
+    decoder layers on (streams, B, T, d)), kept batch first and moved back for the layer (None
+    where that could not be told, and the call was taken as the model holds the batch)."""
 
-    __slots__ = ("values", "split", "folded", "outputs", "flat")
+    __slots__ = ("values", "split", "folded", "outputs", "flat", "moved", "check", "along")
 
-    def __init__(self, kwargs: dict, packed: Optional[dict] = None, split=frozenset(), folded: bool = False):
-        self.values, self.split, self.folded = (packed or {}, kwargs), split, folded
+    def __init__(self, kwargs: dict, packed: Optional[dict] = None, split=frozenset(), folded: bool = False,
+                 moved: Optional[int] = 0):
+        self.values, self.split, self.folded, self.moved = (packed or {}, kwargs), split, folded, moved
         # The positions among ``split`` of tensors that held the batch's tokens flattened where
         # the layer's input is (B, T, ...), kept as (B, T, ...): each sample's rows are given as
         # (T, ...), as they were for a batch of one.
@@ -63,6 +68,12 @@ class Keywords:
         # The positions, among the output's tensors, of those whose backprops were recorded
         # together (flattened per sample, end to end), or () for the first tensor's alone.
         self.outputs: tuple = ()
+        # (the batch's dimension in them, the output tensors recorded) as the forward pass gave
+        # them, for the recomputation to be checked against (``Unreproduced``), or None.
+        self.check: Optional[tuple] = None
+        # The positions among ``split`` of tensors holding the batch along another dimension than
+        # the model's (laid out as an input that holds it along ``moved``): that dimension.
+        self.along: dict = {}
 
     def flatten_tokens(self, flat: frozenset, batch: int) -> None:
         """The tensors at ``flat`` (B*T rows) viewed as (B, T, ...), to be split by sample."""
@@ -137,14 +148,19 @@ class FunctionalGradients:
         if activations and isinstance(activations[-1], Keywords):
             call, activations = activations[-1], activations[:-1]
         names = [n for n, p in params.items() if p.requires_grad]
-        frozen = {**(buffers or {}), **{n: p.detach() for n, p in params.items() if not p.requires_grad}}
+        # ``.data``, not ``.detach()``: a forward that changes a weight in place (Gemma 3n clamps its
+        # coefficients' ``weight.data``) must not bump the live one's version, which a graph kept
+        # for a second backward pass (double backward) checks.
+        frozen = {**(buffers or {}), **{n: p.data for n, p in params.items() if not p.requires_grad}}
         if backprops.shape[0] == 0:
             # vmap over an empty batch fails in some layers' backward (nn.Embedding's).
             return {n: params[n].new_zeros((0, *params[n].shape)) for n in names}
         stateless, batch_dim = self.stateless, self.batch_dim
         leaves, spec = tree_flatten(call.values)
         tensors = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
-        split = [leaves[i] for i in tensors if tensors.index(i) in call.split]
+        split_at = [i for i in tensors if tensors.index(i) in call.split]
+        split = [leaves[i] for i in split_at]
+        dims = [call.along.get(tensors.index(i), batch_dim) for i in split_at]  # each one's batch
         as_rows = {i for i in tensors if tensors.index(i) in call.flat}  # a sample's (T, ...), no batch of one
         whole = [v if i not in tensors or tensors.index(i) not in call.split else None for i, v in enumerate(leaves)]
         if not call.folded and not call.outputs:
@@ -155,38 +171,48 @@ class FunctionalGradients:
             inputs = tuple(packed.get(i, a) for i, a in enumerate(activations))
             grads = _by_output_rows(lambda given: functional_call(
                 stateless, {**frozen, **dict(zip(names, given))}, inputs, keywords),
-                tuple(params[n].detach() for n in names), backprops, batch_dim)
+                tuple(params[n].data for n in names), backprops, batch_dim)
             return dict(zip(names, grads))
 
         def one(a):  # a sample's input as the layer takes it
             return a if call.folded else a.unsqueeze(batch_dim)
 
+        def front(t):  # an output as recorded, its batch (of one) first
+            return t.movedim(call.moved, 0) if call.moved else t
+
         def sample_loss(trainable, acts, rows, bp):
             inputs = tuple(one(a) if isinstance(a, torch.Tensor) else a for a in acts)
-            given = iter(rows)
-            packed, keywords = tree_unflatten([(next(given) if i in as_rows else one(next(given)))
+            if call.moved:
+                inputs = (inputs[0].movedim(0, call.moved), *inputs[1:])
+            given = iter(zip(rows, dims))
+            packed, keywords = tree_unflatten([_one(*next(given), i in as_rows or call.folded)
                                                if v is None and i in tensors else v for i, v in enumerate(whole)], spec)
             inputs = tuple(packed.get(i, a) for i, a in enumerate(inputs))
             out = functional_call(stateless, {**frozen, **dict(zip(names, trainable))}, inputs, keywords)
             if call.outputs:  # several outputs' backprops, each sample's flattened end to end
                 made = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-                outs = [made[i].reshape(-1) for i in call.outputs]
-                return sum((o * piece).sum() for o, piece in zip(outs, bp.split([o.numel() for o in outs])))
-            out = _first_tensor(out)
-            return (out * (bp if call.folded else bp.unsqueeze(batch_dim))).sum()
+                picked = [made[i] for i in call.outputs]
+                outs = [front(t).reshape(-1) for t in picked]
+                loss = sum((o * piece).sum() for o, piece in zip(outs, bp.split([o.numel() for o in outs])))
+            else:
+                picked = [_first_tensor(out)]
+                loss = (front(picked[0]) * (bp if call.folded else bp.unsqueeze(batch_dim))).sum()
+            return loss, tuple(t.detach() for t in picked)  # and the sample's outputs, to check
 
         packed_at = call.values[0]  # positional arguments taken from ``values``, split or whole
         in_dims = (None, tuple(0 if isinstance(a, torch.Tensor) and i not in packed_at else None
                                for i, a in enumerate(activations)),
-                   tuple(batch_dim for _ in split), 0)
-        trainable = tuple(params[n].detach() for n in names)
+                   tuple(dims), 0)
+        trainable = tuple(params[n].data for n in names)
         args = (trainable, tuple(activations), tuple(split), backprops)
         try:
-            grads = vmap(grad(sample_loss), in_dims=in_dims)(*args)
+            grads, made = vmap(grad(sample_loss, has_aux=True), in_dims=in_dims)(*args)
         except RuntimeError as exc:
             if not _data_dependent(exc):
                 raise
-            grads = _sample_by_sample(sample_loss, args, in_dims)
+            grads, made = _sample_by_sample(sample_loss, args, in_dims)
+        if call.check is not None and not call.folded:
+            _check_reproduced(made, *call.check)
         return dict(zip(names, grads))
 
 
@@ -243,14 +269,15 @@ def _sample_by_sample(sample_loss, args, in_dims) -> tuple:
     def take(x, dim, b):
         return x if dim is None or not isinstance(x, torch.Tensor) else x.select(dim, b)
 
-    per_sample = []
+    per_sample, made = [], []
     for b in range(backprops.shape[0]):
         leaves = tuple(t.detach().requires_grad_() for t in trainable)
         with torch.enable_grad(), _NoDraws():
-            loss = sample_loss(leaves, tuple(take(a, d, b) for a, d in zip(activations, in_dims[1])),
-                               tuple(take(r, d, b) for r, d in zip(split, in_dims[2])), backprops[b])
+            loss, outputs = sample_loss(leaves, tuple(take(a, d, b) for a, d in zip(activations, in_dims[1])),
+                                        tuple(take(r, d, b) for r, d in zip(split, in_dims[2])), backprops[b])
             per_sample.append(_grads(loss, leaves))
-    return tuple(torch.stack(gs) for gs in zip(*per_sample))
+            made.append(outputs)
+    return tuple(torch.stack(gs) for gs in zip(*per_sample)), tuple(torch.stack(os) for os in zip(*made))
 
 
 def _grads(out: torch.Tensor, leaves: tuple, cotangent: Optional[torch.Tensor] = None, retain_graph=False) -> list:
@@ -258,6 +285,33 @@ def _grads(out: torch.Tensor, leaves: tuple, cotangent: Optional[torch.Tensor] =
     it does not reach."""
     got = torch.autograd.grad(out, leaves, cotangent, retain_graph=retain_graph, allow_unused=True)
     return [torch.zeros_like(t) if g is None else g for g, t in zip(got, leaves)]
+
+
+def _one(row: torch.Tensor, dim: int, as_it_is: bool) -> torch.Tensor:
+    """A sample's part of a tensor split by sample, as the layer takes it: with a batch of one
+    along ``dim``, or ``as_it_is`` (a sample's tokens of a tensor that held them flattened)."""
+    return row if as_it_is else row.unsqueeze(dim)
+
+
+class Unreproduced(ValueError):
+    """A layer run again on one sample at a time did not give what the forward pass gave."""
+
+
+def _check_reproduced(made: tuple, dim: int, outputs: tuple) -> None:
+    """Raise ``Unreproduced`` where the recomputation's outputs (``made``: each (B, *one
+    sample's output)) move from the forward pass's (``outputs``, the batch along ``dim``) by
+    more than the forward probe's tolerance of each sample's norm (one wait for the device).
+    An output shared by all samples (no row per sample) is not compared."""
+    flags = []
+    for got, given in zip(made, outputs):
+        expected = given.movedim(dim, 0).unsqueeze(dim + 1) if given.dim() > dim else None
+        if expected is not None and expected.shape == got.shape:
+            flags.append(moved_rows(expected, got.to(expected.dtype), 0))
+    if not flags:
+        return
+    differ = torch.stack(flags).any(0).nonzero().flatten().tolist()  # the one wait
+    if differ:
+        raise Unreproduced(differ)
 
 
 def _by_sample(backprops: torch.Tensor, activations: List) -> torch.Tensor:
@@ -295,6 +349,16 @@ def ft_compute_per_sample_gradient(
         grads = compute(params, acts, backprops, buffers)
     except torch.OutOfMemoryError:
         raise
+    except Unreproduced as exc:
+        raise ValueError(
+            f"layer {layer_name(layer)} has no per-sample gradient sampler, so torch.func computes its per-sample "
+            f"gradients by running its forward again on one sample at a time, and run so it does not give what "
+            f"it gave in the forward pass (samples {exc.args[0][:8]}): a tensor given to it was split by sample or "
+            "given whole wrongly, most likely a table (positions, a mask shared by all samples) whose first size is "
+            "the batch size or the batch's tokens by chance, which a step at another batch size tells apart: run a "
+            "first step at another batch size (what it shows is remembered for the layer); or its forward reads "
+            "other samples or changes from call to call."
+        ) from None
     except RuntimeError as exc:
         if "vmap" not in str(exc) and not isinstance(exc, RandomDraw):
             raise RuntimeError(
