@@ -6,7 +6,9 @@ LoRA, single and double backward) and compared with float64 per-sample gradients
     python tests/hf_zoo.py [--only gpt2,t5] [--tasks causal-lm,seq2seq,seq-cls] [--jobs N] [--write]
 
 Each run is "exact" (norms and ``p.grad`` within the tolerances of tests/test_hf_models.py's
-``check``), "refused" (dpgrad raised, naming a layer or parameter), "error" (any other exception:
+``check``; a run refused with the advice to start at another batch size is run again as it
+says, after a first step on the batch's first B-1 rows, and marked so), "refused" (dpgrad
+raised, naming a layer or parameter), "error" (any other exception:
 a torch or transformers error surfacing through dpgrad, a bug) or "mismatch" (ran, and differs
 from the reference). An architecture that fails to build, or whose plain forward pass fails
 without dpgrad, is "not built". ``--write`` stores tests/data/hf_zoo.json and regenerates the
@@ -42,7 +44,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import dpgrad  # noqa: E402
-from hf_zoo_configs import (TASKS, Case, NotBuilt, build, eager_experts, entries, first_line,  # noqa: E402
+from hf_zoo_configs import (TASKS, B, Case, NotBuilt, build, eager_experts, entries, first_line,  # noqa: E402
                             make_case, modal_inputs, unreached, with_lora)
 from per_sample_reference import RTOL, norm_error_ratio, tensor_error_ratio, total_norm  # noqa: E402
 from test_hf_models import clipped_step, reference, weighted_autograd  # noqa: E402
@@ -51,6 +53,8 @@ RUNS = ("full/single", "full/double", "lora/single", "lora/double")  # {full fin
 STATUSES = ("exact", "refused", "mismatch", "error")  # better to worse; "not built" apart
 DPGRAD_DIR = Path(dpgrad.__file__).resolve().parent
 NAMED = re.compile(r"\b(?:layers?|parameters?|submodules?|modules?)\b[^.;]{0,60}?['\[]")
+# A refusal whose advice is to start at another batch size (a size of the batch's also another of an input's).
+ANOTHER_SIZE = re.compile(r"(?i)run a first step at (?:a|another) batch size")
 
 
 # ------------------------------------------------------------------ judging a run
@@ -146,12 +150,19 @@ def run_variant(case: Case) -> Dict[bool, Dict]:
     C = float(norms.median())
     out = {}
     for single in (True, False):
+        first = None
         try:
-            model, norms = clipped_step(case, single, "mean", C)
+            try:
+                model, norms = clipped_step(case, single, "mean", C)
+            except Exception as exc:  # noqa: BLE001 - every exception is classified
+                if classify(exc)["status"] != "refused" or not ANOTHER_SIZE.search(str(exc)):
+                    raise
+                first = {"first_step": B - 1, "refused_at_first": first_line(exc)}  # do as it says
+                model, norms = clipped_step(case, single, "mean", C, first=slice(0, B - 1))
         except Exception as exc:  # noqa: BLE001 - every exception is classified
-            out[single] = classify(exc)
+            out[single] = {**classify(exc), **(first or {})}
             continue
-        out[single] = compare(case, model, norms, ref, own, C, skip)
+        out[single] = {**compare(case, model, norms, ref, own, C, skip), **(first or {})}
     return out
 
 
@@ -371,11 +382,18 @@ def render_docs(data: Dict) -> str:
         "", "| architecture | task | model class | full single | full double | LoRA single | LoRA double | why |",
         "|---|---|---|---|---|---|---|---|"]
     for r in built:
-        cells = [MARK[r["runs"][k]["status"]] if k in r["runs"] else "" for k in RUNS]
+        cells = [MARK[r["runs"][k]["status"]] + ("†" if "first_step" in r["runs"][k] else "") if k in r["runs"]
+                 else "" for k in RUNS]
         why = sorted({labels[o["status"], cause(o)] for o in r["runs"].values() if o["status"] in STATUSES[1:]},
                      key=lambda label: int(label[1:]))
         lines.append(f"| `{r['model_type']}` | {r['task']} | `{r['model_class']}` | " + " | ".join(cells)
                      + f" | {', '.join(why)} |")
+    after = sorted({run["first_step"] for r in built for run in r["runs"].values() if "first_step" in run})
+    if after:
+        lines += ["", f"† After a first step at {', '.join(map(str, after))} samples: at the sweep's {B}, the first "
+                      "step is refused, saying to start at another batch size, because that size is also another "
+                      "size of a layer's input and where its batch lies cannot be told; what the first step showed "
+                      "is remembered."]
     if labels:
         lines += ["", "Why (the first sentence of each message, names elided; the full messages are in "
                       "`tests/data/hf_zoo.json`):", ""]

@@ -326,7 +326,7 @@ def make_case(model: nn.Module, task: str, config) -> Case:
     ids = torch.randint(SPECIAL, vocab, (B, T), generator=g)
     mask = torch.ones(B, T, dtype=torch.long)
     mask[0, 5:] = 0
-    mask[2, 3:] = 0
+    mask[2 % B, 3:] = 0
     ids[mask == 0] = pad
     if task == "seq-cls":
         eos = getattr(config, "eos_token_id", None)

@@ -25,7 +25,7 @@ import gc
 import importlib
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import pytest
 import torch
@@ -256,18 +256,21 @@ def saved_tensors_passed_through():
 
 
 def clipped_step(case: Case, single: bool, loss_reduction: str, C: float, autocast: bool = False,
-                 saved_hooks: bool = False):
-    """dpgrad's clipped backward on the whole batch: (model, per-sample norms)."""
+                 saved_hooks: bool = False, first: Optional[slice] = None):
+    """dpgrad's clipped backward on the whole batch: (model, per-sample norms); after a first
+    step on the rows ``first`` (its gradients dropped), where given."""
     model = copy.deepcopy(case.model)
     wrapped = dpgrad.GradSampleModuleFastGradientClipping(model, max_grad_norm=C, loss_reduction=loss_reduction,
                                                           single_backward=single)
     criterion = dpgrad.DPLossFastGradientClipping(wrapped, None, nn.CrossEntropyLoss(reduction=loss_reduction),
                                                   loss_reduction)
-    with autocast_on(model, autocast), \
-            saved_tensors_passed_through() if saved_hooks else contextlib.nullcontext():
-        args, shape = case.forward(wrapped, slice(None))
-        loss = criterion(*args, shape=shape)
-    loss.backward()
+    for rows in ([first] if first is not None else []) + [slice(None)]:
+        model.zero_grad(set_to_none=True)
+        with autocast_on(model, autocast), \
+                saved_tensors_passed_through() if saved_hooks else contextlib.nullcontext():
+            args, shape = case.forward(wrapped, rows)
+            loss = criterion(*args, shape=shape)
+        loss.backward()
     return model, wrapped.per_sample_gradient_norms
 
 
