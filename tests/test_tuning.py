@@ -503,3 +503,43 @@ def test_a_stored_choice_found_far_off_is_timed_again_and_the_store_corrected(tu
     stored = store.TuneStore(store.device_name(torch.device("cpu")), tune_on).get(decision.key)
     assert stored["choice"] == "eager-gram" and stored["rounds"] == ROUNDS
     assert later.select("linear_norm", inputs).name == "eager-gram"  # the step's table was cleared
+
+
+def experts_inputs(kind: str, S=30, E=3, B=4, p=9, q=7, seed=0, bias=False):
+    """A mixture-of-experts weight's pair factors, as its samplers hand them to the tuner."""
+    g = torch.Generator().manual_seed(seed)
+    left = torch.randn(S, p, generator=g)
+    right = None if bias else torch.randn(S, q, generator=g)
+    expert, sample = torch.randint(0, E, (S,), generator=g), torch.randint(0, B, (S,), generator=g)
+    if kind == "experts_norm":
+        return left, right, expert, sample, E, B
+    if kind == "experts_clipped_sum":
+        return left, right, expert, torch.rand(S, generator=g), E, torch.float32
+    return left, right, expert, sample, E, B, torch.float32
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["weight", "bias"])
+@pytest.mark.parametrize("faster", ["triton-segments", "eager-by-expert"])
+@pytest.mark.parametrize("kind", ["experts_norm", "experts_clipped_sum", "experts_grad_sample"])
+def test_the_experts_kernels_are_chosen_by_measurement(tune_on, monkeypatch, kind, faster, bias):
+    """On a GPU (the auto backend handing the tensors to the Triton kernels, run here by the
+    interpreter) the experts' Triton kernels and their eager form are both checked against the
+    reference and timed; the faster is chosen and stored, the other never runs again."""
+    from dpgrad.kernels import backend
+
+    kernels = backend.triton_ops()
+    monkeypatch.setattr(backend, "ops_for", lambda *tensors: kernels)
+    names = {c.name for c in applicable(kind, shape_of(kind, experts_inputs(kind)), ())}
+    triton = next(n for n in names if n.startswith("triton"))
+    fast = triton if faster.startswith("triton") else "eager-by-expert"
+    slow = ({triton, "eager-by-expert"} - {fast}).pop()
+    calls = []
+    tuner = Tuner(timer=fixed_timer({fast: 1.0, slow: 3.0}, calls))
+    inputs = experts_inputs(kind, bias=bias)
+    chosen = tuner.select(kind, inputs)
+    assert chosen.name == fast and sorted(set(calls)) == sorted({fast, slow})
+    expected = getattr(reference, "experts_sq_norms" if kind == "experts_norm" else kind)(*inputs)
+    torch.testing.assert_close(tuner.call(kind, inputs).float(), expected.float(), rtol=1e-5, atol=1e-5)
+    calls.clear()
+    assert Tuner(timer=fixed_timer({}, calls)).select(kind, experts_inputs(kind, seed=1, bias=bias)).name == fast
+    assert calls == []
