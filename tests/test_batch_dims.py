@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 import dpgrad
 from dpgrad.checks.independence import SampleMixingError
@@ -225,3 +226,36 @@ def test_a_time_first_attention_per_sample_gradients():
     loss_of(wrapped(ids), y).sum().backward()
     for n, p in wrapped._module.named_parameters():
         assert_tensor_close(p.grad_sample, ref[n], f"{n} per-sample gradients")
+
+
+class CheckpointedTimeFirst(TimeFirst):
+    """``TimeFirst`` with its LayerNorm and Linear under non-reentrant activation checkpointing."""
+
+    def forward(self, ids):
+        h = self.tok(ids).transpose(0, 1) + self.seg((ids % 3).t())
+        h = checkpoint(lambda h: self.norm(h) + torch.tanh(self.ff(self.norm(h))), h, use_reentrant=False)
+        h = h + self.glob(h[:1])
+        return self.head(h.transpose(0, 1).mean(1))
+
+
+class CheckpointedStreams(StreamsModel):
+    """``StreamsModel`` with its layer taken whole under non-reentrant activation checkpointing."""
+
+    def forward(self, ids):
+        x = self.tok(ids)
+        h = checkpoint(lambda streams, mask: self.block(streams, mask=mask), torch.stack([x, 2 * x, x.flip(-1)]),
+                       (ids != 0).to(x.dtype), use_reentrant=False)
+        return self.head(h.mean(0).mean(1))
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("checkpointed", [CheckpointedTimeFirst, CheckpointedStreams], ids=["time-first", "streams"])
+def test_layers_holding_the_batch_elsewhere_under_checkpointing(checkpointed, mode):
+    """The checkpoint's recomputation in the backward pass is no call to record; the reference is
+    the same model without checkpointing (torch.func takes no saved-tensor hooks)."""
+    torch.manual_seed(0)
+    model = checkpointed()
+    plain = checkpointed.__mro__[1]()
+    plain.load_state_dict(model.state_dict())
+    ids, y = batch(4, 5)
+    check_ghost(model, ids, y, MODES[mode], ref=per_sample_grads(plain, ids, y, loss_of))
