@@ -14,8 +14,6 @@ is: refused, saying to start at another size, and a step at another size settles
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn as nn
@@ -24,8 +22,8 @@ from torch.utils.checkpoint import checkpoint
 
 import dpgrad
 from dpgrad.checks.independence import SampleMixingError
-from per_sample_reference import assert_tensor_close, per_sample_grads
-from test_shared_layers import check_ghost
+from per_sample_reference import per_sample_grads
+from test_shared_layers import check_ghost, check_per_sample_gradients
 
 V, D = 11, 6
 MODES = {"single": True, "double": False}
@@ -103,20 +101,6 @@ def test_a_first_batch_as_long_as_its_sequences_is_refused(frozen, global_token)
     assert all(p.grad is None for p in wrapped.parameters())
 
 
-def test_time_first_per_sample_gradients():
-    """GradSampleModule: each sample's gradient of every layer, the time-first ones batch first."""
-    m = model(False)
-    ids, y = batch(4, 5)
-    ref = per_sample_grads(m, ids, y, loss_of)
-    wrapped = dpgrad.GradSampleModule(copy.deepcopy(m), loss_reduction="sum")
-    loss_of(wrapped(ids), y).sum().backward()
-    trained = {n: p for n, p in wrapped._module.named_parameters() if p.requires_grad}
-    assert set(trained) == set(ref)
-    for n, p in trained.items():
-        assert p.grad_sample.shape == (4, *p.shape)
-        assert_tensor_close(p.grad_sample, ref[n], f"{n} per-sample gradients")
-
-
 S = 3  # streams
 
 
@@ -179,16 +163,6 @@ def test_a_first_batch_of_a_size_the_input_has_elsewhere_is_refused(B, T):
     assert all(p.grad is None for p in wrapped.parameters())
 
 
-def test_a_whole_layer_on_streams_per_sample_gradients():
-    m = streams_model()
-    ids, y = batch(4, 5)
-    ref = per_sample_grads(m, ids, y, loss_of)
-    wrapped = dpgrad.GradSampleModule(copy.deepcopy(m), loss_reduction="sum")
-    loss_of(wrapped(ids), y).sum().backward()
-    for n, p in wrapped._module.named_parameters():
-        assert_tensor_close(p.grad_sample, ref[n], f"{n} per-sample gradients")
-
-
 class TimeFirstAttention(nn.Module):
     """``nn.MultiheadAttention`` as torch builds it by default (batch_first=False) in a batch-first
     model: query, key and value (T, B, D), its key padding mask (B, T) batch first."""
@@ -216,16 +190,6 @@ def test_a_time_first_attention_taken_whole_is_exact(B, T, mode):
     """Taken whole (its in-projection is a parameter of its own): its query, key and value are
     split along dimension 1, its padding mask along 0."""
     check_ghost(attention_model(), *batch(B, T), MODES[mode])
-
-
-def test_a_time_first_attention_per_sample_gradients():
-    m = attention_model()
-    ids, y = batch(4, 5)
-    ref = per_sample_grads(m, ids, y, loss_of)
-    wrapped = dpgrad.GradSampleModule(copy.deepcopy(m), loss_reduction="sum")
-    loss_of(wrapped(ids), y).sum().backward()
-    for n, p in wrapped._module.named_parameters():
-        assert_tensor_close(p.grad_sample, ref[n], f"{n} per-sample gradients")
 
 
 class CheckpointedTimeFirst(TimeFirst):
@@ -259,3 +223,11 @@ def test_layers_holding_the_batch_elsewhere_under_checkpointing(checkpointed, mo
     plain.load_state_dict(model.state_dict())
     ids, y = batch(4, 5)
     check_ghost(model, ids, y, MODES[mode], ref=per_sample_grads(plain, ids, y, loss_of))
+
+
+@pytest.mark.parametrize("build", [lambda: model(False), streams_model, attention_model],
+                         ids=["time-first", "streams", "time-first-attention"])
+def test_per_sample_gradients(build):
+    """GradSampleModule: each sample's gradient of every layer, those holding the batch elsewhere
+    batch first, (B, *parameter.shape)."""
+    check_per_sample_gradients(build(), *batch(4, 5))

@@ -117,18 +117,24 @@ def test_shared_layers_are_exact(B, T, mode, attention):
     check_ghost(RelativeBias(attention), *batch(B, T), MODES[mode], warmup=warmup)
 
 
-def test_shared_layers_per_sample_gradients():
-    """GradSampleModule: each sample's gradient of the shared layers."""
-    torch.manual_seed(1)
-    model = RelativeBias()
-    ids, y = batch(4, 6)
+def check_per_sample_gradients(model: nn.Module, ids, y) -> dict:
+    """GradSampleModule's per-sample gradients, (B, *parameter.shape), against float64 torch.func,
+    for every trainable parameter; returns the reference."""
     ref = per_sample_grads(model, ids, y, loss_of)
     wrapped = dpgrad.GradSampleModule(copy.deepcopy(model), loss_reduction="sum")
     loss_of(wrapped(ids), y).sum().backward()
     trained = {n: p for n, p in wrapped._module.named_parameters() if p.requires_grad}
-    assert set(trained) == set(ref) and "rel.weight" in ref
+    assert set(trained) == set(ref)
     for n, p in trained.items():
+        assert p.grad_sample.shape == (ids.shape[0], *p.shape)
         assert_tensor_close(p.grad_sample, ref[n], f"{n} per-sample gradients")
+    return ref
+
+
+def test_shared_layers_per_sample_gradients():
+    """GradSampleModule: each sample's gradient of the shared layers."""
+    torch.manual_seed(1)
+    assert "rel.weight" in check_per_sample_gradients(RelativeBias(), *batch(4, 6))
 
 
 def test_a_batch_the_size_of_the_buckets_first_is_refused_with_the_reason():
