@@ -177,6 +177,8 @@ class FunctionalGradients:
         def one(a):  # a sample's input as the layer takes it
             return a if call.folded else a.unsqueeze(batch_dim)
 
+        checking = call.check is not None and not call.folded  # keep the sample's outputs to compare
+
         def front(t):  # an output as recorded, its batch (of one) first
             return t.movedim(call.moved, 0) if call.moved else t
 
@@ -197,7 +199,7 @@ class FunctionalGradients:
             else:
                 picked = [_first_tensor(out)]
                 loss = (front(picked[0]) * (bp if call.folded else bp.unsqueeze(batch_dim))).sum()
-            return loss, tuple(t.detach() for t in picked)  # and the sample's outputs, to check
+            return loss, tuple(t.detach() for t in picked) if checking else ()
 
         packed_at = call.values[0]  # positional arguments taken from ``values``, split or whole
         in_dims = (None, tuple(0 if isinstance(a, torch.Tensor) and i not in packed_at else None
@@ -211,7 +213,7 @@ class FunctionalGradients:
             if not _data_dependent(exc):
                 raise
             grads, made = _sample_by_sample(sample_loss, args, in_dims)
-        if call.check is not None and not call.folded:
+        if checking:
             _check_reproduced(made, *call.check)
         return dict(zip(names, grads))
 
@@ -277,7 +279,7 @@ def _sample_by_sample(sample_loss, args, in_dims) -> tuple:
                                         tuple(take(r, d, b) for r, d in zip(split, in_dims[2])), backprops[b])
             per_sample.append(_grads(loss, leaves))
             made.append(outputs)
-    return tuple(torch.stack(gs) for gs in zip(*per_sample)), tuple(torch.stack(os) for os in zip(*made))
+    return tuple(torch.stack(gs) for gs in zip(*per_sample)), tuple(torch.stack(o) for o in zip(*made))
 
 
 def _grads(out: torch.Tensor, leaves: tuple, cotangent: Optional[torch.Tensor] = None, retain_graph=False) -> list:
