@@ -200,13 +200,13 @@ class BackwardPath(HookedLayers, ModelHooks, SplitCalls, WholeCalls):
         return own if given is None else given
 
     def _layer_call(self, layer: nn.Module, inputs, output, again=None) -> Optional[torch.Tensor]:
+        whole = bool(inputs) and isinstance(inputs[-1], Keywords)  # a layer taken whole: its input batch first
         if self.independence.rerunning:  # a forward probe's run: the outputs changed on its rows
             perturb = self.independence.perturb
             if perturb is None or shared_before(layer, inputs, self._shared_layers):
                 return None  # a layer shared by all samples has no rows of theirs to change
             if layer in self._picked_scopes.layers:
                 return None  # nor one on picked rows, which this run (no graph) cannot tell
-            whole = bool(inputs) and isinstance(inputs[-1], Keywords)  # a layer taken whole: its input moved
             moved = inputs[-1].moved if whole else self._call_batch_dim(layer, inputs)
             return perturb(output, moved or self.batch_dim)
         # Whatever the layer's mode: eval() changes what a layer computes (dropout), not
@@ -235,7 +235,6 @@ class BackwardPath(HookedLayers, ModelHooks, SplitCalls, WholeCalls):
             return None
         name = self.layer_names[layer]
         batch = self._forward_batch or self._input_batch or None
-        whole = bool(inputs) and isinstance(inputs[-1], Keywords)
         transposed = 0 if layer in self.functorch_layers else self._call_batch_dim(layer, inputs)
         if transposed:  # (T, B, ...) in a batch-first model
             if self._forward_batch is None:  # the model input's (``_call_batch_dim``), 0 included

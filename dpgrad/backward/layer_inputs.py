@@ -237,12 +237,8 @@ def position_features(layer: nn.Module) -> Optional[int]:
     if cls not in registry.GRAD_SAMPLERS or isinstance(layer, nn.GroupNorm):
         return None
     for module, features in _PER_POSITION.items():
-        if registry.served_by(cls, module):
-            if features is not None:
-                return features
-            shape = getattr(layer, "normalized_shape", None)
-            weight = getattr(layer, "weight", None)
-            return len(shape) if shape is not None else (weight.dim() if isinstance(weight, torch.Tensor) else None)
+        if registry.served_by(cls, module):  # a norm: its normalised shape (a Llama-family RMSNorm's weight's)
+            return features if features is not None else feature_dims(layer) or layer.weight.dim()
     return None
 
 

@@ -60,7 +60,7 @@ class SplitCalls:
     def _transposed_call(self, layer: nn.Module, name: str, params: List[nn.Parameter], inputs, out: torch.Tensor,
                          output=None):
         """A call of ``layer`` on the batch along dimension 1, (T, B, ...), in a batch-first model
-        (``dpgrad.backward.layer_inputs.time_first``): recorded with its inputs and backprops
+        (``dpgrad.backward.layer_inputs.batch_dim_of``): recorded with its inputs and backprops
         batch first."""
         self._note_call(layer, name, params)
         self._edges.add(out, layer, inputs, params)

@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_leaves, tree_unflatten
 
 from dpgrad.backward.autograd_graph import nodes_behind
-from dpgrad.backward.layer_inputs import batch_dim_of, recomputing
+from dpgrad.backward.layer_inputs import recomputing
 from dpgrad.backward.shared_outputs import SharedSite
 from dpgrad.samplers.functorch import Keywords
 
@@ -107,9 +107,10 @@ class WholeCalls:
             return self._batch_dims.get(layer) or 0
         if not (self.hooks_enabled and torch.is_grad_enabled()) or recomputing():
             return 0
-        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if not args or not isinstance(args[0], torch.Tensor):
+            return 0
+        dim = self._call_batch_dim(layer, args[:1])
         batch = self._input_batch if self._forward_batch is None else self._forward_batch
-        dim = batch_dim_of(layer, x, batch, self._input_tokens, self.batch_first, True, self._batch_dims)
         if dim and any(t.dim() <= dim or t.shape[dim] != batch for t in _grad_outputs(output)):
             return 0
         return dim

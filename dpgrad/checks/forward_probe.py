@@ -155,7 +155,7 @@ class Perturb:
 
     def __call__(self, output, batch_dim: Optional[int] = None):
         """``output`` changed on the probed rows along ``batch_dim`` (the model's where None; a
-        layer's call may hold the batch on another, ``dpgrad.backward.layer_inputs.time_first``)."""
+        layer's call may hold the batch on another, ``dpgrad.backward.layer_inputs.batch_dim_of``)."""
         dim = self.batch_dim if batch_dim is None else batch_dim
         if isinstance(output, torch.Tensor):
             return self._tensor(output, dim)
