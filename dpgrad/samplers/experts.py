@@ -12,9 +12,8 @@ projection, u the gated activation and z the down projection; the routing weight
 router's own gradient is the router's layer's). The samplers recompute h, u and z per pair from
 the kept inputs with the module's own gating (``_apply_gate``, ``act_fn``) and take dh and dz by
 autograd over that recomputation, then the norms, clipped sums and per-sample gradients over the
-(expert, sample) segments: the Triton kernels of ``kernels.experts_segments`` or the eager
-``kernels.reference_experts`` on CUDA, as the autotuner measures them per shape (the kinds
-``experts_norm``, ``experts_clipped_sum``, ``experts_grad_sample``), the eager ones elsewhere.
+(expert, sample) segments: the Triton kernels of ``kernels.experts_segments`` on CUDA, the eager
+``kernels.reference_experts`` elsewhere.
 """
 
 from __future__ import annotations
@@ -24,8 +23,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from dpgrad.kernels.backend import layer_name
-from dpgrad.tuning import get_tuner
+from dpgrad.kernels.backend import guarded, layer_name
 from dpgrad.samplers.registry import (
     register_batch_copies,
     register_clipped_sum_sampler,
@@ -242,28 +240,33 @@ def expert_factors(layer: nn.Module, activations: List[torch.Tensor], backprops:
     return factors, pairs
 
 
+def _on_segments(what: str, layer: nn.Module, left: torch.Tensor, right: Optional[torch.Tensor], work):
+    """``work(ops)`` with the Triton segment kernels where the factors are on CUDA, eager
+    otherwise or where a kernel fails (``guarded``)."""
+    return guarded(what, layer, (left,) if right is None else (left, right), work)
+
+
 def segment_sq_norms(layer: nn.Module, pairs: Pairs, left: torch.Tensor, right: Optional[torch.Tensor]
                      ) -> torch.Tensor:
-    """Per-sample squared norms (B,) of one (E, p, q) gradient (or (E, p) bias) from its factors:
-    the Triton segment kernel or eager PyTorch, as the autotuner chooses for the shape."""
-    return get_tuner().call("experts_norm", (left, right, pairs.expert, pairs.sample, pairs.experts, pairs.batch),
-                            layer)
+    """Per-sample squared norms (B,) of one (E, p, q) gradient (or (E, p) bias) from its factors."""
+    return _on_segments("the experts' norms", layer, left, right, lambda ops: ops.experts_sq_norms(
+        left, right, pairs.expert, pairs.sample, pairs.experts, pairs.batch))
 
 
 def segment_clipped_sum(layer: nn.Module, pairs: Pairs, left: torch.Tensor, right: Optional[torch.Tensor],
                         pair_coef: torch.Tensor, dtype: torch.dtype, experts: Optional[int] = None) -> torch.Tensor:
     """The sum over pairs of each pair's clipping coefficient times its outer product, (E, p, q)
     (``experts`` rows where given: a weight with rows for experts no pair has)."""
-    return get_tuner().call("experts_clipped_sum", (left, right, pairs.expert, pair_coef,
-                                                    experts or pairs.experts, dtype), layer)
+    return _on_segments("the experts' clipped sum", layer, left, right, lambda ops: ops.experts_clipped_sum(
+        left, right, pairs.expert, pair_coef, experts or pairs.experts, dtype))
 
 
 def segment_grad_sample(layer: nn.Module, pairs: Pairs, left: torch.Tensor, right: Optional[torch.Tensor],
                         dtype: torch.dtype, experts: Optional[int] = None) -> torch.Tensor:
     """Per-sample gradients (B, E, p, q) of one weight (or (B, E, p) of a bias) from its factors
     (``experts`` as for ``segment_clipped_sum``)."""
-    return get_tuner().call("experts_grad_sample", (left, right, pairs.expert, pairs.sample,
-                                                    experts or pairs.experts, pairs.batch, dtype), layer)
+    return _on_segments("the experts' per-sample gradients", layer, left, right, lambda ops: ops.experts_grad_sample(
+        left, right, pairs.expert, pairs.sample, experts or pairs.experts, pairs.batch, dtype))
 
 
 @register_norm_sampler(EXPERTS)

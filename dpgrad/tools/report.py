@@ -326,9 +326,7 @@ FOOTER = ("candidates: ms measured in this run, 'stored' ms from the tune store 
 # columns; the full one (``full=True``) adds every candidate's time, the config and memory.
 COMPACT = ["layer", "shape", "kind", "choice", "ms", "Opacus ms", "speedup", "source"]
 SHORT_KIND = {"linear_norm": "norm", "linear_grad_sample": "grad sample", "linear_clipped_sum": "clipped sum",
-              "embedding_norm": "emb norm", "embedding_grad_sample": "emb grad sample", "conv_norm": "conv norm",
-              "experts_norm": "experts norm", "experts_clipped_sum": "experts clipped sum",
-              "experts_grad_sample": "experts grad sample"}
+              "embedding_norm": "emb norm", "embedding_grad_sample": "emb grad sample", "conv_norm": "conv norm"}
 SHORT_SOURCE = {"measured": "tuned", "measured again": "retuned", "store": "stored", "cost model": "cost model",
                 "only candidate": "only one",
                 "cost model (no candidate passed)": "none passed", "eager after a failure": "fallback"}

@@ -8,10 +8,6 @@ A kind's inputs are the tensors a sampler has in hand:
 - ``embedding_grad_sample``: the same inputs -> per-sample gradients (B, V, d)
 - ``conv_norm``: (x (B, C_in, *S), G (B, C_out, *out), geometry (``ConvGeometry``)) -> squared
   weight norms (B,): a Linear algorithm on the unfolded input, or the per-sample gradients
-- ``experts_norm``: (left (S, p), right (S, q) or None, expert (S,), sample (S,), E, B) -> the
-  squared norms (B,) of a mixture-of-experts weight (E, p, q) from its S (token, expert) pairs
-- ``experts_clipped_sum``: (left, right, expert, pair_coef (S,), E, dtype) -> the clipped (E, p, q)
-- ``experts_grad_sample``: (left, right, expert, sample, E, B, dtype) -> per-sample (B, E, p, q)
 Each candidate names its backend ("triton" or "eager", see dpgrad.kernels.backend), runs on those
 inputs, and has a cost (tuning/cost_model.py) for its shape. The eager candidates are also
 the oracle a candidate's result is checked against before it may win.
@@ -34,7 +30,7 @@ from dpgrad.kernels import reference
 from . import cost_model
 
 KINDS = ("linear_norm", "linear_grad_sample", "linear_clipped_sum", "embedding_norm", "embedding_grad_sample",
-         "conv_norm", "experts_norm", "experts_clipped_sum", "experts_grad_sample")
+         "conv_norm")
 
 
 @dataclass(frozen=True)
@@ -110,9 +106,6 @@ class Candidate:
             return cost_model.linear_grad_sample_cost(self.backend, shape.B, shape.T, shape.dim("d"), shape.dim("p"), e)
         if self.kind == "linear_clipped_sum":
             return cost_model.linear_clipped_sum_cost(self.backend, shape.B, shape.T, shape.dim("d"), shape.dim("p"), e)
-        if self.kind.startswith("experts_"):
-            return cost_model.experts_cost(self.kind[len("experts_"):], self.backend, shape.B, shape.T,
-                                           shape.dim("E"), shape.dim("p"), shape.dim("q"), e)
         if self.kind == "conv_norm":
             return cost_model.conv_norm_cost(self.algorithm, self.backend, shape.B, shape.T, shape.dim("d"),
                                              shape.dim("p"), shape.dim("g"), e, cpu=shape.device.type == "cpu")
@@ -145,14 +138,6 @@ def _linear_norm(backend_name: str, algorithm: str, kernel: Optional[str]) -> Ca
 
 
 _K = "dpgrad.kernels."
-
-
-def _experts(kind: str, algorithm: str, function: str, kernel: str) -> List[Candidate]:
-    """A mixture-of-experts kind's two candidates: the segment kernel and its eager form."""
-    return [Candidate(kind, f"triton-{algorithm}", "triton", algorithm, function, f"{_K}experts_segments:{kernel}"),
-            Candidate(kind, "eager-by-expert", "eager", "by-expert", function)]
-
-
 CANDIDATES: Dict[str, List[Candidate]] = {
     "linear_norm": [
         _linear_norm("triton", "direct", _K + "linear_norm_direct:_linear_direct_norm_kernel"),
@@ -192,11 +177,6 @@ CANDIDATES: Dict[str, List[Candidate]] = {
         Candidate("conv_norm", "eager-unfold-gram", "eager", "gram", "conv_weight_sq_norm_gram"),
         Candidate("conv_norm", "eager-grad-sample", "eager", "grad-sample", "conv_weight_sq_norm_grad_sample"),
     ],
-    "experts_norm": _experts("experts_norm", "segments", "experts_sq_norms", "_experts_segment_kernel"),
-    "experts_clipped_sum": _experts("experts_clipped_sum", "fused", "experts_clipped_sum",
-                                    "_experts_clipped_sum_kernel"),
-    "experts_grad_sample": _experts("experts_grad_sample", "segments", "experts_grad_sample",
-                                    "_experts_segment_kernel"),
 }
 
 
@@ -215,12 +195,6 @@ def shape_of(kind: str, inputs: tuple) -> Shape:
         g = geom.groups
         return Shape(kind, x.shape[0], math.prod(G.shape[2:]),
                      (("d", x.shape[1] // g * geom.positions), ("p", G.shape[1] // g), ("g", g)), G.dtype, G.device)
-    if kind in ("experts_norm", "experts_clipped_sum", "experts_grad_sample"):
-        # B: the batch (one for a clipped sum, which sums over it); T: the (token, expert) pairs.
-        left, right, E = inputs[0], inputs[1], inputs[4]
-        B = inputs[5] if kind != "experts_clipped_sum" else 1
-        q = 0 if right is None else right.shape[1]
-        return Shape(kind, B, left.shape[0], (("E", E), ("p", left.shape[1]), ("q", q)), left.dtype, left.device)
     raise ValueError(f"unknown tuning kind {kind!r}: one of {', '.join(KINDS)}")
 
 

@@ -184,22 +184,6 @@ def conv_norm_cost(algorithm: str, backend: str, B: int, T: int, d: int, p: int,
     return Cost(linear.flops, linear.bytes + 2 * unfolded, extra)
 
 
-def experts_cost(kind: str, backend: str, B: int, S: int, E: int, p: int, q: int, e: int) -> Cost:
-    """A mixture-of-experts weight (E, p, q) (q = 0: an (E, p) bias) from its S (token, expert)
-    pairs' factors: norms ("norm", (B,)), the clipped sum ("clipped_sum", (E, p, q)) or
-    per-sample gradients ("grad_sample", (B, E, p, q)). Each pair's outer product is summed once
-    into its (sample, expert) segment (the clipped sum: into its expert); the eager form copies
-    the factors in fp32 and sorts them by expert first."""
-    width = max(q, 1)
-    flops = 2 * S * p * width
-    out = {"norm": 4 * B, "clipped_sum": E * p * width * e, "grad_sample": B * E * p * width * e}[kind]
-    reads = S * (p + q) * e + 16 * S
-    if backend == "triton":
-        return Cost(flops, reads + out, 4 * E * p * width if kind == "clipped_sum" else 0)
-    held = S * (p + q) * 4 + (4 * B * E * p * width if kind == "grad_sample" else 4 * E * p * width)
-    return Cost(flops, reads + 2 * S * (p + q) * 4 + out, held)
-
-
 def embedding_cost(kind: str, backend: str, B: int, T: int, V: int, d: int, e: int, algorithm: str = "") -> Cost:
     """Embedding norms ("norm") or per-sample gradients ("grad_sample")."""
     rows = B * T * d
