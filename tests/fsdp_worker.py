@@ -22,18 +22,24 @@ from dpgrad.tools.models import TinyTransformer, TinyTransformerConfig
 CFG = TinyTransformerConfig(vocab_size=31, max_seq_len=8, d_model=16, n_heads=2, n_layers=2, d_ff=24,
                             tie_embeddings=True)
 LORA_CFG = TinyTransformerConfig(vocab_size=31, max_seq_len=8, d_model=16, n_heads=2, n_layers=2, d_ff=24)
-C = {"transformer": 0.3, "lora": 0.02, "gpt2": 0.3}  # below every per-sample norm: each sample has its own factor
+# Below every per-sample norm: each sample has its own factor.
+C = {"transformer": 0.3, "lora": 0.02, "gpt2": 0.3, "layers": 1.0}
 GLOBAL_BATCH = 6  # shared by 2 or 3 ranks
 MICRO_BATCHES = 2
 
 
 def model(kind: str) -> nn.Module:
     """The same weights in every process: "transformer" (every parameter trains), "lora"
-    (peft LoRA adapters, random B, on a frozen TinyTransformer) or "gpt2" (Hugging Face GPT-2:
-    Conv1D layers, tied embeddings, default position ids; no dropout)."""
+    (peft LoRA adapters, random B, on a frozen TinyTransformer), "gpt2" (Hugging Face GPT-2:
+    Conv1D layers, tied embeddings, default position ids; no dropout) or "layers" (an
+    nn.Sequential starting with an Embedding, whose layers ``shard`` shards one by one; the
+    Embedding's and the Linears' (B, T, d) outputs are views of their products)."""
     torch.manual_seed(0)
     if kind == "transformer":
         return TinyTransformer(CFG)
+    if kind == "layers":
+        return nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16),
+                             nn.LayerNorm(16), nn.Linear(16, 50))
     if kind == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -46,7 +52,9 @@ def model(kind: str) -> nn.Module:
                           LoraConfig(r=4, target_modules=["qkv", "down"], init_lora_weights=False))
 
 
-def blocks(net: nn.Module) -> nn.ModuleList:
+def blocks(net: nn.Module) -> list:
+    if isinstance(net, nn.Sequential):  # "layers": each layer with parameters is a block of its own
+        return [layer for layer in net if next(layer.parameters(), None) is not None]
     if hasattr(net, "transformer"):  # GPT-2
         return net.transformer.h
     return net.base_model.model.blocks if hasattr(net, "base_model") else net.blocks
@@ -54,8 +62,9 @@ def blocks(net: nn.Module) -> nn.ModuleList:
 
 def shard(net: nn.Module, precision: str = "fp32", leaves: bool = False) -> nn.Module:
     """FSDP2 as its users write it: each block, then the root (which keeps the embeddings, the
-    final norm and the output layer). With ``leaves``, the position embedding and the final
-    norm are sharded on their own first (fully_shard makes them FSDPEmbedding, FSDPLayerNorm)."""
+    final norm and the output layer); the "layers" model's layers with parameters, each on its
+    own, then the root. With ``leaves``, the position embedding and the final norm are sharded
+    on their own first (fully_shard makes them FSDPEmbedding, FSDPLayerNorm)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \

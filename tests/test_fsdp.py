@@ -6,7 +6,8 @@ process on the global batch.
   size), fp32 rel 1e-5; each rank's per-sample norms are the one-process norms of its samples.
   Both modes, both reductions; a small transformer with LayerNorm, a padded Embedding and tied
   embeddings, and a peft LoRA model; bf16 parameters with fp32 reduction at bf16 tolerance;
-  layers sharded on their own; Hugging Face GPT-2; micro-batches accumulated unreduced
+  layers sharded on their own, in the transformer and every layer of an Embedding-first
+  nn.Sequential; Hugging Face GPT-2; micro-batches accumulated unreduced
   (``set_requires_gradient_sync(False)``) and reduced once.
 - ``dpgrad.opacus.make_private`` on the sharded model takes the one-process noisy step: the
   noise is added once; ranks seeded alike draw independent Poisson batches.
@@ -45,6 +46,7 @@ CLIPPED = [dict(kind=k, single=s, reduction=r) for k in KINDS for s in MODES.val
            for r in (("mean",) if BACKEND_PASS else ("mean", "sum"))]
 BF16 = [dict(kind="transformer", single=s, reduction="mean", precision="bf16") for s in MODES.values()]
 LEAVES = [dict(kind="transformer", single=s, reduction="mean", leaves=True) for s in MODES.values()]
+LAYERS = [dict(kind="layers", single=s, reduction="mean") for s in MODES.values()]
 HF = [dict(kind="gpt2", single=s, reduction="mean", leaves=leaves) for s in MODES.values() for leaves in (False, True)] \
     if importlib.util.find_spec("transformers") else []
 OPACUS_NAME = [dict(kind="transformer", single=s, reduction="mean", opacus_name=True) for s in MODES.values()]
@@ -60,7 +62,7 @@ def two():
     jobs = [("clipped_gradients", kw) for kw in CLIPPED]
     if BACKEND_PASS:
         return jobs, spawn(2, jobs, "fsdp_worker")
-    jobs += [("clipped_gradients", kw) for kw in BF16 + LEAVES + NO_SYNC + HF + OPACUS_NAME + AUTOMATIC]
+    jobs += [("clipped_gradients", kw) for kw in BF16 + LEAVES + LAYERS + NO_SYNC + HF + OPACUS_NAME + AUTOMATIC]
     jobs += [("held_gradients", {})] + [("refusal", dict(case=c)) for c in REFUSALS]
     jobs += [("finish_groups", dict(single=s)) for s in MODES.values()]
     jobs += [("after_non_finite", dict(single=s)) for s in MODES.values()]
@@ -122,6 +124,17 @@ def test_bf16_parameters_fp32_reduction(two, kw):
 def test_layers_sharded_on_their_own(two, kw):
     """An Embedding and a LayerNorm sharded alone (fully_shard makes them FSDPEmbedding and
     FSDPLayerNorm) are clipped by their classes' samplers."""
+    _check_clipped(two, kw)
+
+
+@whole_matrix
+@pytest.mark.parametrize("kw", LAYERS, ids=lambda kw: "single" if kw["single"] else "double")
+def test_every_layer_sharded_on_its_own(two, kw):
+    """Embedding, Linear, GELU, Linear, LayerNorm, Linear, each layer with parameters sharded on
+    its own, then the root. FSDP2 hooks a sharded module's output to all-gather its parameters
+    for its backward; the Embedding's and the Linears' outputs are views, which dpgrad's first
+    forward pass hands on as tensors of their own: their gradients must still pass through the
+    hooked views, or the backward meets parameters FSDP has resharded."""
     _check_clipped(two, kw)
 
 

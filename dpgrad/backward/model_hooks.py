@@ -93,7 +93,13 @@ class ModelHooks:
         layer (``h += x``): autograd drops a view's node, and the hook on it, when the view is
         changed in place, while a hook on a tensor of its own gets its gradient before the
         change. Done for every layer in the first forward pass (an operation each), then for
-        the layers whose output was changed in place (``_learn_changed_outputs``)."""
+        the layers whose output was changed in place (``_learn_changed_outputs``).
+
+        The tensor of its own is made from the view's base, unless hooks that ran before this
+        one put their own on ``output`` (FSDP2's forward hook on a module sharded on its own puts
+        there the pre-backward hook that all-gathers its parameters): then from ``output``, for
+        its gradient to pass through them. (Made from ``output`` always, it would keep an fp32
+        input alive under autocast that autograd lets go.)"""
         if not (self._unview_all or layer in self._unview_layers):
             return None
         if not isinstance(output, torch.Tensor) or output._base is None or not output.requires_grad:
@@ -101,7 +107,7 @@ class ModelHooks:
         base = output._base
         if base.numel() != output.numel() or not (base.is_contiguous() and output.is_contiguous()):
             return None
-        own = torch.ops.aten._unsafe_view(base, output.shape)
+        own = torch.ops.aten._unsafe_view(output if output._backward_hooks else base, output.shape)
         self._unviewed_calls.append((layer, own, own._version))
         return own
 
