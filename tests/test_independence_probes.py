@@ -16,6 +16,10 @@ untouched, or exact against float64 with every contribution at most C:
   ``autograd.Function``, a buffer set to the batch mean, label smoothing toward the batch's
   labels, losses scaled by the detached batch maximum) is found by the forward probe;
   mixing switched on after the first step, by ``recheck_independence``;
+- rounding is not mixing: a loss on logits shifted by the batch's largest (batches of 4, 1
+  and 16) and a softmax of ``h - h.max()`` in the model are exact against float64, while
+  ``h + 1e-3 h.mean(0)`` (in the model, or in a loss given to ``clipped_backward``), a few
+  times the probes' tolerance, is still refused;
 - through ``make_private`` with batches of 0 and 1 first, and through ``DPTrainer``.
 """
 
@@ -79,6 +83,10 @@ def mixed(model, h, x):
         return h - model.stat
     if mix == "switched":
         return h + model.alpha * h.mean(0)
+    if mix == "shifted":
+        # Each row's softmax cancels the batch's largest exactly on paper; in fp32 its gradient
+        # through the max is rounding.
+        return torch.softmax(h - h.max(), -1)
     return h
 
 
@@ -393,6 +401,94 @@ def test_a_per_sample_model_with_dropout_is_not_refused(mode):
     clear(wrapped, model)
     step(wrapped, x, y)
     assert all(torch.isfinite(p.grad if mode != "gsm" else p.grad_sample).all() for p in model.parameters())
+
+
+def shifted_ce(out, y):
+    """Cross-entropy on the logits less the batch's largest: the shift cancels in each row's
+    softmax, so loss b is sample b's alone; its gradient through the max, 1 - sum(softmax), is
+    rounding."""
+    return F.cross_entropy(out - out.max(), y, reduction="none")
+
+
+class ShiftedCE(nn.Module):
+    """``shifted_ce`` as a criterion module, reduced as the wrappers are (the loss wrapper calls
+    it with reduction "none")."""
+
+    def __init__(self):
+        super().__init__()
+        self.reduction = "sum"
+
+    def forward(self, out, y):
+        return F.cross_entropy(out - out.max(), y, reduction=self.reduction)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("criterion", ["function", "module"])
+def test_logits_shifted_by_the_batch_s_largest_are_not_mixing(criterion, mode):
+    """The probes' gradients reach the row of the batch's largest logit by about 1e-7 of the
+    probed rows' (fp32 rounding), far under the tolerance: not refused, and each step (a batch
+    of 4, of 1, then of 16) is float64's clipped sum (the per-sample gradients under "gsm")."""
+    for seed in range(3):
+        torch.manual_seed(seed)
+        model = Net()
+        reference = copy.deepcopy(model)
+        wrapped = wrap(model, mode)
+        for n in (4, 1, 16):
+            x, y = batch(n, seed)
+            clear(wrapped, model)
+            step(wrapped, x, y, ShiftedCE() if criterion == "module" else shifted_ce)
+            assert_exact(model, wrapped, reference, x, y, shifted_ce)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_model_shifting_by_the_batch_s_largest_is_not_mixing(mode):
+    """softmax(h - h.max()) between hooked layers: per sample on paper (float64: no sample moves
+    the clipped sum by more than C), rounding for the model's probes."""
+    for seed in range(3):
+        torch.manual_seed(seed)
+        model = Net("shifted")
+        reference = copy.deepcopy(model)
+        x, y = batch(6, seed)
+        if seed == 0:
+            assert contribution(model, x, y) <= 1 + 1e-9
+        wrapped = wrap(model, mode)
+        step(wrapped, x, y)
+        assert_exact(model, wrapped, reference, x, y)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mixing_a_few_times_the_tolerance_is_refused(mode):
+    """h + 1e-3 h.mean(0) in a batch of 4: each row reads every other at 2.5e-4, which the
+    probes see at 2 to 7 times their tolerance (1.0001 C with the check off)."""
+    for seed in range(4):
+        torch.manual_seed(seed)
+        model = Net("switched")
+        model.alpha = 1e-3
+        x, y = batch(4, seed)
+        if seed == 0:
+            assert contribution(model, x, y) > 1 + 1e-5
+        message = refused(wrap(model, mode), model, x, y)
+        assert "samples are mixed inside the model:" in message  # autograd's probe
+
+
+@pytest.mark.parametrize("mode", GHOST)
+def test_a_loss_mixing_a_few_times_the_tolerance_is_refused(mode):
+    """loss_b = CE(out_b + 1e-3 mean_j out_j), given to clipped_backward: only the backward
+    probes see it."""
+
+    def loss(out, y):
+        return ce(out + 1e-3 * out.mean(0), y)
+
+    for seed in range(4):
+        torch.manual_seed(seed)
+        model = Net()
+        x, y = batch(4, seed)
+        if seed == 0:
+            assert contribution(model, x, y, loss) > 1 + 1e-5
+        wrapped = wrap(model, mode)
+        with pytest.raises(dpgrad.SampleMixingError, match="the loss mixes samples"):
+            wrapped.clipped_backward(loss(wrapped(x), y))
+        assert all(p.grad is None for p in model.parameters())
 
 
 @pytest.mark.parametrize("mode", GHOST)

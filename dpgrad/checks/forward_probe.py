@@ -20,13 +20,13 @@ probe (``DPLossFastGradientClipping``) calls the criterion again, the outputs an
 changed on S's rows (random values added to floating tensors, integer labels shifted among
 the batch's), and the losses outside S must stay.
 
-"Stay" means within ``TOLERANCE`` of the row's size: a GPU kernel may round a row differently
-when the shape of its work changes with the probed rows (a mixture of experts routes tokens by
-their values), and that is not mixing. What it cannot see: mixing before the first hooked
-layer (in the data pipeline), mixing weaker than the tolerance, side effects outside the
-modules (a global counter, a file written: they happen once per run), and mixing that the
-batch does not switch on (a data-dependent branch: ``recheck_independence`` probes again
-every N steps).
+"Stay" means within ``TOLERANCE`` of the row's size (the backward probes' tolerance too): a
+GPU kernel may round a row differently when the shape of its work changes with the probed
+rows (a mixture of experts routes tokens by their values), and that is not mixing. What it
+cannot see: mixing before the first hooked layer (in the data pipeline), mixing weaker than
+the tolerance, side effects outside the modules (a global counter, a file written: they
+happen once per run), and mixing that the batch does not switch on (a data-dependent branch:
+``recheck_independence`` probes again every N steps).
 """
 
 from __future__ import annotations
@@ -37,10 +37,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from dpgrad.checks.independence import RowSet, along
-
-# How far, relative to a row's norm, an output row may move before it counts as moved.
-TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+from dpgrad.checks.independence import TOLERANCE, RowSet, along
 
 
 def perturbed(value: torch.Tensor, rows: torch.Tensor, batch_dim: int, generator: torch.Generator,

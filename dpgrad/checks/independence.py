@@ -16,15 +16,27 @@ what autograd computes, for every pair of samples at once:
 - the model's probe (at the end of a forward pass whose layout is new): for each set, one
   backward pass from the model's outputs, a random vector on the set's rows and zeros
   elsewhere, to the outputs of the hooked layers. Each hooked layer's backprops must be zero
-  on every row outside the set. A dependency of an output row i on a hooked row j is found by
-  the set that holds i and not j (the random vector makes a cancellation between the set's
-  rows happen with probability zero): every one autograd can see, whatever the draw.
+  on every row outside the set, up to rounding (below). A dependency of an output row i on a
+  hooked row j is found by the set that holds i and not j: every one autograd can see that is
+  stronger than the tolerance, whatever the draw (the random values, of sizes 1 to 2, leave
+  no row of the set weighing little, and make the set's rows cancel each other to under the
+  tolerance with a chance of the tolerance's order).
 - the loss's probe (in ``clipped_backward``, once per layout of the loss): for each set, the
   gradient of the set's losses (random weights) at the model's outputs (and at any hooked
-  output the loss reads directly), only through the loss's own operations. Non-zero outside
+  output the loss reads directly), only through the loss's own operations. Reaching outside
   the set: the losses come in another order than the batch, or the loss mixes samples. Where
   the model's probe has not run (a new layout after ``clipped_backward`` was seen), this pass
   goes on through the model, to every hooked output: one set of probes instead of two.
+
+"Up to rounding": a probe reaches a row where that row's gradient (its norm) is more than
+``TOLERANCE`` (1e-4 in fp32, 2e-2 in bf16 and fp16, the forward probe's) of the largest of
+the set's own rows at the same place. A statistic of the batch that cancels exactly on paper
+leaves its rounding in the gradient: the losses of ``logits - logits.max()`` reach the row
+holding the batch's largest logit by 1 - sum(softmax), about 1e-7 of the set's rows in fp32,
+which is not mixing. Mixing weaker than the tolerance is not found, by these probes as by the
+forward probe. A set whose own rows' gradients are themselves at the dtype's rounding (every
+sample in it predicted with near certainty) leaves that rounding no margin; a layout's first
+step seldom has one.
 
 A layout counts as checked only once a probe of it reached the rows of at least two samples
 (a batch of 0 or 1 samples, or one whose losses but one weigh zero, proves nothing): until
@@ -49,6 +61,12 @@ from torch.autograd.graph import GradientEdge, Node
 TURN_OFF = ("If the model and the loss are per-sample by construction, pass check_independence=False to the "
             "wrapper (or make_private / PrivacyArguments); that gives up this check.")
 NOTHING_REACHED = "Nothing has reached p.grad from this pass."
+
+# How far a row may move, relative to its own size (the forward probe), or a probe's gradient
+# reach a row outside its set, relative to the set's largest row there (the backward probes),
+# before it counts: rounding (a GPU kernel rounding a row differently, a shift the samples' own
+# operations cancel on paper) is not mixing. Mixing weaker than this is not found.
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 
 
 class SampleMixingError(RuntimeError):
@@ -91,9 +109,13 @@ class Draws:
         return generator
 
     def on_rows(self, like: torch.Tensor, rows: "RowSet", batch_dim: int) -> torch.Tensor:
-        """Standard normal values like ``like`` on ``rows`` along ``batch_dim``, zeros elsewhere."""
-        values = torch.randn(like.shape, generator=self.generator(like.device), device=like.device,
-                             dtype=like.dtype if like.is_floating_point() else torch.float32)
+        """Values like ``like`` on ``rows`` along ``batch_dim``, of random signs and sizes
+        uniform in [1, 2]; zeros elsewhere."""
+        drawn = torch.rand(like.shape, generator=self.generator(like.device), device=like.device,
+                           dtype=like.dtype if like.is_floating_point() else torch.float32) * 2 - 1
+        # Sizes kept off zero: the tolerance is relative to the set's largest row, so a
+        # dependency through a row whose weight drew near zero could pass under it.
+        values = torch.where(drawn < 0, drawn - 1, drawn + 1)
         return values * along(rows.mask(like.device), like, batch_dim).to(values.dtype)
 
 
@@ -135,8 +157,9 @@ def along(mask: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:
 
 class Probe:
     """What one probe (one set of samples, ``rows``) saw: for each hooked output (or model
-    output) its gradient reached, which rows are not zero. ``observe`` queues the flags on the
-    device; ``Probes.read`` reads every probe's at once."""
+    output) its gradient reached, which rows it reached beyond rounding (the module
+    docstring). ``observe`` queues the flags on the device; ``Probes.read`` reads every
+    probe's at once."""
 
     def __init__(self, rows: RowSet, batch: int, batch_dim: int, hooks: bool = True):
         self.rows, self.samples = rows, list(rows.samples)
@@ -147,8 +170,15 @@ class Probe:
 
     def _flags(self, grad: torch.Tensor, dim: int) -> torch.Tensor:
         rows = grad.detach().movedim(dim, 0).reshape(self.batch, -1)
-        # NaN compares false: a non-finite gradient is the finite check's to report.
-        return (rows.abs() > 0).any(dim=1)
+        wide = torch.promote_types(rows.dtype, torch.float32)
+        sizes = torch.linalg.vector_norm(rows, dim=1, dtype=wide)
+        own = self.rows.mask(grad.device)
+        # Rounding is relative to what was summed, the set's own rows: a shift their operations
+        # cancel on paper (logits - logits.max()) leaves a few units of the dtype's precision of
+        # them on the row it came from. NaN compares false (a non-finite gradient is the finite
+        # check's to report), and a non-finite own row does not widen the tolerance for others.
+        scale = torch.where(own & sizes.isfinite(), sizes, 0.0).amax()
+        return sizes > TOLERANCE.get(rows.dtype, TOLERANCE[torch.float32]) * scale
 
     def observe(self, where: str, grad: Optional[torch.Tensor]) -> None:
         """A hooked layer's backprops: the batch on ``batch_dim``."""
@@ -186,7 +216,7 @@ class Probes:
     def read(self) -> Tuple[List[Tuple[Probe, List[Tuple[str, List[int]]]]], Set[int]]:
         """``(found, reached)``, with one wait for the device: for each probe whose gradients
         reached rows outside its samples' along every dimension that may hold the batch, the
-        places, in the order seen, and the non-zero rows of each (along the dimension with
+        places, in the order seen, and the rows reached of each (along the dimension with
         the fewest); and every row any probe reached, its own samples' included."""
         flags = [f for probe in self.done for _, fs in probe._seen for f in fs]
         if not flags:
