@@ -102,3 +102,16 @@ def within(got: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor) -> float
     err = (got - exact).abs()
     slack = 1e-12 * exact.abs().max().item() if exact.numel() else 0.0
     return (err / (bound + slack + 1e-300)).max().item() if err.numel() else 0.0
+
+
+def rescaled_backprops_delta(dtype: torch.dtype, roundings: int) -> float:
+    """Double backward under autocast: the relative error of a sample's contribution, whose
+    second pass rounds the backprops to ``dtype`` at the scale ``c_b`` where the norm pass
+    rounded them at scale 1 (rounding commutes with a scaling by a power of two only). Each
+    such rounding leaves an element within ``(1 + u) / (1 - u)`` of ``c_b`` times the norm
+    pass's; ``roundings`` counts those whose errors the norm does not average out (the loss's
+    gradient into ``dtype``, which all of the sample's gradient goes through; a narrow
+    backprop's), then the result's own rounding: ``((1 + u) / (1 - u))^r (1 + u) - 1``, about
+    ``(2 r + 1) u``."""
+    u = UNIT[dtype]
+    return ((1 + u) / (1 - u)) ** roundings * (1 + u) - 1

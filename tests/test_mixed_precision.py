@@ -4,7 +4,9 @@ Under autocast a layer can get fp32 inputs and bf16 backprops (a Linear after an
 or bf16 inputs and fp32 backprops (on CUDA autocast runs LayerNorm in fp32 after a bf16
 Linear): Opacus issue #740's dtype errors. Models are checked against a float64 run of the
 same weights at bf16's tolerance (rel 1e-2), in both modes, with ghost clipping and without;
-every sampler is also given both mixes directly (CPU autocast makes only the first).
+every sampler is also given both mixes directly (CPU autocast makes only the first). A clipped
+sample's share of ``p.grad`` is held to the precision contract's delta of each mode under bf16
+and fp16 autocast (docs/guarantees.md, "Precision").
 """
 
 from __future__ import annotations
@@ -362,3 +364,102 @@ def test_autocast_convolutions_and_group_norm_are_exact_against_float64(mode):
         expected = torch.einsum("b,b...->...", coef, g)
         rtol = 1e-5 if mode == "single" and p in exact else RTOL
         assert_tensor_close(params[p].grad, expected, "clipped sum", rtol=rtol)
+
+
+class AutocastLinear(nn.Module):
+    """x (B, 4, 8) -> Linear -> mean over the 4 tokens (a division by a power of two: exact) ->
+    logits (B, 5): a sample's gradient is the loss's gradient rounded once to the autocast dtype,
+    times the inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x):
+        return self.head(x).mean(1)
+
+
+def _contribution_case(name: str):
+    """(model, inputs, per-sample losses of the outputs, roundings): one Linear; two with a GELU
+    between; Embedding, LayerNorm and RMSNorm (``MixedNet``); a transformer block. Each loss
+    reads fp32 logits, so all of a sample's gradient goes through the loss's gradient rounded to
+    the autocast dtype; ``roundings`` counts it and those of narrow backprops below it (MixedNet's
+    mean over 5 tokens divides its 16-wide backprops by 5), as the error model does."""
+    from dpgrad.tools.models import TinyTransformer, TinyTransformerConfig, per_sample_lm_loss
+
+    torch.manual_seed(5)
+    g = torch.Generator().manual_seed(5)
+    ids, y = batch()
+    if name == "linear":
+        return AutocastLinear(), torch.randn(6, 4, 8, generator=g), lambda out: loss_fn(out, y), 1
+    if name == "mlp":
+        return AutocastMLP(), torch.randn(6, 4, 8, generator=g), lambda out: loss_fn(out, y), 1
+    if name == "embedding_norms":
+        return MixedNet(), ids, lambda out: loss_fn(out, y), 2
+    cfg = TinyTransformerConfig(vocab_size=31, max_seq_len=8, d_model=16, n_heads=2, n_layers=1, d_ff=32)
+    tokens = torch.randint(1, 31, (4, 8), generator=g)
+    return TinyTransformer(cfg), tokens, lambda out: per_sample_lm_loss(out.float(), tokens), 1
+
+
+def _share_error(name: str, mode: str, dtype: torch.dtype, shrink: float = 20, loss_scale=None) -> float:
+    """How much of the error model's delta (docs/guarantees.md, "Precision") the clipped samples'
+    shares of ``p.grad`` use, on either side of C: the largest ``|share / (C N / (N + 1e-6)) - 1|``
+    over the batch's samples, ``N / (N + 1e-6)`` being what exact arithmetic gives (Opacus's
+    formula), over delta. Every sample clipped: C is the smallest norm over ``shrink``.
+
+    Sample b's share, in float64, comes from a clipped backward of the batch with every other
+    loss weighted 0: rows are independent, so the others add exact zeros and ``p.grad`` holds
+    b's clipped gradient alone. ``loss_scale``: the losses multiplied by it, as a GradScaler's
+    are (``p.grad`` divided by it).
+
+    Delta: single backward scales the backprops the norm was taken of, so fp32's error alone
+    (norms over n elements, the coefficient's division, the product). Double backward's second
+    pass rounds the backprops again, at the scale c_b: each rounding that all of the sample's
+    gradient goes through, then the result's own (``rescaled_backprops_delta``); those of wider
+    backprops have independent errors on many elements, which the norm averages."""
+    from precision_bounds import gamma, reduction_depth, rescaled_backprops_delta
+
+    model, inputs, losses_of, roundings = _contribution_case(name)
+    # (Whether the rows are independent is checked elsewhere; here it would only cost time.)
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(model, loss_reduction="sum", check_independence=False,
+                                                          single_backward=mode == "single")
+    scale = None if loss_scale is None else torch.tensor(float(loss_scale))
+
+    def clipped(weights, C=None):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=dtype):
+            losses = losses_of(wrapped(inputs)) * weights
+        wrapped.clipped_backward(losses if scale is None else losses * scale, loss_scale=scale,
+                                 max_grad_norms=None if C is None else torch.full_like(losses, C))
+        return wrapped.per_sample_gradient_norms.double()
+
+    B = inputs.shape[0]
+    C = clipped(torch.ones(B)).min().item() / shrink
+    errors = []
+    for b in range(B):
+        norm = clipped(F.one_hot(torch.tensor(b), B).float(), C)[b]
+        share = total_norm({n: p.grad[None] for n, p in model.named_parameters()})[0] / C / (loss_scale or 1)
+        errors.append((share / (norm / (norm + 1e-6)) - 1).abs().item())
+    delta = gamma(reduction_depth(sum(p.numel() for p in model.parameters())) + 4)
+    if mode == "double":
+        delta += rescaled_backprops_delta(dtype, roundings)
+    return max(errors) / delta
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("mode", ["single", "double"])
+@pytest.mark.parametrize("name", ["linear", "mlp", "embedding_norms", "transformer"])
+def test_a_samples_contribution_under_autocast(name, mode, dtype):
+    """A clipped sample's share of ``p.grad`` under autocast is C to the error model's delta,
+    on both sides, so that a share no longer clipped, or lost, fails too (``_share_error``)."""
+    used = _share_error(name, mode, dtype)
+    assert used <= 1, f"{name}, {mode} backward, {dtype}: {used:.3g} of delta"
+
+
+@pytest.mark.parametrize("mode", ["single", "double"])
+def test_fp16_contribution_with_a_loss_scale_and_a_small_coefficient(mode):
+    """fp16's delta needs the second pass's backprops, c_b times the norm pass's, in fp16's
+    normal range: with c_b about 1e-5 they are subnormal unless the losses are scaled (36u off
+    measured without a scale); with a GradScaler's 2^16 the bound holds as for any c_b."""
+    used = _share_error("mlp", mode, torch.float16, shrink=1e5, loss_scale=2.0 ** 16)
+    assert used <= 1, f"{mode} backward: {used:.3g} of delta"
