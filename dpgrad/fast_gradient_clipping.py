@@ -21,6 +21,8 @@ A model sharded by FSDP2 (``fully_shard``) is taken in both modes: see ``dpgrad.
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import List, Optional, Tuple
 
 import torch
@@ -48,6 +50,14 @@ def automatic_settings(clipping: str, automatic_gamma: Optional[float]) -> Tuple
         raise ValueError(f"automatic_gamma is for automatic clipping ({', '.join(AUTOMATIC)}), not "
                          f"clipping={clipping!r}")
     return clipping, None
+
+
+def _counts_batches(optimizer) -> bool:
+    """Whether the step ``optimizer`` will take counts the batches ``p.grad`` accumulated: dpgrad's
+    DP optimizers do; Opacus's ghost-clipping ones count one per step; another optimizer (or
+    none given) has no accountant of a DP optimizer to mislead."""
+    kind = type(optimizer)
+    return getattr(kind, "counts_accumulated_batches", False) or not hasattr(kind, "accumulated_iterations")
 
 
 class GradSampleModuleFastGradientClipping(GradSampleModule):
@@ -172,7 +182,8 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         return self._path.trainable_parameters
 
     # ------------------------------------------------------------------ dpgrad's backward
-    def clipped_backward(self, loss_per_sample: torch.Tensor, max_grad_norms=None, bound_from_norms=None) -> None:
+    def clipped_backward(self, loss_per_sample: torch.Tensor, max_grad_norms=None, bound_from_norms=None, *,
+                         loss_scale: Optional[torch.Tensor] = None, optimizer=None) -> None:
         """Add the clipped gradient ``sum_b c_b * grad(loss_b)`` of the last forward pass to ``p.grad``.
 
         ``loss_per_sample``: (B,), each sample's own loss. ``c_b = min(1, C / (norm_b + 1e-6))``
@@ -198,6 +209,19 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         ``bound_from_norms``: optional, a function of the per-sample norms (B,) that returns the
         bound (a float or a 0-d tensor) to clip them to, called between the norm pass and the
         clipping (``dpgrad.clipping.adaptive``); flat clipping, without ``max_grad_norms``.
+
+        ``loss_scale``: the 0-d tensor the losses were multiplied by (a ``torch.amp.GradScaler``'s
+        scale, ``scaler.scale(torch.ones(()))``): the norms of the unscaled gradients are
+        clipped, ``p.grad`` gets the clipped sum times the scale, and the step must come from
+        ``scaler.step(optimizer)`` (dpgrad's DP optimizers refuse it otherwise); a pass whose
+        values are not finite puts NaN in ``p.grad``, for the scaler to skip the step.
+
+        Each call is one more batch in the step (a loop's gradient accumulation): a step, or
+        ``zero_grad()``, since the last call makes this one start from nothing, and the DP
+        optimizer counts the batches ``p.grad`` holds for its accountant. Under Poisson sampling
+        (``forbid_grad_accumulation()``) a second batch before a step is refused; the calls in
+        ``one_batch()`` are physical parts of one batch. ``optimizer``: the DP optimizer the step
+        will take, if known (a second batch is refused where it does not count them).
         """
         bound = self.max_grad_norm
         if bound_from_norms is not None:
@@ -209,10 +233,30 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
                 raise ValueError(f"per-sample bounds (max_grad_norms) are for flat clipping, not clipping="
                                  f"{self.clipping!r}")
             bound = per_sample_bounds(max_grad_norms, self.max_grad_norm, loss_per_sample)
-        self.per_sample_gradient_norms = self._path.clipped_backward(loss_per_sample, bound)
+        self.per_sample_gradient_norms = self._path.clipped_backward(
+            loss_per_sample, bound, loss_scale=loss_scale,
+            counted=_counts_batches(optimizer),
+            optimizer_kind=type(optimizer).__name__)
         if self._path.clip_groups is not None:
             # (G, B): each group's per-sample norms (not private, for debugging, as the total's).
             self.per_sample_group_norms = self._path.group_norms
+
+    @contextlib.contextmanager
+    def one_batch(self):
+        """A context in which the clipped backward passes are physical parts of one logical
+        batch (one draw of the data loader, run in parts that fit in memory): the DP optimizer
+        counts them as one batch, and under Poisson sampling they are not an accumulation. The
+        optimizer steps once after the context (``DPTrainer`` runs its physical batches so; with
+        Opacus's ``BatchMemoryManager`` or ``make_private(physical_batch_size=...)`` the skipped
+        steps between parts say it instead)."""
+        path = self._path
+        if path._one_batch is not None:
+            raise RuntimeError("one_batch() is open already: one logical batch at a time")
+        path._one_batch = 0
+        try:
+            yield
+        finally:
+            path._one_batch = None
 
     def get_norm_sample(self) -> torch.Tensor:
         """Per-sample gradient norms over all trainable parameters, (B,)."""

@@ -17,6 +17,7 @@ import torch.nn as nn
 from dpgrad.samplers import registry
 from dpgrad.backward.backward_pass import BackwardPath
 from dpgrad.backward.finite_checks import FiniteCheck
+from dpgrad.backward import grad_marks
 from dpgrad.backward.fsdp import sharded_modules
 from dpgrad.checks.model_checks import validate
 from dpgrad.samplers.groups import Record
@@ -74,8 +75,15 @@ class GradSamplePath(BackwardPath):
                 self._pass_grads[p] = gs
 
     def finish(self) -> None:
-        """Promote the pass's per-sample gradients to ``p.grad_sample``."""
+        """Promote the pass's per-sample gradients to ``p.grad_sample``: added to those of an
+        earlier pass no optimizer step has clipped yet (gradient accumulation; refused under
+        Poisson sampling), in place of those a step clipped already (Opacus marks them
+        processed), so that a loop calling ``zero_grad()`` only after the real step of a logical
+        batch, or never, counts each batch once."""
         grads = self._pass_grads
+        for p in grads:
+            if _processed(p.grad_sample):
+                p.grad_sample = None
         if not self.grad_accumulation_allowed:
             for p in grads:
                 if p.grad_sample is not None:
@@ -101,6 +109,14 @@ class GradSamplePath(BackwardPath):
                 p.grad_sample.append(gs)
             else:
                 p.grad_sample = [p.grad_sample, gs]
+
+
+def _processed(grad_sample) -> bool:
+    """Whether per-sample gradients were clipped and summed by an optimizer step (Opacus's
+    ``_mark_as_processed``)."""
+    if isinstance(grad_sample, list):
+        return bool(grad_sample) and all(getattr(g, "_processed", False) for g in grad_sample)
+    return getattr(grad_sample, "_processed", False)
 
 
 def _delegated(name: str, doc: str) -> property:
@@ -293,6 +309,7 @@ class GradSampleModule(nn.Module):
             for p in self._module.parameters():
                 for attr in PARAM_ATTRS:
                     p.__dict__.pop(attr, None)
+            grad_marks.clear(self._module.parameters())
 
     def to_standard_module(self) -> nn.Module:
         """Return the wrapped module with no trace of hooks or per-sample fields."""

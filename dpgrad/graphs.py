@@ -53,6 +53,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from dpgrad.backward import grad_marks
 from dpgrad.backward.finite_checks import FiniteReports
 from dpgrad.grad_sample_module import GradSampleModule
 from dpgrad.loss import DPTensorFastGradientClipping
@@ -194,12 +195,26 @@ class GraphedStep:
         return self._after_replay()
 
     def _before_replay(self) -> None:
-        """A step: the optimizer's queue of skipped steps popped, as its step would. A pass: each
-        p.grad bound to the buffer the graph adds to, zeroed where the optimizer's step or
-        ``zero_grad`` let go of it, holding p.grad's sums where something else replaced it."""
+        """A step: the optimizer's queue of skipped steps popped, as its step would. A pass: what
+        p.grad holds read as an eager pass reads it (``dpgrad.backward.grad_marks``: added to where
+        it is a sum no step took, refused where that is an accumulation that cannot be
+        accounted), then bound (``_bind_grads``)."""
         if self.optimizer is not None:
             self.optimizer._check_skip_next_step(pop_next=True)
             return
+        path, held, another = self.wrapper._path, 0, True
+        if hasattr(path, "another_batch"):  # (per-sample gradients: the optimizer clips them)
+            another = path.another_batch()
+            held, anew = grad_marks.before_pass(self._trainable, another_batch=another,
+                                                accumulation_allowed=path.grad_accumulation_allowed)
+            if anew:
+                grad_marks.start_anew(self._trainable)
+        self._batches = max(1, held + another)
+        self._bind_grads()
+
+    def _bind_grads(self) -> None:
+        """Each p.grad bound to the buffer the graph adds to, zeroed where the optimizer's step or
+        ``zero_grad`` let go of it, holding p.grad's sums where an eager pass made them."""
         zeroed = []
         for p, buffer in zip(self._trainable, self._grads):
             if p.grad is buffer:
@@ -232,6 +247,8 @@ class GraphedStep:
         for _ in range(self._hooked_steps if self.optimizer is not None else 0):
             if self._hook is not None:
                 self._hook(self._stepped)
+        if self.optimizer is None:  # what the replayed pass left in p.grad, as an eager pass marks it
+            grad_marks.after_pass(self._trainable, self.wrapper._path.param_name, self._batches)
         self.calls += 1
         self.replays += 1
         count, host, _ = self._finite
@@ -259,7 +276,7 @@ class GraphedStep:
             optimizer.zero_grad(set_to_none=True)  # the gradients made by the graph, in its memory
         else:  # the graph adds to buffers of its own, made here, outside its memory
             self._grads = [torch.empty_like(p) for p in self._trainable]
-            self._before_replay()  # bound before the capture: its backward adds to them in place
+            self._before_replay()  # read and bound before the capture: its backward adds to them in place
         self._settings = self._current_settings()
         count = torch.zeros((), dtype=torch.int32, device=self._params()[0].device)
         self._hook, recorded = getattr(optimizer, "step_hook", None), []
@@ -287,7 +304,10 @@ class GraphedStep:
         self._check_settings(during_capture=True)
         self._stepped, self._hooked_steps = (recorded[0] if recorded else None), len(recorded)
         self._finite = (count, graphs.finite_memory(), None)
-        self._before_replay()
+        if optimizer is not None:
+            self._before_replay()
+        else:  # read before the capture already: the first replay is that pass
+            self._bind_grads()
         self._replay()
         return self._after_replay()
 

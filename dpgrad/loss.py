@@ -12,6 +12,7 @@ noise and takes the step, and its accountant counts it.
 
 from __future__ import annotations
 
+import sys
 from functools import partial
 from typing import Optional
 
@@ -110,12 +111,47 @@ def _check_one_loss_per_sample(loss_per_sample: torch.Tensor, batch: Optional[in
         f"shape ({batch},) (for a loss per token, pass shape=(B, T) of the outputs before they were flattened)")
 
 
-class DPTensorFastGradientClipping:
+def _from_grad_scaler() -> bool:
+    """Whether the caller's caller is ``torch.amp.GradScaler.scale`` multiplying a loss by its
+    scale (the frames between are torch's own dispatch, at most two)."""
+    frame = sys._getframe(2)
+    for _ in range(3):
+        if frame is None:
+            return False
+        if frame.f_code is _GRAD_SCALER_SCALE:
+            return True
+        frame = frame.f_back
+    return False
+
+
+_GRAD_SCALER_SCALE = torch.amp.GradScaler.scale.__code__
+
+
+class DPTensorFastGradientClipping(torch.Tensor):
     """Per-sample losses (B,) whose ``backward()`` is the clipped backward of ghost clipping.
 
+    A 0-d tensor holding the batch's loss (the mean or sum of the per-sample losses; in a padded
+    batch, over its sampled samples), so that what loops do with a loss works: ``item()``,
+    ``float()``, ``f"{loss:.3f}"``, ``torch.isfinite(loss)``, ``loss.detach()`` (plain tensors).
     Scalar arithmetic (``loss / k``, ``w * loss``, ``loss + other``...) applies to every
-    sample's loss. ``item()`` and ``detach()`` give the reduced loss.
+    sample's loss and gives another such loss. ``scaler.scale(loss)`` (a ``torch.amp.GradScaler``)
+    gives the loss scaled for mixed precision: its backward clips the norms of the unscaled
+    gradients and leaves the clipped gradient times the scale in ``p.grad``, which
+    ``scaler.step(optimizer)`` removes (``loss_scale`` holds it).
     """
+
+    loss_per_sample: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, module, optimizer, loss_per_sample: torch.Tensor, loss_reduction: str = "mean",
+                weights: Optional[torch.Tensor] = None, *args, **kwargs):
+        with torch.no_grad():  # (no graph: the value alone)
+            if weights is not None and loss_reduction == "mean":
+                # On the device (what a step captured in a CUDA graph returns follows each batch).
+                value = loss_per_sample.sum() / weights.sum().clamp(min=1)
+            else:
+                value = reduce_losses(loss_per_sample, loss_reduction)
+        return torch.Tensor._make_subclass(cls, value, False)
 
     def __init__(self, module, optimizer, loss_per_sample: torch.Tensor, loss_reduction: str = "mean",
                  weights: Optional[torch.Tensor] = None):
@@ -124,27 +160,17 @@ class DPTensorFastGradientClipping:
         self.loss_per_sample = loss_per_sample
         self.loss_reduction = loss_reduction
         self.weights = weights  # a padded batch's loss weights (1: sampled, 0: padding)
-
-    def _reduced(self) -> torch.Tensor:
-        return reduce_losses(self.loss_per_sample, self.loss_reduction)
-
-    def detach(self) -> torch.Tensor:
-        """The reduced loss (mean or sum over samples; in a padded batch, over its sampled
-        samples), detached."""
-        if self.weights is not None and self.loss_reduction == "mean":
-            # On the device (what a step captured in a CUDA graph returns follows each batch).
-            return self.loss_per_sample.detach().sum() / self.weights.sum().clamp(min=1)
-        return self._reduced().detach()
-
-    def item(self) -> float:
-        return self.detach().item()
-
-    def __float__(self) -> float:
-        return self.item()
+        self.loss_scale: Optional[torch.Tensor] = None  # a GradScaler's scale the losses carry
 
     def _with(self, loss_per_sample: torch.Tensor) -> "DPTensorFastGradientClipping":
         return DPTensorFastGradientClipping(self.module, self.optimizer, loss_per_sample, self.loss_reduction,
                                             self.weights)
+
+    def _derived(self, loss_per_sample: torch.Tensor, scale=None) -> "DPTensorFastGradientClipping":
+        new = self._with(loss_per_sample)
+        new.loss_scale = self.loss_scale if scale is None else \
+            scale if self.loss_scale is None else self.loss_scale * scale
+        return new
 
     def _other(self, other):
         if isinstance(other, DPTensorFastGradientClipping):
@@ -152,32 +178,35 @@ class DPTensorFastGradientClipping:
                 raise ValueError(
                     f"cannot combine losses reduced by {self.loss_reduction!r} and {other.loss_reduction!r}"
                 )
+            if (other.loss_scale is None) != (self.loss_scale is None):
+                raise ValueError("cannot combine a loss scaled by a GradScaler with one that is not: scale their "
+                                 "sum once, scaler.scale(loss + other)")
             return other.loss_per_sample
         return other
 
-    def __add__(self, other):
-        return self._with(self.loss_per_sample + self._other(other))
+    @classmethod
+    @eager_when_compiled  # (traced, a subclass's own dispatch would recurse in the compiler)
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        arithmetic = _ARITHMETIC.get(func)
+        if arithmetic is not None and kwargs.keys() <= {"alpha"} and isinstance(args[0], cls) and len(args) <= 2:
+            if func in _MULTIPLY and len(args) == 2 and isinstance(args[1], torch.Tensor) and _from_grad_scaler():
+                self, scale = args  # a GradScaler's loss scale, removed by scaler.step before the noise
+                return self._derived(self.loss_per_sample * scale, scale=scale)
+            return arithmetic(*args, **kwargs)
+        if func is torch.autograd.backward and len(args) == 1 and isinstance(args[0], cls) and not kwargs:
+            return args[0].backward()
+        # Anything else on the batch's loss, as on a plain tensor (what it returns is plain).
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
 
-    __radd__ = __add__
+    def detach(self) -> torch.Tensor:
+        """The batch's loss (mean or sum over samples; in a padded batch, over its sampled
+        samples), detached, as a plain tensor."""
+        with torch._C.DisableTorchFunctionSubclass():
+            return torch.Tensor.detach(self)
 
-    def __sub__(self, other):
-        return self._with(self.loss_per_sample - self._other(other))
-
-    def __rsub__(self, other):
-        return self._with(self._other(other) - self.loss_per_sample)
-
-    def __mul__(self, other):
-        return self._with(self.loss_per_sample * self._other(other))
-
-    __rmul__ = __mul__
-
-    def __truediv__(self, other):
-        return self._with(self.loss_per_sample / self._other(other))
-
-    def __neg__(self):
-        return self._with(-self.loss_per_sample)
-
-    def __repr__(self) -> str:
+    def __repr__(self, *args, **kwargs) -> str:
         return (
             f"DPTensorFastGradientClipping(loss_reduction={self.loss_reduction}, "
             f"shape={tuple(self.loss_per_sample.shape)})"
@@ -186,19 +215,68 @@ class DPTensorFastGradientClipping:
     def __str__(self) -> str:
         return f"DPTensorFastGradientClipping({self.item():.4f})"
 
+    def __format__(self, spec: str) -> str:
+        return self.item().__format__(spec)
+
+    def __reduce_ex__(self, protocol):
+        return self.detach().__reduce_ex__(protocol)  # a saved loss is its value
+
     @eager_when_compiled
-    def backward(self) -> None:
+    def backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None) -> None:
         """Add ``sum_b c_b * grad(loss_b)`` to ``p.grad`` (see the module docstring)."""
+        if gradient is not None or create_graph or inputs is not None:
+            raise ValueError("the clipped backward of dpgrad's loss takes no gradient, create_graph or inputs")
         wrapper = clipping_wrapper(self.module)
         check_bounds(wrapper, self.optimizer)
         if isinstance(wrapper, GradSampleModuleFastGradientClipping):
-            wrapper.clipped_backward(self.loss_per_sample)
+            wrapper.clipped_backward(self.loss_per_sample, loss_scale=self.loss_scale, optimizer=self.optimizer)
             return
+        if self.loss_scale is not None:
+            raise ValueError("loss scaling (a GradScaler) takes dpgrad's GradSampleModuleFastGradientClipping, whose "
+                             "norms are of the unscaled gradients; Opacus's wrapper would clip the scaled ones")
         # Another wrapper with Opacus's interface (Opacus's own): Opacus's protocol, whose first
         # pass also fills p.grad, cleared before the second.
-        self._reduced().backward(retain_graph=True)
+        reduce_losses(self.loss_per_sample, self.loss_reduction).backward(retain_graph=True)
         self.optimizer.zero_grad()
         weighted_backward(wrapper, wrapper.get_clipping_coef(), self.loss_per_sample)
+
+
+def _add(self, other, alpha=1):
+    return self._derived(self.loss_per_sample + alpha * self._other(other))
+
+
+def _sub(self, other, alpha=1):
+    return self._derived(self.loss_per_sample - alpha * self._other(other))
+
+
+def _rsub(self, other):
+    return self._derived(self._other(other) - self.loss_per_sample)
+
+
+def _mul(self, other):
+    return self._derived(self.loss_per_sample * self._other(other))
+
+
+def _div(self, other):
+    return self._derived(self.loss_per_sample / self._other(other))
+
+
+def _neg(self):
+    return self._derived(-self.loss_per_sample)
+
+
+_T = torch.Tensor
+# The operations that apply to every sample's loss; an in-place one gives a new loss too.
+_ARITHMETIC = {
+    **dict.fromkeys([_T.__add__, _T.__radd__, _T.__iadd__, _T.add, _T.add_, torch.add], _add),
+    **dict.fromkeys([_T.__sub__, _T.__isub__, _T.sub, _T.sub_, torch.sub], _sub),
+    _T.__rsub__: _rsub,
+    **dict.fromkeys([_T.__mul__, _T.__rmul__, _T.__imul__, _T.mul, _T.mul_, torch.mul], _mul),
+    **dict.fromkeys([_T.__truediv__, _T.__itruediv__, _T.div, _T.div_, torch.div, _T.true_divide,
+                      torch.true_divide], _div),
+    **dict.fromkeys([_T.__neg__, _T.neg, _T.neg_, torch.neg], _neg),
+}
+_MULTIPLY = {_T.__mul__, _T.__rmul__, _T.mul, torch.mul}
 
 
 class DPLossFastGradientClipping:

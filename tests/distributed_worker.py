@@ -218,8 +218,9 @@ def privacy_engine_step(rank: int, world: int, single: bool, noise: float, wrap:
     ``wrap=False`` the DDP model itself is called (its hooks object returned in the wrapper's place)."""
     import dpgrad.opacus
     from opacus import PrivacyEngine
-    from opacus.optimizers import DistributedDPOptimizerFastGradientClipping
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from dpgrad.opacus import DistributedDPOptimizerFastGradientClipping
 
     net = model()
     data = TensorDataset(global_ids())

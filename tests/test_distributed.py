@@ -6,8 +6,8 @@
   mixture-of-experts model (router and 3-D experts).
 - The norm pass makes DDP reduce nothing: DDP reduces the clipped gradients, where with
   Opacus's protocol (a plain first pass) it reduces the unclipped ones instead.
-- ``dpgrad.opacus.make_private`` on the DDP model with Opacus's distributed optimizer takes
-  the one-process step, noise included: the noise is drawn once, on rank 0.
+- ``dpgrad.opacus.make_private`` on the DDP model with its distributed optimizer takes the
+  one-process step, noise included: the noise is drawn once, on rank 0.
 - A model sharded by FSDP2 is refused by GradSampleModule, untouched, with the alternatives
   named (tests/test_fsdp.py: the ghost-clipping wrapper takes it).
 """
@@ -155,7 +155,6 @@ def test_norm_pass_reduces_nothing(ranks):
 def test_privacy_engine_step_is_the_one_process_step(ranks, mode, noise):
     import dpgrad.opacus
     from opacus import PrivacyEngine
-    from opacus.optimizers import DPOptimizerFastGradientClipping
     from torch.utils.data import DataLoader, TensorDataset
 
     net = W.model()
@@ -166,14 +165,9 @@ def test_privacy_engine_step_is_the_one_process_step(ranks, mode, noise):
         noise_multiplier=noise, max_grad_norm=W.C, poisson_sampling=False, single_backward=MODES[mode],
         noise_generator=torch.Generator().manual_seed(7),  # rank 0's generator: its noise is the only one
     )
-    # In one process make_private gives dpgrad's batched optimizer, which draws its noise in
-    # one call; the distributed one is Opacus's, drawing it parameter by parameter: the same
-    # draws (same generator) come from Opacus's one-process optimizer.
+    # In one process and under DDP make_private gives dpgrad's batched optimizers, which draw
+    # their noise in one call per dtype: the same draws from the same generator (rank 0's).
     assert type(optimizer) is dpgrad.opacus.DPOptimizerFastGradientClipping
-    optimizer = DPOptimizerFastGradientClipping(
-        optimizer.original_optimizer, noise_multiplier=noise, max_grad_norm=W.C,
-        expected_batch_size=optimizer.expected_batch_size, loss_reduction=optimizer.loss_reduction,
-        generator=torch.Generator().manual_seed(7))
     (batch,) = next(iter(loader))
     optimizer.zero_grad()
     W.lm_step(wrapped, criterion, batch)

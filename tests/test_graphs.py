@@ -346,11 +346,18 @@ def test_graphed_passes_with_the_optimizer_outside_are_the_eager_loop(rerun, sin
 
 
 def test_a_graphed_pass_adds_to_p_grad(rerun):
-    """Without zero_grad between passes, each replay adds its clipped gradients to what p.grad
-    holds, as an eager backward pass does (none overwrites the sums before it)."""
+    """Without a step or zero_grad between passes, each replay adds its clipped gradients to what
+    p.grad holds, as an eager backward pass does (none overwrites the sums before it), where
+    accumulation is allowed; under Poisson sampling the second is refused, graphed or not."""
     found = {}
     for graphed in (False, True):
         engine, model, optimizer, criterion, loader = _private(physical=16)
+        ids, labels = _batch()
+        with pytest.raises(ValueError, match="Poisson sampling is not compatible with gradient accumulation"):
+            for _ in range(2):
+                criterion(model(ids), labels).backward()
+        optimizer.zero_grad()
+        model.allow_grad_accumulation()
 
         def pass_(ids, labels):
             criterion(model(ids), labels).backward()
@@ -367,6 +374,7 @@ def test_a_graphed_pass_adds_to_p_grad(rerun):
 
 def test_trainable_parameters_changed_after_the_capture_are_refused_until_reset(rerun):
     engine, model, optimizer, criterion, loader = _private(physical=16)
+    model.allow_grad_accumulation()  # passes with no step between
     graphed = dpgrad.graphed_step(lambda ids, labels: criterion(model(ids), labels).backward(),
                                   module=model, optimizer=None, warmup=1)
     graphed(*_batch())
@@ -381,6 +389,7 @@ def test_trainable_parameters_changed_after_the_capture_are_refused_until_reset(
 
 def test_a_graph_for_each_shape(rerun):
     engine, model, optimizer, criterion, loader = _private(physical=None)
+    model.allow_grad_accumulation()  # passes with no step between
     passes = dpgrad.graphs.GraphedPerShape(lambda ids, labels: criterion(model(ids), labels).backward(),
                                            module=model, warmup=1)
     for size in (16, 8, 16, 8, 16):

@@ -25,6 +25,7 @@ from opacus.utils.fast_gradient_clipping_utils import (  # noqa: E402
 )
 
 import dpgrad  # noqa: E402
+import dpgrad.opacus  # noqa: E402
 from dpgrad.tools.models import TinyTransformer, TinyTransformerConfig  # noqa: E402
 
 pytestmark = pytest.mark.opacus
@@ -51,17 +52,18 @@ def _wrapper(kind, model, loss_reduction):
     )
 
 
-def _step(kind, loss_cls, model, batches, loss_reduction):
+def _step(kind, loss_cls, model, batches, loss_reduction, optimizer_cls=DPOptimizerFastGradientClipping,
+          expected_batch_size=None):
     """Forward and backward every micro-batch, then one optimizer step; returns the update and
     the per-sample norms of every micro-batch."""
     wrapped = _wrapper(kind, model, loss_reduction)
-    optimizer = DPOptimizerFastGradientClipping(
+    optimizer = optimizer_cls(
         # SGD: Adam would blow the rounding noise of gradients that are zero in exact
         # arithmetic (the attention key bias) up to full-size steps.
         torch.optim.SGD(wrapped.parameters(), lr=0.1),
         noise_multiplier=0.0,
         max_grad_norm=C,
-        expected_batch_size=sum(b.shape[0] for b in batches),
+        expected_batch_size=expected_batch_size or sum(b.shape[0] for b in batches),
         loss_reduction=loss_reduction,
     )
     criterion = loss_cls(wrapped, optimizer, nn.CrossEntropyLoss(reduction=loss_reduction), loss_reduction)
@@ -108,20 +110,25 @@ def test_single_double_and_opacus_make_the_same_step(config, loss_reduction):
 
 @pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
 def test_accumulated_micro_batches_make_one_step(loss_reduction):
-    """Micro-batches of 3, 4 and 2 samples, each clipped on its own, then one step: the same
-    update in both modes, and the same as one batch of all 9 samples (clipping is per
-    sample, so splitting the batch changes nothing; the noise-free step divides the clipped
-    sum by expected_batch_size = 9 under "mean")."""
+    """Micro-batches of 3, 4 and 2 samples, each clipped on its own, then one step of dpgrad's
+    optimizer: the same update in both modes, and the same as one batch of all 9 samples
+    (clipping is per sample, so splitting the batch changes nothing). Three batches accumulated
+    are three iterations for the accountant and the mean (Opacus's rule): under "mean" the step
+    divides by expected_batch_size = 3 times 3. Opacus's own optimizer, which counts one, is
+    refused before a second batch reaches p.grad."""
     cfg = CONFIGS["gpt2-like"]
     torch.manual_seed(1)
     model = TinyTransformer(cfg)
     names = [n for n, _ in model.named_parameters()]
     micro = _batches(cfg, [3, 4, 2], seed=1)
     whole = [torch.cat(micro)]
+    ours = dpgrad.opacus.DPOptimizerFastGradientClipping
     single, single_norms = _step("single", dpgrad.DPLossFastGradientClipping, copy.deepcopy(model), micro,
-                                 loss_reduction)
+                                 loss_reduction, ours, expected_batch_size=3)
     double, double_norms = _step("double", dpgrad.DPLossFastGradientClipping, copy.deepcopy(model), micro,
-                                 loss_reduction)
+                                 loss_reduction, ours, expected_batch_size=3)
+    with pytest.raises(ValueError, match="counts one batch per step"):
+        _step("single", dpgrad.DPLossFastGradientClipping, copy.deepcopy(model), micro, loss_reduction)
     at_once, at_once_norms = _step("single", dpgrad.DPLossFastGradientClipping, copy.deepcopy(model), whole,
                                    loss_reduction)
     torch.testing.assert_close(torch.cat(single_norms), at_once_norms[0], rtol=1e-5, atol=0)

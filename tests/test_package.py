@@ -99,6 +99,7 @@ BACKEND_INDEPENDENT = {
     "test_precision.py",  # holds each backend's kernels to the error bound, both in one pass
     "test_host_overhead.py",  # counts eager operations whatever the backend
     "test_graphs.py",  # what a graphed step does around the step, whose backends the second pass covers
+    "test_training_loops.py",  # what loops do with p.grad and the step, the same whatever computes the sums
     "test_cli_report.py", "test_dashboard.py", "test_package.py", "test_tuning.py",
     "test_tuning_store.py",
     "test_run_suites.py",  # the benchmark runner's display and log

@@ -307,7 +307,7 @@ class BackwardPath(HookedLayers, ModelHooks, SplitCalls, WholeCalls):
         try:
             if not activations:
                 raise RuntimeError(
-                    f"layer '{self.layer_names[layer]}' is in a second hooked backward pass through "
+                    f"{self.layer_label(layer)} is in a second hooked backward pass through "
                     "the same graph; its inputs went to the first. Per-sample gradients take one "
                     "forward pass per hooked backward pass (disable_hooks() for any other pass)."
                 )

@@ -13,12 +13,13 @@ What kind of pass the clipping path is in (``NormPass``) is set here.
 from __future__ import annotations
 
 from enum import Enum
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
+from dpgrad.backward import grad_marks
 from dpgrad.backward.autograd_graph import grad_keeping_graph
-from dpgrad.backward.finite_checks import FiniteCheck
+from dpgrad.backward.finite_checks import FiniteCheck, FiniteReports
 from dpgrad.checks.guarantee import sequence_number
 from dpgrad.clipping.coefficients import clipping_coefficients
 from dpgrad.kernels import reference
@@ -57,9 +58,17 @@ class ClippedBackward:
     path, whose norm pass it runs and whose norms, clipped sums (``sums``) and finite check it
     uses."""
 
-    def clipped_backward(self, loss_per_sample: torch.Tensor, max_grad_norm) -> torch.Tensor:
+    def clipped_backward(self, loss_per_sample: torch.Tensor, max_grad_norm, *, counted: bool = True,
+                         optimizer_kind: str = "", loss_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Add ``sum_b c_b * grad(loss_b)`` to ``p.grad``, ``c_b`` from the norms of this pass
-        and ``max_grad_norm``; returns the per-sample norms (see the wrapper's method)."""
+        and ``max_grad_norm``; returns the per-sample norms (see the wrapper's method).
+
+        ``p.grad`` is first made ready (``dpgrad.backward.grad_marks.before_pass``: what a step
+        took is not added to; ``counted`` and ``optimizer_kind`` say whether an accumulation may be
+        accounted; a pass after the first in ``one_batch`` is another part of the same batch) and
+        marked after. ``loss_scale``: the factor the losses
+        were multiplied by (a GradScaler's, a 0-d tensor): the norms are divided by it, so the
+        clipping bounds the unscaled gradients, and ``p.grad`` gets the clipped sums times it."""
         if loss_per_sample.dim() != 1:
             raise ValueError(
                 f"clipped_backward takes one loss per sample, shape (B,), not {tuple(loss_per_sample.shape)}; "
@@ -67,6 +76,33 @@ class ClippedBackward:
             )
         if loss_per_sample.grad_fn is None:
             raise ValueError("the per-sample losses have no autograd graph (computed under torch.no_grad()?)")
+        if loss_scale is not None and self.sharded is not None and not self.single_backward:
+            raise ValueError("loss scaling (a GradScaler) on a model sharded by FSDP2 takes single_backward=True: "
+                             "double backward's second pass runs after a host wait for the finite check there")
+        params = self.trainable_parameters
+        marked = FiniteReports.device_count is None  # (a step being captured: the graphed step keeps them)
+        another_batch = self.another_batch() if marked else True
+        held, anew = grad_marks.before_pass(params, another_batch=another_batch,
+                                            accumulation_allowed=self.grad_accumulation_allowed, counted=counted,
+                                            optimizer_kind=optimizer_kind, scale=loss_scale) if marked else (0, False)
+        self._loss_scale = loss_scale
+        try:
+            norms = self._clipped(loss_per_sample, max_grad_norm, params if anew else None)
+        finally:
+            self._loss_scale = None
+        if marked:
+            grad_marks.after_pass(params, self.param_name, max(1, held + another_batch), scale=loss_scale)
+        return norms
+
+    def another_batch(self) -> bool:
+        """Whether the next clipped pass is of a batch the loader drew anew: always, but for the
+        passes after the first in the wrapper's ``one_batch`` (physical parts of one batch)."""
+        if self._one_batch is None:
+            return True
+        self._one_batch += 1
+        return self._one_batch == 1
+
+    def _clipped(self, loss_per_sample: torch.Tensor, max_grad_norm, anew=None) -> torch.Tensor:
         # The batch's loss as the sum of the samples' losses, whose backward under "mean" starts
         # from 1/B (a constant made once per B): the backprops of the mean loss, as the
         # non-private step has them, without the mean's own operations.
@@ -82,7 +118,7 @@ class ClippedBackward:
         self._verify_loss(loss_per_sample, targets)
         self._clipped_seen = True
         if loss_per_sample.shape[0] == 1 and self._one_sample_is_plain():
-            return self._clip_one_sample(reduced, max_grad_norm)
+            return self._clip_one_sample(reduced, max_grad_norm, anew)
         self._norm_pass = NormPass.KEEP_FOR_CLIPPING if self.single_backward else NormPass.NORMS_ONLY
         try:
             try:
@@ -104,6 +140,8 @@ class ClippedBackward:
                 )
             if callable(max_grad_norm):  # the bound from the norms (adaptive clipping)
                 max_grad_norm = max_grad_norm(norms)
+            if anew is not None:  # the checks passed: what a step took leaves p.grad before the sums come
+                grad_marks.start_anew(anew)
             # With clipping groups each group was clipped with its own coefficients (``GroupFlush``).
             if self.single_backward:
                 self.sums.hand_off(None if self.clip_groups is not None else clipping_coefficients(
@@ -142,7 +180,7 @@ class ClippedBackward:
         return (self._forward_batch == 1 and self.sharded is None
                 and not any(p.requires_grad for p in self.unhooked))
 
-    def _clip_one_sample(self, loss: torch.Tensor, max_grad_norm) -> torch.Tensor:
+    def _clip_one_sample(self, loss: torch.Tensor, max_grad_norm, anew=None) -> torch.Tensor:
         """A batch of one sample: its per-sample gradient is the plain gradient. One backward
         pass computes it (as the non-private step would), its norm is one reduction, and the
         clipped gradient ``c * g`` (``clipping_coefficients``) reaches ``p.grad`` as in single
@@ -167,6 +205,8 @@ class ClippedBackward:
         with torch.no_grad():
             acc = reference.accumulation_dtype(*grads)  # fp32 norms of half gradients, as everywhere
             rows = torch.stack(torch._foreach_norm(grads, 2, dtype=acc))
+            if self._loss_scale is not None:  # the norms of the unscaled gradients are clipped
+                rows = rows / self._loss_scale
             for p, norm in zip(params, rows.unbind(0)):
                 p._norm_sample = norm.view(1)
                 p.grad_sample = None
@@ -188,6 +228,8 @@ class ClippedBackward:
             self._withhold_if_not_finite(grads)
         held = [dict(zip(params, grads))]
         del grads, reached
+        if anew is not None:
+            grad_marks.start_anew(anew)
         self.sums.to_grad(held)
         return self.pass_norm
 

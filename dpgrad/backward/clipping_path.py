@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 
 from dpgrad.samplers import registry
+from dpgrad.backward import grad_marks
 from dpgrad.backward.autograd_graph import region
 from dpgrad.backward.backward_pass import BackwardPath
 from dpgrad.backward.finite_checks import FiniteCheck
@@ -64,7 +65,8 @@ class ClippingPath(ClippedBackward, NormRows, BackwardPath):
                  "uses below are not in the per-sample norms, so one sample could move the summed "
                  "gradient by more than max_grad_norm. Nothing has reached p.grad from this pass.")
     TRANSIENT = BackwardPath.TRANSIENT + ("_records", "_norm_pass", "_kept", "_finite", "pass_norm", "group_norms",
-                                          "_group_flush", "_early", "records_peak", "planner", "_row_indices", "sums")
+                                          "_group_flush", "_early", "records_peak", "planner", "_row_indices", "sums",
+                                          "_loss_scale", "_one_batch")
 
     def __init__(self, model: nn.Module, *, ghost: bool, single_backward: bool, clip_groups=None,
                  gamma: Optional[float] = None, **settings):
@@ -92,6 +94,8 @@ class ClippingPath(ClippedBackward, NormRows, BackwardPath):
         self.planner = Planner(self)  # how a pass's records are grouped (``dpgrad.backward.finish_plan``)
         self._row_indices: Dict[tuple, torch.Tensor] = {}
         self.sums = ClippedSums(self)  # the clipped sums and their hand-off to p.grad
+        self._loss_scale: Optional[torch.Tensor] = None  # a clipped pass's loss scale (a GradScaler's)
+        self._one_batch: Optional[int] = None  # the passes of the open ``one_batch`` (None: none open)
 
     # ------------------------------------------------------------------ the layers
     def uses_norm_sampler(self, layer: nn.Module) -> bool:
@@ -207,7 +211,7 @@ class ClippingPath(ClippedBackward, NormRows, BackwardPath):
             if self.clip_groups is not None:  # one pass in either mode
                 why, opacus = ("clips by groups, in one backward pass", "cannot clip by groups")
             raise RuntimeError(
-                f"layer '{self.layer_names[record.layer]}': this wrapper {why}, so "
+                f"{self.layer_label(record.layer)}: this wrapper {why}, so "
                 "its backward pass must come from dpgrad.DPLossFastGradientClipping (loss.backward() "
                 "on what it returns) or wrapper.clipped_backward(per_sample_losses). A plain "
                 f"backward would leave unclipped gradients in p.grad; Opacus's "
@@ -228,6 +232,16 @@ class ClippingPath(ClippedBackward, NormRows, BackwardPath):
             p._norm_sample = None
         self.pass_norm = None
         self.records_peak = 0
+
+    def _close_pass(self) -> None:
+        plain = self._norm_pass is NormPass.PLAIN
+        try:
+            super()._close_pass()
+        finally:
+            if plain:
+                # A plain loss.backward(): autograd left unclipped gradients in p.grad, which only
+                # a clipped second pass after zero_grad() (Opacus's protocol) may replace.
+                grad_marks.after_pass(self.trainable_parameters, self.param_name, 1, clipped=False)
 
     def _clear_pass(self) -> None:
         self._records = []
@@ -259,8 +273,7 @@ class ClippingPath(ClippedBackward, NormRows, BackwardPath):
                 self._kept = groups
             if rows is None:
                 return
-            if self.loss_reduction == "mean":
-                rows = rows * rows.shape[1]
+            rows = self.per_sample_rows(rows)
         self.pass_norm = torch.linalg.vector_norm(rows, dim=0)
         if self.clip_groups is not None:
             self.group_norms = self.clip_groups.norms(params, rows)
@@ -284,15 +297,20 @@ class ClippingPath(ClippedBackward, NormRows, BackwardPath):
 
     def _withhold_if_not_finite(self, tensors, last: bool = True) -> None:
         """Zero ``tensors`` (this pass's clipped gradients, before they reach ``p.grad`` or FSDP)
-        on the device if the pass's values were not finite; ``last``: the outcome is then
-        reported at the next forward pass (``FiniteReports``), with no host wait now."""
+        on the device if the pass's values were not finite (NaN under loss scaling); ``last``:
+        the outcome is then reported at the next forward pass (``FiniteReports``), with no host
+        wait now."""
         check = self._finite
         if check is None:
             return
-        check.withhold(tensors)
+        scaled = self._loss_scale is not None
+        # Under loss scaling an overflow is the GradScaler's to see: NaN, which makes it skip the
+        # step and lower its scale, not zeros, and no error at the next forward pass.
+        check.withhold(tensors, fill=float("nan") if scaled else 0.0)
         if last:
             self._finite = None
-            self.finite_reports.add(check)
+            if not scaled:
+                self.finite_reports.add(check)
 
     def norm_sample(self) -> torch.Tensor:
         """Per-sample gradient norms over all trainable parameters, (B,)."""

@@ -113,8 +113,7 @@ class GroupFlush:
         records.clear()
         if rows is None:
             return
-        if path.loss_reduction == "mean":
-            rows = rows * rows.shape[1]
+        rows = path.per_sample_rows(rows)
         self.flushed.append((params, rows))
         coefs = path.sums.coefficients(path.clip_groups.coefficients(path.clip_groups.norms(params, rows)))
         path.sums.sum_groups([group for group, _ in kernel_groups], coefs, self.held)

@@ -192,6 +192,11 @@ class HookedLayers:
     def param_name(self, p: nn.Parameter) -> str:
         return self._param_names.get(p, "?")
 
+    def layer_label(self, layer: nn.Module) -> str:
+        """How messages name a layer: by its qualified name, the wrapped model itself by its class."""
+        name = self.layer_names.get(layer, "?")
+        return f"layer '{name}'" if name else f"the wrapped model itself ({type(layer).__name__})"
+
     def grad_sampler(self, layer: nn.Module) -> Callable:
         if layer in self.functorch_layers:
             return ft_compute_per_sample_gradient

@@ -137,8 +137,11 @@ class ModelHooks:
         canonical = None
         if self.sharded is not None:  # the graph holds FSDP's unsharded copies
             canonical = lambda t: self.sharded.canonical((t,))[0]  # noqa: E731
+        # In the loss any trainable tensor counts: one the model does not hold (a learned temperature
+        # outside it) would get no clipped gradient.
         uses = uncovered_uses(roots, [(node, input_nodes(inputs), set(params)) for _, node, inputs, params in calls],
-                              self._checked, stop=stop, canonical=canonical, visit=self._visit_node)
+                              None if in_loss else self._checked, stop=stop, canonical=canonical,
+                              visit=self._visit_node)
         if uses:
             names = {p: n.removeprefix("_module.") for n, p in self.root.named_parameters()}
             names.update(self._param_names)

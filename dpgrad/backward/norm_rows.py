@@ -26,6 +26,15 @@ class NormRows:
     path, which holds the finish plans (``planner``), the shared parameters (``shared``), the
     FSDP2 parameter groups (``sharded``) and the index tensors made once (``_row_indices``)."""
 
+    def per_sample_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Norm rows (P, B) of the recorded backprops as those of each sample's own, unscaled
+        loss: times B under "mean" (the backprops of the mean loss), divided by a pass's loss
+        scale."""
+        factor = rows.shape[1] if self.loss_reduction == "mean" else 1
+        if self._loss_scale is not None:
+            return rows * (factor / self._loss_scale)
+        return rows * factor if factor != 1 else rows
+
     def _norm_rows(self, records: List[Record], memory_bound: bool = False
                    ) -> Tuple[List[nn.Parameter], Optional[torch.Tensor], list]:
         """The pass's parameters (each once), their per-sample gradient norms (P, B), and the

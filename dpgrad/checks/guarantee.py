@@ -94,13 +94,13 @@ def input_nodes(inputs) -> Set[object]:
     return {a.grad_fn for a in inputs if isinstance(a, torch.Tensor) and a.grad_fn is not None}
 
 
-def uncovered_uses(roots: Iterable[object], calls: Iterable[Call], trainable: Set[torch.Tensor],
+def uncovered_uses(roots: Iterable[object], calls: Iterable[Call], trainable: Optional[Set[torch.Tensor]],
                    stop: Callable[[object], bool] = lambda node: False,
                    canonical: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                    visit: Callable[[object], None] = lambda node: None) -> List[Tuple[torch.Tensor, object]]:
     """``(parameter, node)`` for each edge from a node reachable from ``roots`` into the
-    gradient accumulator of a parameter in ``trainable`` that no call in ``calls`` accounts
-    for. The walk does not enter a node for which ``stop`` is true (what another check
+    gradient accumulator of a parameter in ``trainable`` (None: of any tensor) that no call in
+    ``calls`` accounts for. The walk does not enter a node for which ``stop`` is true (what another check
     covers), and calls ``visit`` on every node it enters. ``canonical`` maps the tensor an
     accumulator holds to the parameter it stands for (FSDP2's unsharded copies)."""
     acc = _accumulate_grad()
@@ -137,7 +137,7 @@ def uncovered_uses(roots: Iterable[object], calls: Iterable[Call], trainable: Se
                 continue
             if type(child) is acc:
                 p = param_of(child)
-                if p in trainable and (node, p) not in covered:
+                if (trainable is None or p in trainable) and (node, p) not in covered:
                     found.append((p, node))
                 continue
             if child not in seen and not stop(child):
@@ -162,6 +162,13 @@ def unclipped_error(head: str, uses: List[Tuple[torch.Tensor, object]], names: D
         holders = owners.get(p, [])
         owner = next((layer for layer in holders if layer in called), holders[0] if holders else None)
         layer = f"'{layer_names[owner]}'" if owner is not None else None
+        if p not in names:
+            lines.append(f"- a trainable tensor of shape {tuple(p.shape)} that the wrapped model does not hold: the loss "
+                         f"uses it ({how}), so its gradient would be neither clipped per sample nor computed by the "
+                         "clipped backward, and an optimizer holding it would move it by noise alone. Make it a "
+                         "parameter of the model (a module called in its forward pass, e.g. a learned temperature), "
+                         "or freeze it.")
+            continue
         if in_loss:
             why = (f"it is used in the loss, outside the model's forward pass ({how}). Compute the "
                    "loss from the model's outputs only, or freeze the parameter")
@@ -181,7 +188,7 @@ def unclipped_error(head: str, uses: List[Tuple[torch.Tensor, object]], names: D
             why = (f"its layer {layer} ran without dpgrad's hooks ({how}): called as "
                    "layer.forward(...) rather than layer(...), or with its hooks removed. Call "
                    "the layer itself")
-        lines.append(f"- parameter '{names.get(p, '?')}': {why}.")
+        lines.append(f"- parameter '{names[p]}': {why}.")
     return UnclippedGradientError(head + "\n" + "\n".join(lines))
 
 

@@ -125,6 +125,11 @@ class DPTensorFastGradientAdaptiveClipping(DPTensorFastGradientClipping):
     """Per-sample losses whose ``backward()`` updates the bound from their norms, then adds the
     samples' gradients clipped to it to ``p.grad`` (Opacus's signature)."""
 
+    @staticmethod
+    def __new__(cls, module, optimizer, loss_per_sample: torch.Tensor, loss_reduction: str = "mean", *args,
+                weights: Optional[torch.Tensor] = None, **kwargs):
+        return DPTensorFastGradientClipping.__new__(cls, module, optimizer, loss_per_sample, loss_reduction, weights)
+
     def __init__(self, module, optimizer, loss_per_sample: torch.Tensor, loss_reduction: str = "mean",
                  target_unclipped_quantile: float = 0.5, min_clipbound: float = 1, max_clipbound: float = 1e8,
                  clipbound_learning_rate: float = 0.2, initial_noise_multiplier: float = 1.0,
@@ -138,7 +143,9 @@ class DPTensorFastGradientAdaptiveClipping(DPTensorFastGradientClipping):
                                                     self.loss_reduction, rule=self.rule, weights=self.weights)
 
     @eager_when_compiled
-    def backward(self) -> None:
+    def backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None) -> None:
+        if gradient is not None or create_graph or inputs is not None:
+            raise ValueError("the clipped backward of dpgrad's loss takes no gradient, create_graph or inputs")
         wrapper = clipping_wrapper(self.module)
         if not isinstance(wrapper, GradSampleModuleFastGradientClipping):
             raise TypeError("dpgrad's adaptive clipping takes dpgrad's GradSampleModuleFastGradientClipping; with "
@@ -161,7 +168,8 @@ class DPTensorFastGradientAdaptiveClipping(DPTensorFastGradientClipping):
             self.rule.counted = True  # until the optimizer steps
             return bound
 
-        wrapper.clipped_backward(self.loss_per_sample, bound_from_norms=bound_from_norms)
+        wrapper.clipped_backward(self.loss_per_sample, bound_from_norms=bound_from_norms, loss_scale=self.loss_scale,
+                                 optimizer=self.optimizer)
 
 
 def _distributed(module, wrapper) -> bool:

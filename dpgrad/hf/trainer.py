@@ -34,7 +34,7 @@
   ``grad_norm`` (the norm of the gradient before its noise, which is not private) is not logged;
 - a model sharded by FSDP2 (``fully_shard`` by the caller before the Trainer, or the Trainer's
   FSDP in its version 2) is trained as under DDP, each rank running as many physical batches as
-  the rank with the most (FSDP2's collectives run in every pass), Opacus's FSDP optimizer adding
+  the rank with the most (FSDP2's collectives run in every pass), the FSDP optimizer adding
   each shard's noise; a model the caller sharded is not given to Accelerate (which would put DDP
   around it), and its checkpoints hold the gathered weights and each rank's optimizer state.
 
@@ -342,13 +342,14 @@ class DPTrainer(PrivacyAccounting, PrivacyCheckpoints, FSDP2Sharding, transforme
             if self._graphed is None or self._graphed.module is not wrapper:
                 self._graphed = GraphedPerShape(self._physical_pass, module=wrapper)
             run = self._graphed
-        for part, real in parts:
-            batch = self._prepare_inputs(collator([row for row, _ in part]))
-            # The padding's rows weigh zero. A user's n rows are each clipped to C / n; every row
-            # to C without users.
-            weights = torch.arange(size, device=self.args.device) < real
-            bounds = [share * bound for _, share in part] if users else None
-            total = total + run(batch, weights, bounds).to(total.device)
+        with wrapper.one_batch():  # the physical batches of one Poisson batch: one draw, one step
+            for part, real in parts:
+                batch = self._prepare_inputs(collator([row for row, _ in part]))
+                # The padding's rows weigh zero. A user's n rows are each clipped to C / n; every row
+                # to C without users.
+                weights = torch.arange(size, device=self.args.device) < real
+                bounds = [share * bound for _, share in part] if users else None
+                total = total + run(batch, weights, bounds).to(total.device)
         return total / max(len(inputs), 1)
 
     def _physical_pass(self, batch: Dict[str, torch.Tensor], weights: torch.Tensor, bounds) -> torch.Tensor:
@@ -358,7 +359,14 @@ class DPTrainer(PrivacyAccounting, PrivacyCheckpoints, FSDP2Sharding, transforme
         with self.compute_loss_context_manager():
             losses = self._per_sample_losses(self._wrapper, batch)
         losses = losses * weights.to(losses.dtype)
-        self._wrapper.clipped_backward(losses, max_grad_norms=bounds)
+        scaler = getattr(self.accelerator, "scaler", None)  # fp16: the Trainer's GradScaler
+        scale = None
+        if scaler is not None and scaler.is_enabled():
+            # The loss scale on the device (no host read): the unscaled gradients are clipped, and the
+            # scaler's step removes it before the noise.
+            scale = scaler.scale(torch.ones((), device=losses.device))
+        self._wrapper.clipped_backward(losses if scale is None else losses * scale, max_grad_norms=bounds,
+                                       loss_scale=scale, optimizer=self._dp_optimizer)
         return losses.detach().sum()
 
     def _per_sample_losses(self, wrapper, batch: Dict[str, torch.Tensor]) -> torch.Tensor:

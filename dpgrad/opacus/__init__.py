@@ -26,12 +26,14 @@ where Opacus is installed (``pip install dpgrad[opacus]``).
 """
 
 from dpgrad.opacus.engine import PrivacyEngineAdaptiveClipping, make_private, make_private_with_epsilon
-from dpgrad.opacus.optimizers import DistributedDPOptimizerFastGradientClipping, DPOptimizerFastGradientClipping
+from dpgrad.opacus.optimizers import (DistributedDPOptimizerFastGradientClipping, DPOptimizerFastGradientClipping,
+                                     FSDPOptimizerFastGradientClipping)
 from dpgrad.opacus.registration import OpacusRegistration, register_with_opacus
 
 # Importable from here too: the default settings.
 from dpgrad.opacus.arguments import ADAPTIVE_SETTINGS  # noqa: F401
 from dpgrad.opacus.registration import DEFAULT_LAYERS  # noqa: F401
 
-__all__ = ["DPOptimizerFastGradientClipping", "DistributedDPOptimizerFastGradientClipping", "OpacusRegistration",
+__all__ = ["DPOptimizerFastGradientClipping", "DistributedDPOptimizerFastGradientClipping",
+           "FSDPOptimizerFastGradientClipping", "OpacusRegistration",
            "PrivacyEngineAdaptiveClipping", "make_private", "make_private_with_epsilon", "register_with_opacus"]

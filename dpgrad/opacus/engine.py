@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 from opacus.optimizers import DPOptimizerFastGradientClipping as _OpacusDPOptimizerFastGradientClipping
+from opacus.optimizers import FSDPOptimizerFastGradientClipping as _OpacusFSDPOptimizerFastGradientClipping
 from opacus.optimizers.ddpoptimizer_fast_gradient_clipping import (
     DistributedDPOptimizerFastGradientClipping as _OpacusDistributedDPOptimizerFastGradientClipping,
 )
@@ -21,7 +22,8 @@ from dpgrad import hooks as dpgrad_hooks
 from dpgrad.loss import DPLossFastGradientClipping
 from dpgrad.opacus.arguments import (_check_capturable, _check_optimizer_params, _clipping_settings,
                                      _resolved_mode)
-from dpgrad.opacus.optimizers import DistributedDPOptimizerFastGradientClipping, DPOptimizerFastGradientClipping
+from dpgrad.opacus.optimizers import (DistributedDPOptimizerFastGradientClipping, DPOptimizerFastGradientClipping,
+                                     FSDPOptimizerFastGradientClipping)
 from dpgrad.opacus.wrapping import _wrap
 
 
@@ -53,18 +55,16 @@ def _sample_independently(data_loader) -> None:
         sampler.generator = rank_generator(torch.initial_seed(), sampler.rank)
 
 
-def _batched(optimizer, kwargs: dict, *, adaptive: bool, noise_multiplier: float, max_grad_norm,
-             expected_batch_size, loss_reduction: str):
-    """The DP optimizer the engine prepared, as dpgrad's batched one where there is one
-    (``kwargs``: the keywords it was built with)."""
-    # The same optimizer, its per-parameter loops batched: in one process; under DDP for adaptive
-    # clipping, whose noise is scaled by the bound on the device (Opacus's distributed
-    # optimizers stay as they are otherwise).
-    batched = {_OpacusDPOptimizerFastGradientClipping: DPOptimizerFastGradientClipping}
-    if adaptive:
-        batched[_OpacusDistributedDPOptimizerFastGradientClipping] = DistributedDPOptimizerFastGradientClipping
-    if type(optimizer) in batched:
-        optimizer = batched[type(optimizer)](
+def _batched(optimizer, kwargs: dict, *, noise_multiplier: float, max_grad_norm, expected_batch_size,
+             loss_reduction: str):
+    """The DP optimizer the engine prepared for ghost clipping, as dpgrad's (``kwargs``: the
+    keywords it was built with): the same arguments, its step as ``dpgrad.opacus.optimizers.StepOnce``
+    takes it, its per-parameter loops batched in one process and under DDP."""
+    ours = {_OpacusDPOptimizerFastGradientClipping: DPOptimizerFastGradientClipping,
+            _OpacusDistributedDPOptimizerFastGradientClipping: DistributedDPOptimizerFastGradientClipping,
+            _OpacusFSDPOptimizerFastGradientClipping: FSDPOptimizerFastGradientClipping}
+    if type(optimizer) in ours:
+        optimizer = ours[type(optimizer)](
             optimizer=optimizer.original_optimizer,
             noise_multiplier=noise_multiplier,
             max_grad_norm=max_grad_norm,
@@ -118,7 +118,7 @@ def make_private(
     A ``module`` in ``torch.nn.parallel.DistributedDataParallel`` (or Opacus's DPDDP) is
     trained distributed, as Opacus does it: dpgrad's wrapper goes around it, each process
     draws its own share of the Poisson batches (with a generator of its own: see
-    ``_sample_independently``), and Opacus's distributed optimizer adds the
+    ``_sample_independently``), and the distributed optimizer (dpgrad's, batched) adds the
     noise once, on rank 0, before summing over the processes. The norm pass of ghost clipping
     computes no parameter gradients, so DistributedDataParallel reduces nothing until the
     clipped gradients exist.
@@ -126,7 +126,7 @@ def make_private(
     A ``module`` sharded by FSDP2 (``fully_shard`` on its blocks and its root) is trained
     the same way under ``grad_sample_mode="ghost"`` (``dpgrad.backward.fsdp``): the clipped sums reach
     the sharded gradients through FSDP's reduce-scatter, and Opacus's
-    ``FSDPOptimizerFastGradientClipping`` adds the noise: each rank draws it for the whole
+    ``FSDPOptimizerFastGradientClipping`` (dpgrad's subclass) adds the noise: each rank draws it for the whole
     parameter and adds its own shard's slice, so every coordinate gets noise once, from the
     rank that holds it (with generators seeded alike on every rank, exactly the one-process
     noise).
@@ -306,12 +306,12 @@ def make_private(
         noise_generator=noise_generator,
         distributed=distributed,
         clipping=clipping,
-        # Under FSDP2, Opacus's FSDP optimizer: each rank adds the noise of its own shard.
+        # Under FSDP2, the FSDP optimizer: each rank adds the noise of its own shard.
         grad_sample_mode=("ghost_fsdp" if distribution == "fsdp" else
                           "ghost" if grad_sample_mode == "ghost" else "hooks"),
         **kwargs,
     )
-    optimizer = _batched(optimizer, kwargs, adaptive=adaptive, noise_multiplier=noise_multiplier,
+    optimizer = _batched(optimizer, kwargs, noise_multiplier=noise_multiplier,
                          max_grad_norm=max_grad_norm, expected_batch_size=expected_batch_size,
                          loss_reduction=loss_reduction)
     optimizer.attach_step_hook(privacy_engine.accountant.get_optimizer_hook_fn(sample_rate=sample_rate))

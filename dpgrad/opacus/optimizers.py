@@ -1,21 +1,124 @@
-"""Opacus's DP optimizers for ghost clipping with their per-parameter work batched:
-``DPOptimizerFastGradientClipping`` (one process) and
-``DistributedDPOptimizerFastGradientClipping`` (DDP, the noise added on rank 0), which
-``make_private`` (``dpgrad.opacus.engine``) puts in place of Opacus's."""
+"""Opacus's DP optimizers for ghost clipping, as dpgrad hands them out: ``DPOptimizerFastGradientClipping``
+(one process) and ``DistributedDPOptimizerFastGradientClipping`` (DDP, the noise added on rank 0)
+with their per-parameter work batched, and ``FSDPOptimizerFastGradientClipping`` (FSDP2, each
+rank the noise of its shards). ``make_private`` (``dpgrad.opacus.engine``) and ``DPTrainer`` put
+them in place of Opacus's. Each takes its step as ``StepOnce`` says: whatever the loop, what
+it releases holds each sample once."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Dict, List, Tuple
 
 import torch
 import torch.nn as nn
 from opacus.optimizers import DPOptimizerFastGradientClipping as _OpacusDPOptimizerFastGradientClipping
+from opacus.optimizers import FSDPOptimizerFastGradientClipping as _OpacusFSDPOptimizerFastGradientClipping
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
+from dpgrad.backward import grad_marks
 from dpgrad.backward.autograd_graph import eager_when_compiled
 
 
-class DPOptimizerFastGradientClipping(_OpacusDPOptimizerFastGradientClipping):
+class StepOnce:
+    """Opacus's ghost-clipping step (a mixin before Opacus's class), kept right in the loops
+    users write (``dpgrad.backward.grad_marks``):
+
+    - before anything, the gradients are read: an unclipped one (a plain ``loss.backward()``
+      through the double-backward wrapper) or one scaled by a GradScaler the step does not
+      remove is refused; ``accumulated_iterations`` is the number of loader batches ``p.grad``
+      holds (several accumulated before one step: the accountant's rate and the mean's divisor
+      times it, Opacus's rule for per-sample gradients), not Opacus's fixed 1;
+    - a skipped step (``signal_skip_step``: Opacus's BatchMemoryManager, ``physical_batch_size``)
+      takes ``p.grad`` into the sum and clears it, and a released step forgets its sum, so that
+      whether ``zero_grad()`` comes before each part, after every step, only after the real step
+      or never, each part counts once;
+    - under ``torch.amp.GradScaler`` (``_step_supports_amp_scaling``: ``scaler.step`` hands over
+      its scale and overflow flag instead of unscaling itself): ``p.grad`` is divided by the scale
+      before it is summed, and a step whose gradients overflowed (on any rank) releases nothing:
+      no noise, no step, not counted by the accountant; the scaler lowers its scale. Where the
+      step ends a logical batch run in parts, a part that overflowed withholds the whole batch.
+      Whether a step overflows depends on its batch: that event is not covered by the accountant
+      (bf16, which needs no loss scaling, avoids it). The overflow flag is read on the host, as
+      GradScaler's own step reads it.
+    """
+
+    counts_accumulated_batches = True  # the loss wrapper accumulates only for an optimizer that counts
+    _step_supports_amp_scaling = True
+
+    @property
+    def accumulated_iterations(self) -> int:
+        """The loader batches of the step being taken (read from the gradients before it)."""
+        return self.__dict__.get("_held_batches", 1)
+
+    def pre_step(self, closure=None) -> bool:
+        released = self.__dict__.get("_released")
+        if released and all(p.grad is not None and p.grad is grad() and p.grad._version == version
+                            for p, grad, version in released):
+            raise ValueError("optimizer.step() again with no backward pass since the last step: p.grad still holds "
+                             "what that step released. Run a backward pass first (with dpgrad's optimizers, "
+                             "optimizer.zero_grad() between steps is optional). Nothing was released.")
+        scaler_step = "grad_scale" in self.__dict__  # set by GradScaler.step for this call
+        self._held_batches = grad_marks.held_batches(self.params, scaler_step)
+        if scaler_step and self._overflowed():
+            return False
+        if self.__dict__.get("_part_overflowed") and not self._check_skip_next_step(pop_next=False):
+            self._check_skip_next_step()
+            self._withhold_batch()
+            return False
+        if scaler_step and self.grad_scale is not None:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            if grads:
+                torch._foreach_div_(grads, self.grad_scale.to(grads[0].device))
+        stepped = super().pre_step(closure)
+        if not stepped:
+            # Taken into the sum: the next part's backward starts from nothing, whatever zero_grad() does.
+            for p in self.params:
+                if p.grad is not None and getattr(p, "summed_grad", None) is p.grad:
+                    # The sum outlives the step: not in p.grad's memory, which a graphed pass's buffer or
+                    # a DDP bucket reuses.
+                    p.summed_grad = p.grad.clone()
+                p.grad = None
+        else:
+            # Released: the next step sums anew even where no zero_grad() comes between.
+            self._drop_sums()
+            self._released = [(p, weakref.ref(p.grad), p.grad._version) for p in self.params if p.grad is not None]
+        return stepped
+
+    def _overflowed(self) -> bool:
+        """Whether the GradScaler found inf or NaN in the gradients (on any rank); if so, this
+        step releases nothing (see the class docstring)."""
+        found = self.found_inf.reshape(1).to(torch.float32)
+        world = getattr(self, "world_size", 1)
+        if world > 1:
+            torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
+        if not bool(found.item()):
+            return False
+        for p in self.params:
+            p.grad = None
+        if self._check_skip_next_step():  # a part of a logical batch: the rest comes, then nothing is released
+            self._part_overflowed = True
+            self._is_last_step_skipped = True
+        else:
+            self._withhold_batch()
+        return True
+
+    def _withhold_batch(self) -> None:
+        """Drop the logical batch's sum: nothing of it is released."""
+        self._part_overflowed = False
+        self._is_last_step_skipped = False
+        for p in self.params:
+            p.grad = None
+        self._drop_sums()
+
+    def _drop_sums(self) -> None:
+        for p in self.params:
+            p.summed_grad = None
+        for state in getattr(self, "grad_state", {}).values():  # Opacus's FSDP optimizer keeps its sums here
+            state["summed_grad"] = None
+
+
+class DPOptimizerFastGradientClipping(StepOnce, _OpacusDPOptimizerFastGradientClipping):
     """Opacus's ``DPOptimizerFastGradientClipping`` with its per-parameter work batched.
 
     Same arguments, attributes, step skipping (virtual steps), accountant hooks and result as
@@ -26,7 +129,7 @@ class DPOptimizerFastGradientClipping(_OpacusDPOptimizerFastGradientClipping):
     than in its backward pass. Here:
 
     - ``p.summed_grad`` is the clipped gradient itself, not a copy (a copy is made only when
-      the step is skipped, so that a later ``zero_grad`` cannot clear it);
+      the step is skipped, whose sum outlives it);
     - the noise of all parameters of one device and dtype is drawn in one call into one
       buffer, already divided by the expected batch size under "mean" (its standard deviation
       divided), the clipped sums are added to it times the same factor (one multi-tensor
@@ -44,7 +147,7 @@ class DPOptimizerFastGradientClipping(_OpacusDPOptimizerFastGradientClipping):
         summed, grads = [], []
         for p in self.params:
             if p.summed_grad is None:
-                # The gradient itself: pre_step copies it only if the step is skipped.
+                # The gradient itself: a skipped step copies it (StepOnce).
                 p.summed_grad = p.grad if p.grad is not None else torch.zeros_like(p)
             elif p.grad is not None:
                 summed.append(p.summed_grad)
@@ -54,13 +157,7 @@ class DPOptimizerFastGradientClipping(_OpacusDPOptimizerFastGradientClipping):
 
     @eager_when_compiled
     def pre_step(self, closure=None) -> bool:
-        stepped = super().pre_step(closure)
-        if not stepped:
-            # A skipped step's sums outlive it: they must not be p.grad, which zero_grad may clear.
-            for p in self.params:
-                if p.summed_grad is p.grad:
-                    p.summed_grad = p.grad.clone()
-        return stepped
+        return super().pre_step(closure)
 
     def add_noise(self):
         if self.secure_mode:
@@ -138,3 +235,9 @@ class DistributedDPOptimizerFastGradientClipping(DPOptimizerFastGradientClipping
             self.reduce_gradients()
             return self.original_optimizer.step()
         return None
+
+
+class FSDPOptimizerFastGradientClipping(StepOnce, _OpacusFSDPOptimizerFastGradientClipping):
+    """Opacus's ``FSDPOptimizerFastGradientClipping`` (each rank draws the noise of the whole
+    parameter and adds its own shard's slice) taking its step as ``StepOnce`` says. Same
+    arguments."""
