@@ -1,5 +1,5 @@
 """The privacy accounting of ``DPTrainer`` (``dpgrad.hf``): its optimizer made private (dpgrad's
-batched Opacus DP optimizer, or Opacus's distributed or FSDP one) with the noise for the planned
+batched Opacus DP optimizer, or its distributed or FSDP one) with the noise for the planned
 steps and the accountant's step hook, the steps ``target_epsilon`` allows, and epsilon in the
 Trainer's logs (the norm of the gradient before its noise, which is not private, left out)."""
 
@@ -37,13 +37,13 @@ class PrivacyAccounting:
                         sample_rate=self.sample_rate, steps=steps, accountant=privacy.accountant)
             self.allowed_steps = self._allowed_steps(steps)
         if self.world_size > 1 and self._sharded():
-            # FSDP2: each rank adds the noise of its own shards (Opacus's FSDP optimizer, as
-            # make_private uses it); the sharded gradients were reduce-scattered by FSDP.
-            from opacus.optimizers import FSDPOptimizerFastGradientClipping as optimizer_class
+            # FSDP2: each rank adds the noise of its own shards (Opacus's FSDP optimizer taking its
+            # step as dpgrad's do, as make_private uses it); the sharded gradients were reduce-scattered.
+            from dpgrad.opacus import FSDPOptimizerFastGradientClipping as optimizer_class
         elif self.world_size > 1:
-            # Noise on rank 0 only, then the ranks' sums added (Opacus's distributed optimizer,
-            # as make_private uses it): its expected batch size is per rank, as Opacus has it.
-            from opacus.optimizers import DistributedDPOptimizerFastGradientClipping as optimizer_class
+            # Noise on rank 0 only, then the ranks' sums added (dpgrad's distributed optimizer, as
+            # make_private uses it): its expected batch size is per rank, as Opacus has it.
+            from dpgrad.opacus import DistributedDPOptimizerFastGradientClipping as optimizer_class
         else:
             from dpgrad.opacus import DPOptimizerFastGradientClipping as optimizer_class
 
@@ -59,17 +59,31 @@ class PrivacyAccounting:
                     self.noise_multiplier, self.sample_rate, steps, self.target_delta)
 
     def _epsilon_after(self, steps: int) -> float:
-        """epsilon after the steps taken and ``steps`` more at this run's noise and rate."""
+        """epsilon after the steps taken and ``steps`` more at this run's noise and rate, from the
+        very history the accountant will then hold: its ``step`` adds a step of the last entry's
+        noise and rate to that entry, and the same steps as two entries are another computation
+        (PRV's convolutions, RDP's sums) whose rounding can put them on the other side of the
+        target than the epsilon that ``get_noise_multiplier`` and ``privacy_spent`` compute."""
+        history = list(self.accountant.history)
+        noise, rate = self.noise_multiplier, self.sample_rate
+        if steps and history and tuple(history[-1][:2]) == (noise, rate):
+            history[-1] = (noise, rate, history[-1][2] + steps)
+        elif steps:
+            history.append((noise, rate, steps))
+        if not history:
+            return 0.0
         accountant = type(self.accountant)()
-        accountant.history = list(self.accountant.history) + [(self.noise_multiplier, self.sample_rate, steps)]
+        accountant.history = history
         with accountant_quiet(self.privacy_args.accountant):
             return float(accountant.get_epsilon(delta=self.target_delta))
 
     def _allowed_steps(self, planned: int) -> int:
-        """The steps in all (those taken included) ``target_epsilon`` allows, at most
-        ``planned``: all of them when the noise was chosen for them (within Opacus's 1%
-        tolerance), fewer if they would spend more (a resumed run planning more steps)."""
-        target = self.privacy_args.target_epsilon * 1.01
+        """The steps in all (those taken included) that keep epsilon at most ``target_epsilon``,
+        at most ``planned``: all of them when the noise was chosen for them (``get_noise_multiplier``
+        returns a noise whose planned steps spend at most the target, computed as
+        ``_epsilon_after`` computes it), fewer if they would spend more (a resumed run planning
+        more steps than the checkpoint's run)."""
+        target = self.privacy_args.target_epsilon
         taken = self.steps_taken()
         low, high = 0, max(planned - taken, 0)  # the most more steps: epsilon grows with them
         if self._epsilon_after(high) <= target:

@@ -43,6 +43,7 @@ class PrivacyCheckpoints:
                  "history": [list(entry) for entry in self.accountant.history],
                  "noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate,
                  "target_delta": self.target_delta, "max_grad_norm": self.privacy_args.max_grad_norm,
+                 "target_epsilon": self.privacy_args.target_epsilon, "user_column": self.privacy_args.user_column,
                  "world_size": self.world_size, "rank": self.rank,
                  "generator": base64.b64encode(self._resume_state().numpy().tobytes()).decode("ascii")}
         with open(self._privacy_file(directory), "w") as f:
@@ -104,15 +105,7 @@ class PrivacyCheckpoints:
         problem = privacy_state_problem(state)
         if problem is not None:
             raise ValueError(f"{path}: {problem}")
-        mine = {"accountant": self.privacy_args.accountant, "sample_rate": self.sample_rate,
-                "target_delta": self.target_delta, "world_size": self.world_size}
-        for key, value in mine.items():
-            if state[key] != value and not (isinstance(value, float) and math.isclose(state[key], value, rel_tol=1e-12)):
-                hint = ("; the default target_delta is N^-1.1 (it was 1 / N before): pass "
-                        f"PrivacyArguments(target_delta={state[key]!r}) to resume that run"
-                        if key == "target_delta" and self.privacy_args.target_delta is None else "")
-                raise ValueError(f"{path}: the checkpoint's run had {key} {state[key]!r}, this one has {value!r}: "
-                                 f"resume with the same dataset, batch size, privacy arguments and processes{hint}")
+        self._refuse_other_settings(path, state)
         try:
             generator = torch.frombuffer(bytearray(base64.b64decode(state["generator"], validate=True)),
                                          dtype=torch.uint8)
@@ -123,5 +116,70 @@ class PrivacyCheckpoints:
         if self.privacy_args.target_epsilon is not None:  # the budget was planned with this noise
             self.noise_multiplier = self._dp_optimizer.noise_multiplier = state["noise_multiplier"]
             self.allowed_steps = self._allowed_steps(self.state.max_steps)
-        logger.info("DPTrainer: resumed from %s after %d DP steps (epsilon %.4g)", checkpoint, self.steps_taken(),
-                    self.privacy_spent()[0])
+        if logger.isEnabledFor(logging.INFO):  # the accountant's epsilon takes a while (PRV: seconds)
+            logger.info("DPTrainer: resumed from %s after %d DP steps (epsilon %.4g)", checkpoint,
+                        self.steps_taken(), self.privacy_spent()[0])
+
+    def _refuse_other_settings(self, path: str, state: dict) -> None:
+        """ValueError, before any step, if this run's privacy settings are not the checkpoint's
+        run's: a resumed run is that run going on, spending its budget at its noise. Another
+        noise, sampling rate, accountant, delta or unit of privacy (``user_column``) would count
+        the earlier steps as they were not taken; another ``target_epsilon`` would go unheeded
+        (the noise is the checkpoint's, chosen for its own target); another clipping bound
+        would train on as another run, with the noise scaled to another bound. ``max_steps``
+        may change: under ``target_epsilon`` the budget still ends the run."""
+        privacy = self.privacy_args
+        mine = {"accountant": privacy.accountant, "sample_rate": self.sample_rate,
+                "target_delta": self.target_delta, "world_size": self.world_size,
+                "max_grad_norm": privacy.max_grad_norm}
+        # Checkpoints saved before these were recorded can be checked on the rest only.
+        for key in ("target_epsilon", "user_column"):
+            if key in state:
+                mine[key] = getattr(privacy, key)
+        if privacy.noise_multiplier is not None:  # under target_epsilon, the noise is the checkpoint's
+            mine["noise_multiplier"] = privacy.noise_multiplier
+        for key, value in mine.items():
+            theirs = state[key]
+            if _same(theirs, value):
+                continue
+            hint = _HINTS.get(key, f"the same PrivacyArguments ({key}={theirs!r})")
+            if key == "target_delta" and privacy.target_delta is None:
+                hint = ("the same target_delta: the default is N^-1.1 (it was 1 / N before): pass "
+                        f"PrivacyArguments(target_delta={theirs!r}) to resume that run")
+            if key == "target_epsilon":
+                if theirs is None:
+                    hint = f"the same PrivacyArguments (noise_multiplier={state['noise_multiplier']!r})"
+                theirs, value = _budget(theirs, state["noise_multiplier"]), _budget(value, privacy.noise_multiplier)
+            else:
+                theirs, value = repr(theirs), repr(value)
+            raise ValueError(
+                f"{path}: the checkpoint's run had {key} {theirs}, this one has {value}: a resumed run goes on "
+                f"spending the checkpoint's budget with its settings. Resume with {hint}, or start a new run "
+                "without resume_from_checkpoint (if it trains on from this checkpoint's weights, its epsilon adds "
+                "to what the checkpoint's run spent)")
+        if privacy.target_epsilon is not None and "target_epsilon" not in state:
+            raise ValueError(
+                f"{path}: the checkpoint does not record its run's target_epsilon (it was saved before DPTrainer "
+                f"recorded it), so this run's target_epsilon={privacy.target_epsilon!r} cannot be checked against "
+                f"the budget its noise was chosen for: resume with PrivacyArguments(noise_multiplier="
+                f"{state['noise_multiplier']!r}) (its noise; max_steps then ends the run), or start a new run")
+
+
+# What sets each checked value, besides PrivacyArguments.
+_HINTS = {
+    "sample_rate": "the same dataset, batch size (per_device_train_batch_size x gradient_accumulation_steps "
+                   "x processes) and PrivacyArguments",
+    "world_size": "as many processes",
+}
+
+
+def _budget(target_epsilon, noise_multiplier) -> str:
+    """A run's target_epsilon in words: none where the noise was given."""
+    return repr(target_epsilon) if target_epsilon is not None else f"none (noise_multiplier={noise_multiplier!r})"
+
+
+def _same(theirs, mine) -> bool:
+    """The checkpoint's value is this run's (floats as they were computed, up to rounding)."""
+    if isinstance(theirs, (int, float)) and isinstance(mine, (int, float)) and not isinstance(mine, bool):
+        return theirs == mine or math.isclose(theirs, mine, rel_tol=1e-12)
+    return theirs == mine

@@ -31,9 +31,15 @@ def privacy_state_problem(state) -> Optional[str]:
             isinstance(h, list) and len(h) == 3 and number(h[0]) and h[0] >= 0 and number(h[1]) and 0 < h[1] <= 1
             and isinstance(h[2], int) and not isinstance(h[2], bool) and h[2] > 0 for h in history):
         return "a 'history' that is not a list of [noise_multiplier, sample_rate, steps]"
-    for key in ("noise_multiplier", "sample_rate", "target_delta"):
+    for key in ("noise_multiplier", "sample_rate", "target_delta", "max_grad_norm"):
         if not number(state.get(key)):
             return f"{key} {state.get(key)!r}, not a number"
+    # Recorded since resuming with another budget or unit of privacy is refused; absent from
+    # the checkpoints saved before.
+    if state.get("target_epsilon") is not None and not number(state["target_epsilon"]):
+        return f"target_epsilon {state['target_epsilon']!r}, not a number"
+    if not isinstance(state.get("user_column"), (str, type(None))):
+        return f"user_column {state['user_column']!r}, not a column name"
     if not isinstance(state.get("world_size"), int) or not isinstance(state.get("generator"), str):
         return "no world_size or generator state"
     return None
