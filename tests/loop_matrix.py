@@ -161,18 +161,9 @@ def _run(model, criterion, x, y, recorder, weights=None):
 
 
 def loop_plain(model, optimizer, criterion, loader, recorder, steps, zero="before"):
-    """zero_grad(); forward; backward; step() per loader batch."""
-    for i, (x, y) in enumerate(loader):
-        if i == steps:
-            break
-        recorder.new_draw()
-        if zero == "before":
-            _zero(optimizer, recorder)
-        _run(model, criterion, x, y, recorder)
-        optimizer.step()
-        recorder.stepped()
-        if zero == "after":
-            _zero(optimizer, recorder)
+    """zero_grad(); forward; backward; step() per loader batch (``zero="after"``: zero_grad()
+    after the step instead)."""
+    loop_accumulate(model, optimizer, criterion, loader, recorder, steps, k=1, zero="each" if zero == "before" else zero)
 
 
 def loop_accumulate(model, optimizer, criterion, loader, recorder, steps, k=2, zero="after"):
