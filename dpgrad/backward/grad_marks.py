@@ -16,7 +16,8 @@ clipped and the loss scale it carries. At the next clipped pass (``before_pass``
 - anything else (a step took the gradient into ``summed_grad`` or released it, ``zero_grad()``
   zeroed it, a gradient dpgrad did not make): the pass starts from nothing, so no sum is taken
   twice (cleared once the pass's own checks have passed);
-- a plain backward's unclipped gradient, untouched: refused.
+- a plain backward's unclipped gradient, untouched: refused (touched anywhere, it goes with
+  the rest).
 
 In a step captured in a CUDA graph the marks are the graphed step's to keep (``dpgrad.graphs``):
 its replays run no Python.
@@ -24,13 +25,14 @@ its replays run no Python.
 The DP optimizer (``dpgrad.opacus.optimizers``) reads the marks before its step
 (``held_batches``): an unclipped gradient, or a loss scale nothing removed, is refused there,
 and the loader batches the gradient holds are its ``accumulated_iterations``. A mark is a few
-attributes read per parameter and pass; it never reads a value on the device.
+attributes read per parameter and pass (the reading stops at the first gradient a step took);
+it never reads a value on the device.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Dict, Iterable, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, Iterable, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -63,32 +65,35 @@ UNCLIPPED = (
 )
 
 
-class GradMark(NamedTuple):
-    """What a pass left in a parameter's ``p.grad``."""
+class PassMark(NamedTuple):
+    """What a pass left in ``p.grad``, the same for every parameter it reached."""
 
-    grad: weakref.ref  # the gradient tensor
-    version: int  # its version then: an in-place change (zero_grad, unscaling) moves it
-    summed: Optional[weakref.ref]  # the optimizer's ``summed_grad`` then (None: none)
-    summed_version: int
-    batches: int  # the loader batches the gradient holds
+    batches: int  # the loader batches the gradients hold
     clipped: bool  # False: a plain backward's unclipped gradient
-    scale: Optional[torch.Tensor]  # the loss scale the gradient carries (a GradScaler's), None: none
-    name: str
+    scale: Optional[torch.Tensor]  # the loss scale the gradients carry (a GradScaler's), None: none
+    names: Callable[[torch.Tensor], str]  # a parameter's name, for the messages
+
+
+# Per parameter: (its gradient, the gradient's version, the optimizer's ``summed_grad``, its
+# version, the pass's ``PassMark``), the tensors weakly. A version moves with any change in
+# place (zero_grad, unscaling, an accumulation).
+GradMark = Tuple[weakref.ref, int, Optional[weakref.ref], int, PassMark]
 
 
 def _summed(p: torch.Tensor) -> Tuple[Optional[torch.Tensor], int]:
-    summed = getattr(p, "summed_grad", None)
+    summed = p.__dict__.get("summed_grad")
     return summed, (summed._version if isinstance(summed, torch.Tensor) else -1)
 
 
-def _untouched(p: torch.Tensor, mark: Optional[GradMark]) -> bool:
-    """Whether ``p.grad`` is, unchanged, what the mark was left on, and no step took it since."""
-    grad = p.grad
-    if mark is None or grad is None or mark.grad() is not grad or grad._version != mark.version:
-        return False
+def _pending(p: torch.Tensor, grad: torch.Tensor) -> Optional[PassMark]:
+    """The mark of the pass that left ``grad`` (``p.grad``), if nothing touched it since and no
+    step took it; None otherwise."""
+    mark = _MARKS.get(id(p))
+    if mark is None or mark[0]() is not grad or grad._version != mark[1]:
+        return None
     summed, version = _summed(p)
-    was = None if mark.summed is None else mark.summed()
-    return summed is was and version == mark.summed_version
+    was = None if mark[2] is None else mark[2]()
+    return mark[4] if summed is was and version == mark[3] else None
 
 
 def before_pass(params: Iterable[torch.Tensor], *, another_batch: bool, accumulation_allowed: bool,
@@ -96,42 +101,40 @@ def before_pass(params: Iterable[torch.Tensor], *, another_batch: bool, accumula
                 scale: Optional[torch.Tensor] = None) -> Tuple[int, bool]:
     """What a clipped pass finds in ``p.grad``: the loader batches it holds, to be added to (0:
     none), and whether the pass must first clear it (``start_anew``: a step took it, or it is
-    no sum of dpgrad's). Reads attributes only; changes nothing.
+    no sum of dpgrad's; an unclipped gradient then goes too). Reads attributes only; changes
+    nothing.
 
     ``another_batch``: the pass is of a batch the loader drew anew (False: another physical
     part of the batch before it). ``accumulation_allowed``: False under Poisson sampling.
     ``counted``: whether the optimizer counts accumulated batches. ``scale``: the loss scale
-    of the pass's losses. Raises, before anything is touched, for an unclipped gradient, an
-    accumulation that cannot be accounted, or one of losses scaled otherwise.
+    of the pass's losses. Raises, before anything is touched, for an unclipped gradient it
+    would add to, an accumulation that cannot be accounted, or one of losses scaled otherwise.
     """
-    params = list(params)
-    held, touched, unclipped, scales = 0, False, [], set()
+    marks = []
     for p in params:
-        if p.grad is None:
+        grad = p.grad
+        if grad is None:
             continue
-        mark = _MARKS.get(id(p))
-        if not _untouched(p, mark):
-            touched = True
-        elif not mark.clipped:
-            unclipped.append(mark.name)
-        else:
-            held = max(held, mark.batches)
-            scales.add(mark.scale is not None)
+        mark = _pending(p, grad)
+        if mark is None:
+            return 0, True  # a step took the gradients (or zero_grad() cleared them): a new sum begins
+        marks.append((p, mark))
+    if not marks:
+        return 0, False
+    unclipped = [mark.names(p) for p, mark in marks if not mark.clipped]
     if unclipped:
         raise UnclippedGradientError(UNCLIPPED.format(
             names=unclipped, then="a clipped backward pass would add to it. Nothing has reached p.grad from "
             "this pass; call optimizer.zero_grad() first"))
-    if touched:
-        return 0, True  # a step took the gradients (or zero_grad() cleared them): a new sum begins
-    if held and another_batch:
+    if another_batch:
         if not accumulation_allowed:
             raise ValueError(POISSON_ACCUMULATION)
         if not counted:
             raise ValueError(UNCOUNTED_ACCUMULATION.format(kind=optimizer_kind))
-    if held and scales != {scale is not None}:
+    if {mark.scale is not None for _, mark in marks} != {scale is not None}:
         raise ValueError("p.grad holds gradients of losses scaled otherwise than this pass's (one scaled by a "
                          "GradScaler, the other not): scale every loss of a step alike, or step between them")
-    return held, False
+    return max(mark.batches for _, mark in marks), False
 
 
 def start_anew(params: Iterable[torch.Tensor]) -> None:
@@ -141,16 +144,16 @@ def start_anew(params: Iterable[torch.Tensor]) -> None:
         p.grad = None
 
 
-def after_pass(params: Iterable[torch.Tensor], names, batches: int, clipped: bool = True,
-               scale: Optional[torch.Tensor] = None) -> None:
-    """Mark what a pass left in ``p.grad`` (``names``: a parameter's name for the messages)."""
+def after_pass(params: Iterable[torch.Tensor], names: Callable[[torch.Tensor], str], batches: int,
+               clipped: bool = True, scale: Optional[torch.Tensor] = None) -> None:
+    """Mark what a pass left in ``p.grad`` (``names``: a parameter's name, for the messages)."""
+    mark, ref = PassMark(batches, clipped, scale, names), weakref.ref
     for p in params:
         grad = p.grad
-        if grad is None:
-            continue
-        summed, version = _summed(p)
-        _MARKS[id(p)] = GradMark(weakref.ref(grad), grad._version, None if summed is None else weakref.ref(summed),
-                                    version, batches, clipped, scale, names(p))
+        if grad is not None:
+            summed = p.__dict__.get("summed_grad")
+            _MARKS[id(p)] = (ref(grad), grad._version, None if summed is None else ref(summed),
+                             summed._version if summed is not None else -1, mark)
 
 
 def held_batches(params: Iterable[torch.Tensor], scaler_step: bool) -> int:
@@ -162,14 +165,14 @@ def held_batches(params: Iterable[torch.Tensor], scaler_step: bool) -> int:
     """
     held, unclipped, scaled = 1, [], []
     for p in params:
-        mark = _MARKS.get(id(p))
-        grad = p.grad
-        if mark is None or grad is None or mark.grad() is not grad:
+        entry, grad = _MARKS.get(id(p)), p.grad
+        if entry is None or grad is None or entry[0]() is not grad:
             continue  # (changed in place, it is the same sum: unscaled, or zeroed)
-        if not mark.clipped and grad._version == mark.version:
-            unclipped.append(mark.name)
+        mark = entry[4]
+        if not mark.clipped and grad._version == entry[1]:
+            unclipped.append(mark.names(p))
         if mark.scale is not None and not scaler_step:
-            scaled.append(mark.name)
+            scaled.append(mark.names(p))
         held = max(held, mark.batches)
     if unclipped:
         raise UnclippedGradientError(UNCLIPPED.format(
@@ -189,4 +192,4 @@ def clear(params: Iterable[torch.Tensor]) -> None:
         _MARKS.pop(id(p), None)
 
 
-__all__ = ["GradMark", "after_pass", "before_pass", "clear", "held_batches", "start_anew"]
+__all__ = ["GradMark", "PassMark", "after_pass", "before_pass", "clear", "held_batches", "start_anew"]
