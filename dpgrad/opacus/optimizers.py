@@ -141,6 +141,11 @@ class DPOptimizerFastGradientClipping(StepOnce, _OpacusDPOptimizerFastGradientCl
     The noise has Opacus's distribution (independent Gaussians, in the gradient's dtype), but a
     seeded ``generator`` gives other draws than Opacus's per-parameter calls. With
     ``secure_mode`` the noise is drawn by Opacus's own code, parameter by parameter.
+
+    Its step is ``StepOnce``'s: right in every loop (``zero_grad()`` anywhere, accumulation,
+    Opacus's BatchMemoryManager), counting the batches accumulated in ``p.grad``
+    (``accumulated_iterations``), and under ``torch.amp.GradScaler`` unscaling the gradients
+    and releasing nothing for a step that overflowed.
     """
 
     def accumulate(self):
