@@ -36,8 +36,11 @@ most allocated during one step, less what was allocated before the provider copi
 the most one step allocates at once beyond what was live when it started (torch.profiler).
 A provider that cannot run a model (out of memory, refused) is recorded with the reason.
 Each case runs ``DPGRAD_BENCH_REPEATS`` times (3 on a GPU, 1 otherwise), all its providers in
-turn each time; its row gives the median of the repeats and lists each repeat's figure
-(``repeats``), a ratio being taken within each repeat.
+turn each time, ``DPGRAD_BENCH_ROUNDS`` timed steps each (15 on a GPU, 10 otherwise); its row
+gives the median of the repeats and lists each repeat's figure (``repeats``), a ratio being
+taken within each repeat. ``DPGRAD_BENCH_CASES=cpu`` runs GPT-2 small (B=4, T=128) and
+WideResNet-16-4 (B=32) in fp32 instead, non-private and dpgrad's single backward only: the
+DP step's own cost, measured on a CPU.
 """
 
 from __future__ import annotations
@@ -85,6 +88,15 @@ CASES = (
           ("hf-llama-1b", 1, 8192, "bf16"), ("hf-gpt2-16k", 1, 16384, "bf16"),
           ("wrn-16-4", 256, 32, "bf16"), ("vit-b16", 32, 224, "bf16")]
 )
+# DPGRAD_BENCH_CASES=cpu: real models at sizes a CPU steps through in seconds, GPT-2 small at
+# B=4 T=128 and WideResNet-16-4 at B=32 in fp32, the non-private step and dpgrad's single
+# backward only (flat, per block, per layer): what a DP step costs over the non-private one
+# wherever it runs, measured without a GPU.
+CPU_CASES = [("hf-gpt2", 4, 128, "fp32"), ("wrn-16-4", 32, 32, "fp32")]
+CPU_PROVIDERS = ["non-private", "dpgrad-single", "dpgrad-single-per-block", "dpgrad-single-per-layer"]
+CPU_MODELS = os.environ.get("DPGRAD_BENCH_CASES", "") == "cpu"
+if CPU_MODELS:
+    CASES = CPU_CASES
 # The providers measured with activation checkpointing (Opacus's hooks and torch.func are not).
 CHECKPOINTED = ("non-private", "dpgrad-double", "dpgrad-single", "dpgrad-single-per-block", "dpgrad-single-per-layer")
 # dpgrad's single backward also with group-wise clipping: one threshold per transformer block
@@ -96,9 +108,11 @@ PROVIDERS = ["non-private", "opacus-hooks", "torch-func", "opacus-ghost", "dpgra
 # graph and replayed (torch.cuda.graph; dpgrad.graphed_step), and each under torch.compile:
 # their ratios are to each other.
 GRAPHED = ["non-private-graph", "dpgrad-single-graph", "non-private-compile", "dpgrad-single-compile"]
-if CUDA:
+if CUDA and not CPU_MODELS:
     PROVIDERS += GRAPHED
-ROUNDS = 15 if CUDA else 10
+if CPU_MODELS:
+    PROVIDERS = CPU_PROVIDERS
+ROUNDS = int(os.environ.get("DPGRAD_BENCH_ROUNDS") or (15 if CUDA else 10))
 # The weights' dtype of each case's dtype, and the dtype autocast runs the forward pass in.
 WEIGHTS = {"amp": "fp32"}
 AUTOCAST = {"amp": torch.bfloat16}

@@ -10,7 +10,10 @@ shown apart), device time per step (the sum of kernel times on CUDA: dpgrad's na
 step, the operations that cost the host most and, on a GPU, the kernels that cost the device
 most, and each region's span on the device's timeline (from its first kernel's start to its
 last's end: idle time included, so a span longer than its kernels' time means the device
-waited for the host there). ``--trace`` writes the timeline; ``--python`` profiles the Python functions instead. A
+waited for the host there); the host's time by region (dpgrad's hooks, norms, clipped sums,
+withholding and noise, the optimizer's step: on a CPU, the step's time by region); and the
+matrix products' GFLOP of one step (torch's flop counter) beside the non-private step's.
+``--trace`` writes the timeline; ``--python`` profiles the Python functions instead. A
 step whose host time exceeds its device time keeps the GPU waiting. Prints one table; with
 ``--json PATH`` also writes the figures, with the machine (device, versions, commit, date).
 Not a test and not a benchmark suite: a tool for finding what to fix.
@@ -33,6 +36,8 @@ LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunc
 
 
 SYNCS = ("cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize")
+# The named regions whose host time is listed (``host_regions``): dpgrad's and the optimizer's.
+HOST_REGIONS = ("dpgrad.", "Optimizer.")
 
 
 def profile_provider(provider: str, model: str, batch: int, seq_len: int, dtype: str, steps: int, top: int,
@@ -56,7 +61,21 @@ def profile_provider(provider: str, model: str, batch: int, seq_len: int, dtype:
         with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
             dst.write(src.read())
         raw.unlink()
-    return {"provider": provider, **summarise(prof.key_averages(), steps, top, torch.cuda.is_available())}
+    return {"provider": provider, "gflops_per_step": step_gflops(step),
+            **summarise(prof.key_averages(), steps, top, torch.cuda.is_available())}
+
+
+def step_gflops(step) -> float:
+    """The floating-point operations of one step (GFLOP) that torch's flop counter sees: the
+    matrix products (mm, bmm, addmm, baddbmm, convolutions, attention), not the elementwise
+    work."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return counter.get_total_flops() / 1e9
 
 
 def summarise(events, steps: int, top: int, cuda: bool) -> dict:
@@ -89,6 +108,13 @@ def summarise(events, steps: int, top: int, cuda: bool) -> dict:
         "top_device": per_step(kernels),
         # dpgrad's regions on the device's timeline: spans, idle time included.
         "regions": per_step(regions),
+        # Where the host's time goes, by region: dpgrad's (forward and backward hooks, norms, clipped
+        # sums, the finite check's withholding, the noise, the finish step holding them) and the
+        # optimizer's, each the CPU time of everything inside it (regions nest). On a CPU, where
+        # the host runs the kernels, this is the step's time by region.
+        "host_regions": [(e.key, e.count // steps, round(e.cpu_time_total / 1e3 / steps, 3))
+                         for e in sorted(events, key=lambda e: e.cpu_time_total, reverse=True)
+                         if e.key.startswith(HOST_REGIONS) and e.device_type == torch.autograd.DeviceType.CPU],
     }
 
 
@@ -137,10 +163,13 @@ def main(argv=None) -> int:
                              None if args.trace is None else Path(f"{args.trace}-{p}.json.gz"))
             for p in args.provider]
     print(f"{args.model} B={args.batch} T={args.seq_len} {args.dtype}")
-    print(f"{'provider':24s} {'host ms/step':>12s} {'waiting':>8s} {'device ms/step':>14s} {'launches/step':>13s}")
+    print(f"{'provider':24s} {'host ms/step':>12s} {'waiting':>8s} {'device ms/step':>14s} {'launches/step':>13s} "
+          f"{'GFLOP/step':>10s} {'x non-private':>13s}")
+    base = next((r["gflops_per_step"] for r in rows if r["provider"] == "non-private"), None)
     for r in rows:
+        times = f"{r['gflops_per_step'] / base:13.3f}" if base else f"{'':13s}"
         print(f"{r['provider']:24s} {r['host_ms_per_step']:12.1f} {r['waiting_ms_per_step']:8.1f} "
-              f"{r['device_ms_per_step']:14.1f} {r['launches_per_step']:13.0f}")
+              f"{r['device_ms_per_step']:14.1f} {r['launches_per_step']:13.0f} {r['gflops_per_step']:10.2f} {times}")
     for r in rows:
         print(f"\n{r['provider']}: costliest host operations (name, calls/step, ms/step)")
         for name, calls, ms in r["top_host"]:
@@ -148,6 +177,10 @@ def main(argv=None) -> int:
         if r["top_device"]:
             print(f"{r['provider']}: costliest kernels (name, launches/step, ms/step)")
             for name, calls, ms in r["top_device"]:
+                print(f"  {ms:8.3f}  {calls:6d}  {name}")
+        if r["host_regions"]:
+            print(f"{r['provider']}: host time by region, regions nested (name, calls/step, ms/step)")
+            for name, calls, ms in r["host_regions"]:
                 print(f"  {ms:8.3f}  {calls:6d}  {name}")
         if r["regions"]:
             print(f"{r['provider']}: regions' spans on the device, idle time included (name, calls/step, ms/step)")

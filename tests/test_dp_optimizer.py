@@ -16,7 +16,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from opacus.optimizers import DPOptimizerFastGradientClipping as OpacusOptimizer  # noqa: E402
 
-from dpgrad.opacus import DPOptimizerFastGradientClipping  # noqa: E402
+from dpgrad.opacus import DPOptimizerFastGradientClipping, optimizers  # noqa: E402
 
 BENCHMARKS = str(Path(__file__).parents[1] / "benchmarks")
 if BENCHMARKS not in sys.path:
@@ -80,12 +80,28 @@ def test_without_noise_the_update_is_opacus(reduction, set_to_none, steps, devic
                 torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+# How the noise is added: drawn into one buffer for all parameters (a GPU's way, and a small
+# model's), or on a CPU a slice at a time into a small buffer and added in place to the sums
+# (a large model's; here from the first element, in slices of 97 values, whose bounds fall inside
+# parameters).
+NOISE_PATHS = ["one-buffer", "in-place"]
+
+
+@pytest.fixture
+def noise_path(request, monkeypatch):
+    if request.param == "in-place":
+        monkeypatch.setattr(optimizers, "IN_PLACE_NOISE_ELEMENTS", 1)
+        monkeypatch.setattr(optimizers, "NOISE_SLICE", 97)
+    return request.param
+
+
+@pytest.mark.parametrize("noise_path", NOISE_PATHS, indirect=True)
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_with_noise_the_update_is_the_noisy_sum_divided_without_a_pass_of_its_own(reduction):
+def test_with_noise_the_update_is_the_noisy_sum_divided_without_a_pass_of_its_own(reduction, noise_path):
     """``p.grad = (sum + noise) / B`` under "mean": the noise is drawn divided and the sums are
-    added times 1/B in the same multi-tensor operation, with no division of its own. With the
-    same draws, two updates differ by the difference of their sums over B; under "sum", by
-    the difference of the sums."""
+    added times 1/B in the same operation, with no division of its own. With the same draws,
+    two updates differ by the difference of their sums over B; under "sum", by the difference
+    of the sums. One gradient is not contiguous (a transposed layout)."""
     params = _params((torch.float64,))
     batch = 4 if reduction == "mean" else 1
     updates = []
@@ -93,7 +109,7 @@ def test_with_noise_the_update_is_the_noisy_sum_divided_without_a_pass_of_its_ow
         opt = _optimizer(DPOptimizerFastGradientClipping, params, noise=1.0, reduction=reduction,
                          generator=torch.Generator().manual_seed(7))
         for p, g in zip(params, _grads(params, seed)):
-            p.grad = g
+            p.grad = g.t().contiguous().t() if g.dim() == 2 else g
         with DispatchCounts() as counts:
             assert opt.pre_step()
         assert not any("div" in name for name in counts.names), counts.names
@@ -119,9 +135,10 @@ def test_a_skipped_step_keeps_its_sum_through_zero_grad_in_place():
         torch.testing.assert_close(p.summed_grad, g, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("noise_path", NOISE_PATHS, indirect=True)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_noise_is_independent_gaussian_on_every_coordinate(dtype, device):
+def test_noise_is_independent_gaussian_on_every_coordinate(dtype, device, noise_path):
     torch.manual_seed(0)
     sizes = [(300, 200), (200,), (300, 200), (1,)]
     params = [nn.Parameter(torch.zeros(s, dtype=dtype, device=device)) for s in sizes]
@@ -143,10 +160,25 @@ def test_noise_is_independent_gaussian_on_every_coordinate(dtype, device):
         assert abs(flat.std().item() / std - 1) < 5 / math.sqrt(2 * n) + 0.01 * (dtype == torch.bfloat16)
         for piece in step[:3]:
             assert abs(piece.std().item() / std - 1) < 5 / math.sqrt(2 * piece.numel()) + 0.02
-    # Two parameters of one shape, and one parameter at two steps, draw independent noise.
-    for a, b in [(draws[0][0], draws[0][2]), (draws[0][0], draws[1][0])]:
+    # Two parameters of one shape, one parameter at two steps, and two slices of one
+    # parameter (the in-place path's) draw independent noise.
+    first = draws[0][0].flatten()
+    for a, b in [(draws[0][0], draws[0][2]), (draws[0][0], draws[1][0]), (first[:97 * 300], first[97 * 300:97 * 600])]:
         corr = torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].item()
         assert abs(corr) < 5 / math.sqrt(a.numel())
+
+
+@pytest.mark.parametrize("noise_path", NOISE_PATHS, indirect=True)
+def test_a_bound_on_the_device_scales_the_noise(noise_path):
+    """Adaptive clipping's bound is a tensor (``_adjusted_noise_multiplier``): the noise's
+    standard deviation is it times C over B, on both paths."""
+    params = [nn.Parameter(torch.zeros(400, 300))]
+    opt = _optimizer(DPOptimizerFastGradientClipping, params, noise=5.0, batch=2)
+    opt._adjusted_noise_multiplier = torch.tensor(0.8)
+    params[0].grad = torch.zeros_like(params[0])
+    opt.step()
+    n = params[0].numel()
+    assert abs(params[0].grad.double().std().item() / (0.8 * 1.5 / 2) - 1) < 5 / math.sqrt(2 * n)
 
 
 def test_a_parameter_without_gradient_gets_noise():

@@ -346,7 +346,8 @@ def test_profile_device_time_is_kernels_not_regions():
 
     def event(key, device, us, count=2, annotation=False, cpu_us=0.0):
         return SimpleNamespace(key=key, count=count, device_type=device, is_user_annotation=annotation,
-                               self_device_time_total=us if device == cuda else 0.0, self_cpu_time_total=cpu_us)
+                               self_device_time_total=us if device == cuda else 0.0, self_cpu_time_total=cpu_us,
+                               cpu_time_total=cpu_us + (500.0 if key == "dpgrad.finish" else 0.0))
 
     events = [event("gemm", cuda, 6000.0), event("_linear_gram_norm_kernel", cuda, 2000.0, count=8),
               event("dpgrad.finish", cuda, 7000.0, annotation=True),  # a span: 8 ms of kernels would fit in it
@@ -358,6 +359,9 @@ def test_profile_device_time_is_kernels_not_regions():
     assert [name for name, _, _ in found["top_device"]] == ["gemm", "_linear_gram_norm_kernel"]
     assert found["regions"] == [("dpgrad.finish", 1, 3.5)]
     assert found["launches_per_step"] == 10
+    # The host's time by region: everything inside it (its own 1 ms and 0.5 ms of operations,
+    # over two steps), the device's span of the same name left out.
+    assert found["host_regions"] == [("dpgrad.finish", 1, 0.75)]
     assert found["waiting_ms_per_step"] == pytest.approx(1.5)
     assert found["host_ms_per_step"] == pytest.approx(0.7)  # (1 + 0.4) ms over two steps, less the waits
     without_cuda = profile_dp_step.summarise(events, steps=2, top=5, cuda=False)

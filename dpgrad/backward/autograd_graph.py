@@ -71,6 +71,16 @@ def region(name: str):
     return record_function(name) if torch._C._autograd._profiler_enabled() else contextlib.nullcontext()
 
 
+def in_region(name: str, fn):
+    """``fn`` running inside ``region(name)`` (a hook's time, named in a profile)."""
+
+    def run(*args, **kwargs):
+        with region(name):
+            return fn(*args, **kwargs)
+
+    return run
+
+
 def grad_keeping_graph(outputs, inputs, grad_outputs=None, **kwargs):
     """``torch.autograd.grad`` with ``retain_graph=True``, a compiled backward that cannot run
     twice (donated buffers) refused with what to do (``DONATED_BUFFERS``)."""

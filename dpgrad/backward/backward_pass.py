@@ -48,7 +48,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
 from dpgrad.samplers import registry
-from dpgrad.backward.autograd_graph import ForwardEdges, eager_when_compiled, region
+from dpgrad.backward.autograd_graph import ForwardEdges, eager_when_compiled, in_region, region
 from dpgrad.backward.finite_checks import FiniteReports
 from dpgrad.backward.hooked_layers import HookedLayers
 from dpgrad.backward.model_hooks import ModelHooks
@@ -262,7 +262,8 @@ class BackwardPath(HookedLayers, ModelHooks, SplitCalls, WholeCalls):
         keep = registry.KEPT_INPUTS.get(type(layer))
         kept = list(given) if keep is None or layer in self.functorch_layers else keep(layer, inputs, out)
         # Not detached: they are only read under no_grad, and the list is emptied when read.
-        return self._hook_output(layer, kept, out, output, partial(self._record, layer, params, kept, self._pending))
+        return self._hook_output(layer, kept, out, output,
+                                 in_region("dpgrad.backward_hooks", partial(self._record, layer, params, kept, self._pending)))
 
     def _makes_batch(self, layer: nn.Module, inputs, out: torch.Tensor, batch: Optional[int]) -> bool:
         """Whether ``layer``, taken whole, was given no tensor and returned the batch's rows, as

@@ -9,6 +9,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from dpgrad.backward.autograd_graph import region
+
 
 class FiniteCheck:
     """Whether the per-sample values of one backward pass (rows of (P, B) norms, or per-sample
@@ -53,11 +55,12 @@ class FiniteCheck:
         for the sums of a group of layers made by one product)."""
         self.withheld = True
         seen = set()
-        for t in tensors:
-            base = t if t._base is None else t._base
-            if id(base) not in seen:
-                seen.add(id(base))
-                base.masked_fill_(self.bad, fill)
+        with region("dpgrad.withhold"):
+            for t in tensors:
+                base = t if t._base is None else t._base
+                if id(base) not in seen:
+                    seen.add(id(base))
+                    base.masked_fill_(self.bad, fill)
 
     def zeroed(self, tensors) -> List[torch.Tensor]:
         """``tensors`` as new tensors, zeros if the values were not finite (for values a view

@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from dpgrad.backward.autograd_graph import region
 from dpgrad.kernels import reference
 from dpgrad.samplers.groups import Record
 
@@ -44,6 +45,10 @@ class NormRows:
         layer clipped from its per-sample gradients wherever they are smaller than its record."""
         if not records:
             return [], None, []
+        with region("dpgrad.norms"):
+            return self._norm_rows_of(records, memory_bound)
+
+    def _norm_rows_of(self, records: List[Record], memory_bound: bool):
         plan = self.planner.plan(records, memory_bound)
         groups = [(planned.make([records[i] for i in planned.indices]), planned.shard) for planned in plan.groups]
         params, pieces = [], []

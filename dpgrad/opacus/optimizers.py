@@ -8,7 +8,8 @@ it releases holds each sample once."""
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List, Tuple
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -17,7 +18,7 @@ from opacus.optimizers import FSDPOptimizerFastGradientClipping as _OpacusFSDPOp
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
 from dpgrad.backward import grad_marks
-from dpgrad.backward.autograd_graph import eager_when_compiled
+from dpgrad.backward.autograd_graph import eager_when_compiled, region
 
 
 class StepOnce:
@@ -138,6 +139,12 @@ class DPOptimizerFastGradientClipping(StepOnce, _OpacusDPOptimizerFastGradientCl
     - a trainable parameter the backward pass did not reach (``p.grad`` None) is given a zero
       sum: it receives noise like every other parameter (Opacus's optimizer fails on it).
 
+    - on a CPU, from ``IN_PLACE_NOISE_ELEMENTS`` gradient elements up, the noise is drawn on
+      torch's threads, each with a generator of its own (``noise_generators``), a slice at a
+      time, and added to the clipped sums in place (``_add_noise_in_place``): a CPU generator
+      draws one value after another, and the draw is most of what a DP step adds to the
+      non-private one there.
+
     The noise has Opacus's distribution (independent Gaussians, in the gradient's dtype), but a
     seeded ``generator`` gives other draws than Opacus's per-parameter calls. With
     ``secure_mode`` the noise is drawn by Opacus's own code, parameter by parameter.
@@ -167,6 +174,10 @@ class DPOptimizerFastGradientClipping(StepOnce, _OpacusDPOptimizerFastGradientCl
     def add_noise(self):
         if self.secure_mode:
             return super().add_noise()
+        with region("dpgrad.noise"):
+            self._add_noise()
+
+    def _add_noise(self):
         # A tensor under adaptive clipping (dpgrad.clipping.adaptive): the bound stays on the device.
         std = getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier) * self.max_grad_norm
         params = self.params
@@ -180,6 +191,13 @@ class DPOptimizerFastGradientClipping(StepOnce, _OpacusDPOptimizerFastGradientCl
         folded = divisor != 1 and not (isinstance(std, (int, float)) and std == 0)
         for (device, dtype), group in groups.items():
             sizes = [p.numel() for p in group]
+            if device.type == "cpu" and sum(sizes) >= IN_PLACE_NOISE_ELEMENTS and not (
+                    isinstance(std, (int, float)) and std == 0):
+                _add_noise_in_place([p.summed_grad for p in group], std / divisor, 1 / divisor if folded else 1,
+                                    noise_generators(self))
+                for p in group:
+                    p.grad = p.summed_grad.view_as(p)  # a tensor of its own: the sum's flags stay on the sum
+                continue
             noise = torch.empty(sum(sizes), device=device, dtype=dtype)
             if isinstance(std, torch.Tensor):
                 noise.normal_(0, 1, generator=self.generator).mul_((std / divisor).to(device=device, dtype=dtype))
@@ -205,6 +223,77 @@ class DPOptimizerFastGradientClipping(StepOnce, _OpacusDPOptimizerFastGradientCl
             return
         if self.loss_reduction == "mean":
             torch._foreach_div_([p.grad for p in self.params], self._divisor())
+
+
+# On a CPU, from this many gradient elements up (of one dtype), the noise is drawn a slice of
+# NOISE_SLICE elements at a time into small buffers and added in place to the clipped sums, on
+# as many threads as torch computes with (at most NOISE_THREADS), each with its own generator
+# (``_add_noise_in_place``). A CPU generator draws one value after another, so the draw is the
+# largest cost a DP step adds to the non-private one; a buffer the size of the model, new at
+# each step, cost as much again (its pages touched for the first time, one by one). Below it
+# (and on a GPU) one draw into one buffer for all parameters: fewer operations for the host.
+IN_PLACE_NOISE_ELEMENTS = 1 << 22
+NOISE_SLICE = 1 << 18
+NOISE_THREADS = 8
+
+
+def noise_generators(optimizer) -> List[Optional[torch.Generator]]:
+    """The generators ``_add_noise_in_place`` draws ``optimizer``'s noise on a CPU with: its own
+    (``optimizer.generator``, torch's default where None), then one per further thread, made at
+    the first call and kept for the optimizer's life, each seeded from the first (seeds distinct
+    in the 32 bits a CPU generator keeps: streams that never meet). Their number: torch's threads
+    then, at most ``NOISE_THREADS``; the draws of a seeded generator are the same for the same
+    number."""
+    found = optimizer.__dict__.get("_noise_generators")
+    if found is None or found[0] is not optimizer.generator:
+        extra = max(1, min(torch.get_num_threads(), NOISE_THREADS)) - 1
+        seeds: List[int] = []
+        while len(set(seeds)) < extra:
+            seeds = torch.randint(0, 1 << 32, (extra,), generator=optimizer.generator).tolist()
+        found = optimizer._noise_generators = [optimizer.generator] + [torch.Generator().manual_seed(s) for s in seeds]
+    return found
+
+
+def _add_noise_in_place(sums: List[torch.Tensor], std, alpha: float, generators: List[Optional[torch.Generator]]
+                        ) -> None:
+    """``sum <- N(0, std^2) + alpha * sum`` for each tensor of ``sums`` (CPU tensors of one
+    dtype), in place: their slices of ``NOISE_SLICE`` elements, in order, split into as many
+    runs as ``generators``, each run drawn with its own generator on a thread of its own into
+    one reused buffer. ``std``: a float, or a 0-d tensor (adaptive clipping's bound)."""
+    tensor_std = isinstance(std, torch.Tensor)
+    if tensor_std:
+        std = std.to(dtype=sums[0].dtype)
+
+    def draw(noise: torch.Tensor, generator) -> torch.Tensor:
+        if tensor_std:
+            return noise.normal_(0, 1, generator=generator).mul_(std)
+        return noise.normal_(0, std, generator=generator)
+
+    def run(pieces: List[torch.Tensor], generator) -> None:
+        if not pieces:
+            return
+        buffer = torch.empty(max(p.numel() for p in pieces), dtype=pieces[0].dtype)
+        for piece in pieces:
+            torch.add(draw(buffer[:piece.numel()], generator), piece, alpha=alpha, out=piece)
+
+    pieces = []
+    for t in sums:
+        if not t.is_contiguous():  # a whole draw of its own (a rare layout)
+            t.copy_(torch.add(draw(torch.empty(t.shape, dtype=t.dtype), generators[0]), t, alpha=alpha))
+            continue
+        flat = t.view(-1)
+        pieces += [flat[start:start + NOISE_SLICE] for start in range(0, flat.numel(), NOISE_SLICE)]
+    runs = len(generators)
+    bounds = [len(pieces) * k // runs for k in range(runs + 1)]
+    parts = [pieces[bounds[k]:bounds[k + 1]] for k in range(runs)]
+    if runs == 1:
+        return run(parts[0], generators[0])
+    # Threads of this call only: none left running for a later fork (a DataLoader's workers) to copy.
+    with ThreadPoolExecutor(max_workers=runs - 1, thread_name_prefix="dpgrad-noise") as pool:
+        waiting = [pool.submit(run, part, g) for part, g in zip(parts[1:], generators[1:])]
+        run(parts[0], generators[0])
+        for future in waiting:
+            future.result()
 
 
 class DistributedDPOptimizerFastGradientClipping(DPOptimizerFastGradientClipping):
