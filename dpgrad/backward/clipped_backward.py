@@ -109,7 +109,7 @@ class ClippedBackward:
         reduced = loss_per_sample.sum(0)
         seed = self.sums.constant(1.0 / max(loss_per_sample.shape[0], 1), reduced) if self.loss_reduction == "mean" \
             else None
-        targets = self._edges.targets(reduced.grad_fn, lowest=self.memory_short)
+        targets = self._edges.targets(reduced.grad_fn, lowest=self.lets_go_early)
         if not targets:
             raise RuntimeError(
                 "the loss depends on no layer this wrapper hooked: run the forward pass through "

@@ -203,6 +203,14 @@ class ClippingPath(ClippedBackward, NormRows, BackwardPath):
         on a device whose memory torch does not count (a CPU)."""
         return self._early.mark.found_short or self._group_flush.mark.found_short
 
+    @property
+    def lets_go_early(self) -> bool:
+        """Whether a pass of this path let go of records before its end: memory was short
+        (``memory_short``), or records were served or groups clipped as they came on a device
+        whose memory torch does not count. From the next pass on, the norm pass asks autograd
+        for the lowest hooked outputs only (see ``memory_short``)."""
+        return self.memory_short or self._early.mark.let_go or self._group_flush.mark.let_go
+
     def keep(self, record: Record) -> None:
         if self._norm_pass is NormPass.ONE_SAMPLE:
             return  # its inputs were let go of: the gradient comes from autograd

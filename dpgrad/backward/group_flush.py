@@ -99,6 +99,8 @@ class GroupFlush:
         path._records = [rec for rec, r in zip(path._records, ready) if not r]
         self.ready += now
         due = self._due(record, now)
+        if due is None:
+            self.mark.let_go = True
         if due is None or due:
             # Memory short (not merely uncounted): the norms by the candidates that hold least.
             with torch.no_grad(), region("dpgrad.clip_group"), \
@@ -148,6 +150,9 @@ class MemoryMark:
         # below the mark at the last reading, less the bytes set aside since.
         self._room: Dict[torch.device, int] = {}
         self.found_short = False
+        # Set, pass after pass, once records were let go of early on a device whose memory is
+        # not counted (``ClippingPath.lets_go_early``).
+        self.let_go = False
 
     def clear(self) -> None:
         self._marks, self._room = {}, {}
@@ -181,6 +186,11 @@ class MemoryMark:
         return used > mark
 
 
+# On a device whose memory torch does not count (a CPU), what records set aside by
+# ``EarlyNorms`` may hold before they are served.
+UNCOUNTED_SERVE_BYTES = 1 << 23
+
+
 class EarlyNorms:
     """Flat clipping: the records whose norms (and, in single backward, per-sample gradients)
     can be taken before the end of the pass, served there once memory is short, so that the
@@ -194,8 +204,11 @@ class EarlyNorms:
     convolution of few channels over many positions), which then holds them in place of its
     inputs. Set-aside records are served together (``path._norm_rows``: batched by
     shape as at the end of the pass) when memory in use on a CUDA device passes the most it
-    had held when the pass began (``MemoryMark``), and at the end of the pass otherwise: on a
-    device whose memory torch does not count, at the end (batching kept, as before)."""
+    had held when the pass began (``MemoryMark``), and at the end of the pass otherwise. On a
+    device whose memory torch does not count (a CPU), they are served whenever they hold
+    ``UNCOUNTED_SERVE_BYTES``: a small model's stay batched to the end of the pass, and a large
+    one lets go of them as it goes (a convolution network's wide early layers, whose records
+    hold several times their per-sample gradients)."""
 
     def __init__(self, path):
         self.path = path
@@ -203,9 +216,10 @@ class EarlyNorms:
         self.served: List[Tuple[List[nn.Parameter], torch.Tensor, list]] = []  # (params, rows, groups)
         self.mark = MemoryMark()
         self._seen: set = set()  # the layers recorded in this pass
+        self._ready_bytes = 0  # what the records set aside hold, on a device whose memory is not counted
 
     def clear(self) -> None:
-        self.ready, self.served, self._seen = [], [], set()
+        self.ready, self.served, self._seen, self._ready_bytes = [], [], set(), 0
         self.mark.clear()
 
     def _eligible(self, record: Record, keep_groups: bool) -> bool:
@@ -223,21 +237,29 @@ class EarlyNorms:
 
     def after(self, record: Record, keep_groups: bool) -> None:
         """``record`` is in (the last of ``path._records``): set it aside if it is eligible,
-        and serve what is set aside if memory in use has passed the mark. ``keep_groups``: the
-        groups made are kept for the clipped sums (single backward)."""
+        and serve what is set aside if memory in use has passed the mark, or, on a device
+        whose memory torch does not count, once what is set aside holds
+        ``UNCOUNTED_SERVE_BYTES``. ``keep_groups``: the groups made are kept for the clipped
+        sums (single backward)."""
         device = record.backprops.device
         self.mark.note(device)
-        if not self.mark.counted(device) or not self._eligible(record, keep_groups):
-            return  # where memory is not counted, the records stay in the pass's order
+        if not self._eligible(record, keep_groups):
+            return
         self.path._records.pop()
         self.ready.append(record)
-        if self.mark.passed(device, [record]):
+        if self.mark.counted(device):
+            due = self.mark.passed(device, [record])
+        else:
+            self._ready_bytes += record_bytes(record)
+            due = self._ready_bytes >= UNCOUNTED_SERVE_BYTES
+            self.mark.let_go |= due
+        if due:
             self.serve(keep_groups)
 
     def serve(self, keep_groups: bool) -> None:
         """The norms of the records set aside; their inputs and backprops are let go of."""
         path = self.path
-        records, self.ready = [path.batch_front(rec) for rec in self.ready], []
+        records, self.ready, self._ready_bytes = [path.batch_front(rec) for rec in self.ready], [], 0
         with torch.no_grad(), region("dpgrad.early_norms"), get_tuner().short_of_memory():
             params, rows, groups = path._norm_rows(records, memory_bound=keep_groups)
         records.clear()
@@ -251,4 +273,4 @@ class EarlyNorms:
         return ready, served
 
 
-__all__ = ["EarlyNorms", "GroupFlush", "MemoryMark"]
+__all__ = ["EarlyNorms", "GroupFlush", "MemoryMark", "UNCOUNTED_SERVE_BYTES"]
