@@ -108,7 +108,7 @@ PROVIDERS = ["non-private", "opacus-hooks", "torch-func", "opacus-ghost", "dpgra
 # graph and replayed (torch.cuda.graph; dpgrad.graphed_step), and each under torch.compile:
 # their ratios are to each other.
 GRAPHED = ["non-private-graph", "dpgrad-single-graph", "non-private-compile", "dpgrad-single-compile"]
-if CUDA and not CPU_MODELS:
+if CUDA:
     PROVIDERS += GRAPHED
 if CPU_MODELS:
     PROVIDERS = CPU_PROVIDERS

@@ -71,14 +71,19 @@ def region(name: str):
     return record_function(name) if torch._C._autograd._profiler_enabled() else contextlib.nullcontext()
 
 
-def in_region(name: str, fn):
-    """``fn`` running inside ``region(name)`` (a hook's time, named in a profile)."""
+def in_region(name: str):
+    """A decorator: the function runs inside ``region(name)``, its time named in a profile
+    (a hook's, the norms', the noise's)."""
 
-    def run(*args, **kwargs):
-        with region(name):
-            return fn(*args, **kwargs)
+    def decorate(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            with region(name):
+                return fn(*args, **kwargs)
 
-    return run
+        return run
+
+    return decorate
 
 
 def grad_keeping_graph(outputs, inputs, grad_outputs=None, **kwargs):

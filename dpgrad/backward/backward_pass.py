@@ -192,9 +192,9 @@ class BackwardPath(HookedLayers, ModelHooks, SplitCalls, WholeCalls):
 
     # ------------------------------------------------------------------ forward
     @eager_when_compiled
+    @in_region("dpgrad.forward_hooks")
     def _on_layer_call(self, layer: nn.Module, inputs, output, again=None) -> Optional[torch.Tensor]:
-        """A call of a hooked layer (its forward hook): what it gives instead of ``output``, or
-        None. ``again`` calls it again on other inputs (the layer itself where None)."""
+        """A hooked layer's call (its forward hook): what replaces ``output``, or None; ``again`` reruns it."""
         own = self._unviewed(layer, output)  # a view that may be changed in place, as a tensor of its own
         given = self._layer_call(layer, inputs, output if own is None else own, again)
         return own if given is None else given
@@ -262,8 +262,7 @@ class BackwardPath(HookedLayers, ModelHooks, SplitCalls, WholeCalls):
         keep = registry.KEPT_INPUTS.get(type(layer))
         kept = list(given) if keep is None or layer in self.functorch_layers else keep(layer, inputs, out)
         # Not detached: they are only read under no_grad, and the list is emptied when read.
-        return self._hook_output(layer, kept, out, output,
-                                 in_region("dpgrad.backward_hooks", partial(self._record, layer, params, kept, self._pending)))
+        return self._hook_output(layer, kept, out, output, partial(self._record, layer, params, kept, self._pending))
 
     def _makes_batch(self, layer: nn.Module, inputs, out: torch.Tensor, batch: Optional[int]) -> bool:
         """Whether ``layer``, taken whole, was given no tensor and returned the batch's rows, as
@@ -291,6 +290,7 @@ class BackwardPath(HookedLayers, ModelHooks, SplitCalls, WholeCalls):
         return 0 if self.batch_first else 1
 
     # ------------------------------------------------------------------ backward
+    @in_region("dpgrad.backward_hooks")
     def _record(self, layer: nn.Module, params: List[nn.Parameter], activations: list, calls: PendingCalls,
                 grad):
         if self._probing is not None:  # an independence probe: read the backprops, record nothing

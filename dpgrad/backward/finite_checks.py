@@ -9,7 +9,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from dpgrad.backward.autograd_graph import region
+from dpgrad.backward.autograd_graph import in_region
 
 
 class FiniteCheck:
@@ -49,18 +49,18 @@ class FiniteCheck:
             self._event = torch.cuda.Event()
             self._event.record()
 
+    @in_region("dpgrad.withhold")
     def withhold(self, tensors, fill: float = 0.0) -> None:
         """Zero ``tensors`` (in place, on the device) if the values were not finite (or set them
         to ``fill``): each storage once, through the tensor a view was taken of (one operation
         for the sums of a group of layers made by one product)."""
         self.withheld = True
         seen = set()
-        with region("dpgrad.withhold"):
-            for t in tensors:
-                base = t if t._base is None else t._base
-                if id(base) not in seen:
-                    seen.add(id(base))
-                    base.masked_fill_(self.bad, fill)
+        for t in tensors:
+            base = t if t._base is None else t._base
+            if id(base) not in seen:
+                seen.add(id(base))
+                base.masked_fill_(self.bad, fill)
 
     def zeroed(self, tensors) -> List[torch.Tensor]:
         """``tensors`` as new tensors, zeros if the values were not finite (for values a view

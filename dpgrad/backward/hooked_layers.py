@@ -12,7 +12,6 @@ from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
 import torch
 import torch.nn as nn
 
-from dpgrad.backward.autograd_graph import eager_when_compiled, region
 from dpgrad.backward.functional_calls import FunctionalHooks
 from dpgrad.samplers import registry
 from dpgrad.kernels.backend import name_layers
@@ -113,9 +112,9 @@ class HookedLayers:
                 if next(layer.buffers(), None) is not None:  # and whether its forward changes its buffers
                     handles.append(layer.register_forward_pre_hook(self._before_whole_call))
             elif function is None:
-                handles.append(layer.register_forward_hook(self._forward_hook))
+                handles.append(layer.register_forward_hook(self._on_layer_call))
             else:  # hooked at its calls of the function (dpgrad.backward.functional_calls)
-                handles += FunctionalHooks(layer, name, function, self._forward_hook, self._recording).register()
+                handles += FunctionalHooks(layer, name, function, self._on_layer_call, self._recording).register()
         name_layers(self.layer_names)
         _warn_swallowed([(self.layer_names[m], m) for m in self.functorch_layers], self.GRAD_SAMPLERS)
         # One parameter, looked up at each forward pass: a model whose parameters were replaced
@@ -138,12 +137,6 @@ class HookedLayers:
         handles.append(model.register_forward_pre_hook(self._on_model_call, with_kwargs=True))
         handles.append(model.register_forward_hook(self._on_model_output))
         return handles
-
-    @eager_when_compiled
-    def _forward_hook(self, layer: nn.Module, inputs, output, again=None):
-        """``_on_layer_call``, its time named in a profile."""
-        with region("dpgrad.forward_hooks"):
-            return self._on_layer_call(layer, inputs, output, again)
 
     def _recording(self) -> bool:
         """Whether a layer's call now is recorded for a backward pass."""

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from dpgrad.backward.autograd_graph import region
+from dpgrad.backward.autograd_graph import in_region
 from dpgrad.kernels import reference
 from dpgrad.samplers.groups import Record
 
@@ -36,6 +36,7 @@ class NormRows:
             return rows * (factor / self._loss_scale)
         return rows * factor if factor != 1 else rows
 
+    @in_region("dpgrad.norms")
     def _norm_rows(self, records: List[Record], memory_bound: bool = False
                    ) -> Tuple[List[nn.Parameter], Optional[torch.Tensor], list]:
         """The pass's parameters (each once), their per-sample gradient norms (P, B), and the
@@ -45,10 +46,6 @@ class NormRows:
         layer clipped from its per-sample gradients wherever they are smaller than its record."""
         if not records:
             return [], None, []
-        with region("dpgrad.norms"):
-            return self._norm_rows_of(records, memory_bound)
-
-    def _norm_rows_of(self, records: List[Record], memory_bound: bool):
         plan = self.planner.plan(records, memory_bound)
         groups = [(planned.make([records[i] for i in planned.indices]), planned.shard) for planned in plan.groups]
         params, pieces = [], []

@@ -18,7 +18,7 @@ from opacus.optimizers import FSDPOptimizerFastGradientClipping as _OpacusFSDPOp
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
 from dpgrad.backward import grad_marks
-from dpgrad.backward.autograd_graph import eager_when_compiled, region
+from dpgrad.backward.autograd_graph import eager_when_compiled, in_region
 
 
 class StepOnce:
@@ -171,13 +171,10 @@ class DPOptimizerFastGradientClipping(StepOnce, _OpacusDPOptimizerFastGradientCl
     def pre_step(self, closure=None) -> bool:
         return super().pre_step(closure)
 
+    @in_region("dpgrad.noise")
     def add_noise(self):
         if self.secure_mode:
             return super().add_noise()
-        with region("dpgrad.noise"):
-            self._add_noise()
-
-    def _add_noise(self):
         # A tensor under adaptive clipping (dpgrad.clipping.adaptive): the bound stays on the device.
         std = getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier) * self.max_grad_norm
         params = self.params
@@ -188,25 +185,23 @@ class DPOptimizerFastGradientClipping(StepOnce, _OpacusDPOptimizerFastGradientCl
             groups.setdefault((p.summed_grad.device, p.summed_grad.dtype), []).append(p)
         # Under "mean" the division of scale_grad, folded in here where noise is drawn.
         divisor = self._divisor()
-        folded = divisor != 1 and not (isinstance(std, (int, float)) and std == 0)
+        silent = isinstance(std, (int, float)) and std == 0
+        folded = divisor != 1 and not silent
+        alpha = 1 / divisor if folded else 1
         for (device, dtype), group in groups.items():
             sizes = [p.numel() for p in group]
-            if device.type == "cpu" and sum(sizes) >= IN_PLACE_NOISE_ELEMENTS and not (
-                    isinstance(std, (int, float)) and std == 0):
-                _add_noise_in_place([p.summed_grad for p in group], std / divisor, 1 / divisor if folded else 1,
-                                    noise_generators(self))
+            if device.type == "cpu" and sum(sizes) >= IN_PLACE_NOISE_ELEMENTS and not silent:
+                _add_noise_in_place([p.summed_grad for p in group], std / divisor, alpha, noise_generators(self))
                 for p in group:
                     p.grad = p.summed_grad.view_as(p)  # a tensor of its own: the sum's flags stay on the sum
                 continue
             noise = torch.empty(sum(sizes), device=device, dtype=dtype)
-            if isinstance(std, torch.Tensor):
-                noise.normal_(0, 1, generator=self.generator).mul_((std / divisor).to(device=device, dtype=dtype))
-            elif std == 0:
+            if silent:
                 noise.zero_()
             else:
-                noise.normal_(0, std / divisor, generator=self.generator)
+                _draw_noise(noise, std / divisor, self.generator)
             noisy = [piece.view_as(p) for piece, p in zip(noise.split(sizes), group)]
-            torch._foreach_add_(noisy, [p.summed_grad for p in group], alpha=1 / divisor if folded else 1)
+            torch._foreach_add_(noisy, [p.summed_grad for p in group], alpha=alpha)
             for p, g in zip(group, noisy):
                 p.grad = g
         self._scaled = folded
@@ -254,32 +249,31 @@ def noise_generators(optimizer) -> List[Optional[torch.Generator]]:
     return found
 
 
+def _draw_noise(noise: torch.Tensor, std, generator) -> torch.Tensor:
+    """``noise`` filled with N(0, std^2) in place; ``std`` a float or a 0-d tensor (adaptive
+    clipping's bound, kept on the device)."""
+    if isinstance(std, torch.Tensor):
+        return noise.normal_(0, 1, generator=generator).mul_(std.to(device=noise.device, dtype=noise.dtype))
+    return noise.normal_(0, std, generator=generator)
+
+
 def _add_noise_in_place(sums: List[torch.Tensor], std, alpha: float, generators: List[Optional[torch.Generator]]
                         ) -> None:
     """``sum <- N(0, std^2) + alpha * sum`` for each tensor of ``sums`` (CPU tensors of one
     dtype), in place: their slices of ``NOISE_SLICE`` elements, in order, split into as many
     runs as ``generators``, each run drawn with its own generator on a thread of its own into
     one reused buffer. ``std``: a float, or a 0-d tensor (adaptive clipping's bound)."""
-    tensor_std = isinstance(std, torch.Tensor)
-    if tensor_std:
-        std = std.to(dtype=sums[0].dtype)
-
-    def draw(noise: torch.Tensor, generator) -> torch.Tensor:
-        if tensor_std:
-            return noise.normal_(0, 1, generator=generator).mul_(std)
-        return noise.normal_(0, std, generator=generator)
-
     def run(pieces: List[torch.Tensor], generator) -> None:
         if not pieces:
             return
         buffer = torch.empty(max(p.numel() for p in pieces), dtype=pieces[0].dtype)
         for piece in pieces:
-            torch.add(draw(buffer[:piece.numel()], generator), piece, alpha=alpha, out=piece)
+            torch.add(_draw_noise(buffer[:piece.numel()], std, generator), piece, alpha=alpha, out=piece)
 
     pieces = []
     for t in sums:
         if not t.is_contiguous():  # a whole draw of its own (a rare layout)
-            t.copy_(torch.add(draw(torch.empty(t.shape, dtype=t.dtype), generators[0]), t, alpha=alpha))
+            t.copy_(torch.add(_draw_noise(torch.empty(t.shape, dtype=t.dtype), std, generators[0]), t, alpha=alpha))
             continue
         flat = t.view(-1)
         pieces += [flat[start:start + NOISE_SLICE] for start in range(0, flat.numel(), NOISE_SLICE)]
