@@ -68,10 +68,17 @@ def padded(x: torch.Tensor, geom: ConvGeometry) -> Tuple[torch.Tensor, List[int]
     return F.pad(x, list(geom.pad), mode=mode), [0] * geom.dims
 
 
-def unfold(x: torch.Tensor, geom: ConvGeometry) -> torch.Tensor:
+def unfold(x: torch.Tensor, geom: ConvGeometry, rows_contiguous: bool = True) -> torch.Tensor:
     """The unfolded input: x (B, C_in, *S) -> (B*g, T, C_in/g * K), each row the patch one
     output position reads, its columns in the weight's (C_in/g, *k) order. A copy of
-    B*T*C_in*K elements."""
+    B*T*C_in*K elements. With ``rows_contiguous=False`` a 2-D convolution's comes from
+    ``F.unfold`` (im2col, about twice as fast on a CPU) as a transposed view, its columns
+    contiguous instead (for products that take either layout, as torch's do)."""
+    if not rows_contiguous and geom.dims == 2:
+        xp, padding = padded(x, geom)
+        B, C = x.shape[:2]
+        U = F.unfold(xp, geom.kernel_size, dilation=geom.dilation, padding=padding, stride=geom.stride)
+        return U.view(B * geom.groups, (C // geom.groups) * geom.positions, -1).transpose(1, 2)
     mode = "constant" if geom.padding_mode == "zeros" else geom.padding_mode
     u = F.pad(x, list(geom.pad), mode=mode) if any(geom.pad) else x
     B, C = x.shape[:2]

@@ -48,16 +48,17 @@ def conv_weight_sq_norm_grad_sample(x: torch.Tensor, G: torch.Tensor, geom: Conv
 
 
 def conv_weight_sq_norm_unfolded(x: torch.Tensor, G: torch.Tensor, geom: ConvGeometry, linear_sq_norm,
-                                 batch_slice: Optional[int] = None) -> torch.Tensor:
+                                 batch_slice: Optional[int] = None, rows_contiguous: bool = True) -> torch.Tensor:
     """Squared per-sample weight-gradient norms by a Linear algorithm ``linear_sq_norm(A, G)``
-    on the unfolded input (``conv_unfold``), summed over the groups: (B,). The unfolded input
-    (T * C_in * K elements per sample) is built a batch slice at a time, of at most
-    ``batch_slice`` samples where it is given."""
+    on the unfolded input (``conv_unfold``; ``rows_contiguous=False`` where ``linear_sq_norm``
+    takes a transposed one, as torch's products do), summed over the groups: (B,). The
+    unfolded input (T * C_in * K elements per sample) is built a batch slice at a time, of at
+    most ``batch_slice`` samples where it is given."""
     B, g = x.shape[0], geom.groups
     T = math.prod(G.shape[2:])
     out = torch.empty(B, dtype=accumulation_dtype(x, G), device=x.device)
     for s in batch_slices(B, T * x.shape[1] * geom.positions, batch_slice):
-        U = conv_unfold.unfold(x[s], geom)
+        U = conv_unfold.unfold(x[s], geom, rows_contiguous)
         out[s] = linear_sq_norm(U, conv_unfold.grouped_backprops(G[s], g)).view(-1, g).sum(1)
     return out
 
@@ -65,13 +66,13 @@ def conv_weight_sq_norm_unfolded(x: torch.Tensor, G: torch.Tensor, geom: ConvGeo
 def conv_weight_sq_norm_gram(x: torch.Tensor, G: torch.Tensor, geom: ConvGeometry,
                              batch_slice: Optional[int] = None) -> torch.Tensor:
     """``conv_weight_sq_norm_unfolded`` by the Gram ("ghost norm") algorithm: (B,)."""
-    return conv_weight_sq_norm_unfolded(x, G, geom, linear_weight_sq_norm_gram, batch_slice)
+    return conv_weight_sq_norm_unfolded(x, G, geom, linear_weight_sq_norm_gram, batch_slice, rows_contiguous=False)
 
 
 def conv_weight_sq_norm_direct(x: torch.Tensor, G: torch.Tensor, geom: ConvGeometry,
                                batch_slice: Optional[int] = None) -> torch.Tensor:
     """``conv_weight_sq_norm_unfolded`` by the direct algorithm: (B,)."""
-    return conv_weight_sq_norm_unfolded(x, G, geom, linear_weight_sq_norm_direct, batch_slice)
+    return conv_weight_sq_norm_unfolded(x, G, geom, linear_weight_sq_norm_direct, batch_slice, rows_contiguous=False)
 
 
 def conv_clipped_sum(x: torch.Tensor, G: torch.Tensor, coef: torch.Tensor, geom: ConvGeometry,

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
 import dpgrad
-from dpgrad.kernels import backend
+from dpgrad.kernels import backend, conv_unfold
 from dpgrad.kernels.reference import outer_sum_inner
 from dpgrad.samplers import conv as conv_samplers
 from dpgrad.samplers.norms import norm_layer_grad_sample
@@ -85,6 +85,8 @@ def test_conv_samplers_match_float64(name):
         assert_tensor_close(grads[p], ref[n], f"{name} {n} per-sample gradient")
     want = {n: g.flatten(1).norm(dim=1) for n, g in ref.items()}
     geom = conv_samplers.geometry(layer)
+    # The eager norms' unfolded input (im2col's transposed view in 2-D) is the copy's values.
+    assert torch.equal(conv_unfold.unfold(x, geom, rows_contiguous=False), conv_unfold.unfold(x, geom)), name
     inputs = (x, G, geom)
     candidates = applicable("conv_norm", shape_of("conv_norm", inputs), (x, G))
     assert {c.backend for c in candidates} == {backend.ops_for(x, G).NAME} | (
