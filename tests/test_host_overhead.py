@@ -231,9 +231,10 @@ def _plain_step_ops(kind: str, n_layer: int) -> int:
 # layers of one shape, nothing concatenated, under the interpreter).
 def _finish_counts(kind: str, n_layer: int, mode: str, setting: str):
     """(counts of the second step's finish and whole step, trainable parameters, hooked layers)
-    in ``mode``: "single", "double", or "per-block" (single backward, clipped per block, with
+    in ``mode``: "single", "double", "per-block" (single backward, clipped per block, with
     the room in memory a GPU's backward pass makes: every complete block waits for the end of
-    the pass)."""
+    the pass), "per-layer" (single backward, clipped per parameter, on a CPU: the complete
+    groups wait while their records hold under 8 MiB) or "automatic" (single backward)."""
     key = (kind, n_layer, mode, setting)
     if key not in _deep:
         import torch.nn as nn
@@ -256,6 +257,11 @@ def _finish_counts(kind: str, n_layer: int, mode: str, setting: str):
                 patch.setattr(GroupFlush, "memory_in_use", staticmethod(lambda device, peak=False: 0))
                 blocks = len({per_block(n) for n, p in model.named_parameters() if p.requires_grad})
                 clipping = dict(clipping="groups", clipping_groups=per_block, max_grad_norm=even_split(1.0, blocks))
+            elif mode == "per-layer":
+                params = sum(p.requires_grad for p in model.parameters())
+                clipping = dict(clipping="per_layer", max_grad_norm=even_split(1.0, params))
+            elif mode == "automatic":
+                clipping = dict(clipping="automatic", max_grad_norm=1.0)
             # The independence check (its first steps' probes) is counted apart (bench_host_overhead).
             wrapped = dpgrad.GradSampleModuleFastGradientClipping(model, single_backward=mode != "double",
                                                                   check_independence=False, **clipping)
@@ -307,7 +313,9 @@ def test_finish_step_does_not_grow_with_depth(kind, mode, setting):
 # finish's fixed work (the finite check, the coefficients, the loss's per-sample form) does not
 # count here; the quick models' totals above bound it. With the layers of one shape served
 # together (concatenated when small, a Triton launch per group), a layer adds no more than
-# ``OPS_PER_LAYER_ADDED``; with a product per layer on the eager backend (what it does at real
+# ``OPS_PER_LAYER_ADDED``, whatever the clipping of single backward (flat, per block with the
+# blocks waiting for the end of the pass as on a GPU with room, per layer on a CPU, automatic;
+# double backward's second pass is a backward of its own); with a product per layer on the eager backend (what it does at real
 # sizes) each layer adds its norm's product and reduction, its clipped sum's scaling and
 # product, and the zeroing of its sum on the device should the norms not be finite, beyond
 # what the non-private step does for it (``EAGER_BY_LAYER_OPS``, per model family: GPT-2's
@@ -316,20 +324,21 @@ OPS_PER_LAYER_ADDED = 2
 EAGER_BY_LAYER_OPS = {"gpt2": 7.5, "llama": 6}
 
 
-@pytest.mark.parametrize("setting", ["eager", "eager-by-layer", "triton"])
+@pytest.mark.parametrize("setting, mode", [("eager", "single"), ("eager-by-layer", "single"), ("triton", "single"),
+                                           ("eager", "per-block"), ("eager", "per-layer"), ("eager", "automatic")])
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_operations_each_layer_adds(kind, setting):
+def test_operations_each_layer_adds(kind, setting, mode):
     if setting == "triton":
         pytest.importorskip("triton")
         if torch.cuda.is_available():
             pytest.skip("kernel launches are counted under Triton's interpreter (CPU tensors)")
-    shallow, deep = (_finish_counts(kind, n, "single", setting) for n in DEPTHS)
+    shallow, deep = (_finish_counts(kind, n, mode, setting) for n in DEPTHS)
     extra = [found[0]["step"][0] - _plain_step_ops(kind, n) for found, n in zip((shallow, deep), DEPTHS)]
     layers = deep[2] - shallow[2]
     per_layer = (extra[1] - extra[0]) / layers
     bound = EAGER_BY_LAYER_OPS[kind] if setting == "eager-by-layer" else OPS_PER_LAYER_ADDED
     assert per_layer <= bound, (
-        f"{kind}, {setting}: {extra[0]} operations more than the non-private step at depth {DEPTHS[0]}, "
+        f"{kind}, {setting}, {mode}: {extra[0]} operations more than the non-private step at depth {DEPTHS[0]}, "
         f"{extra[1]} at depth {DEPTHS[1]}: {per_layer:.2f} per hooked layer more ({layers}), over {bound}")
 
 

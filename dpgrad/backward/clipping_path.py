@@ -13,9 +13,9 @@ a second backward pass of ``sum_b c_b loss_b`` with the hooks off (double backwa
 protocol).
 
 With clipping groups (``dpgrad.clipping.groups``: per-layer or per-block clipping) single
-backward clips each group as soon as the records of all its layers are in
-(``dpgrad.backward.group_flush``), so a pass holds the records of the groups not yet complete, not the
-whole model's.
+backward clips the groups whose records are all in, together, once memory needs it
+(``dpgrad.backward.group_flush``), so a pass holds the records of the groups not yet complete
+and a little more, not the whole model's.
 
 A parameter used more than once (an input embedding tied to the output layer, a layer
 called twice) gets the exact norm of its summed per-sample gradient, ``sqrt(sum_i |g_i|^2 +

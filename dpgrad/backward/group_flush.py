@@ -12,8 +12,9 @@ held (its peak since torch's statistics were last reset, read at the pass's firs
 forward pass and the loss set that mark, the backward pass frees the forward's activations as
 it goes, and the records fill that room without raising the peak. Once memory in use passes
 the mark, the complete groups are clipped, all at once; the rest at the end of the pass. On
-other devices, whose memory torch does not count, each group is clipped as soon as it is
-complete. The sums are held (in ``held``) until the end of the pass, when they are withheld
+other devices, whose memory torch does not count, the complete groups are clipped together
+whenever their records hold ``UNCOUNTED_SERVE_BYTES`` (a small model's at the end of the pass,
+as on a GPU with room, a large one's a few layers at a time). The sums are held (in ``held``) until the end of the pass, when they are withheld
 on the device (zeros) if the pass's finite check failed and handed to ``p.grad``, as flat
 clipping's are.
 """
@@ -43,10 +44,11 @@ class GroupFlush:
         self.flushed: List[Tuple[List[nn.Parameter], torch.Tensor]] = []  # (params, norm rows)
         self.ready: List[Record] = []  # the records of complete groups, not clipped yet
         self.mark = MemoryMark()
+        self._ready_bytes = 0  # what ``ready`` holds, on a device whose memory is not counted
 
     def clear(self) -> None:
         """Forget a pass (ended, or abandoned by an error)."""
-        self.flushed, self.ready = [], []
+        self.flushed, self.ready, self._ready_bytes = [], [], 0
         self.mark.clear()
 
     @staticmethod
@@ -60,11 +62,18 @@ class GroupFlush:
         stats = torch.cuda.memory.memory_stats_as_nested_dict(device)
         return stats.get("allocated_bytes", {}).get("all", {}).get("peak" if peak else "current")
 
-    def _due(self, record: Record, now: List[Record]) -> Optional[bool]:
+    def _due(self, record: Record, now: List[Record]) -> bool:
         """Whether the complete groups are to be clipped now that ``now`` (``record``'s and
-        others) are set aside: memory in use has passed the pass's mark (``MemoryMark``:
-        True), or is not counted (None)."""
-        return self.mark.passed(record.backprops.device, now)
+        others) are set aside: memory in use has passed the pass's mark (``MemoryMark``), or,
+        on a device whose memory is not counted, the records set aside hold
+        ``UNCOUNTED_SERVE_BYTES`` (then the passes that follow let go early)."""
+        due = self.mark.passed(record.backprops.device, now)
+        if due is not None:
+            return due
+        self._ready_bytes += sum(record_bytes(rec) for rec in now)
+        due = self._ready_bytes >= UNCOUNTED_SERVE_BYTES
+        self.mark.let_go |= due
+        return due
 
     def after(self, record: Record) -> None:
         """Set aside (``ready``) the kept records whose clipping groups are complete now that
@@ -98,13 +107,12 @@ class GroupFlush:
             return
         path._records = [rec for rec, r in zip(path._records, ready) if not r]
         self.ready += now
-        due = self._due(record, now)
-        if due is None:
-            self.mark.let_go = True
-        if due is None or due:
+        if self._due(record, now):
             # Memory short (not merely uncounted): the norms by the candidates that hold least.
+            counted = self.mark.counted(record.backprops.device)
+            self._ready_bytes = 0
             with torch.no_grad(), region("dpgrad.clip_group"), \
-                    get_tuner().short_of_memory() if due else contextlib.nullcontext():
+                    get_tuner().short_of_memory() if counted else contextlib.nullcontext():
                 self.flush(self.ready)
 
     def flush(self, records: List[Record]) -> None:
