@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: report demo test bench zoo clean
+.PHONY: report demo test test-fast bench zoo clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,16 @@ BACKEND_TESTS := test_reference_models.py test_single_backward.py test_opacus_su
 	test_mixed_precision.py test_gpu_dp_step.py test_gpu_graphs.py test_dp_optimizer.py test_fsdp.py test_clipping_groups.py \
 	test_no_wrap.py test_conv.py test_vision_models.py test_shared_layers.py test_moe.py \
 	test_picked_rows.py test_batch_dims.py
+
+# The edit cycle's loop (`make test-fast`, under two minutes on two cores): what carries the
+# guarantee, on the eager backend: the norms and clipped sums of every sampler against float64,
+# the clipping coefficients of every clipping, the finish plan, the noise and the accountant's
+# sample rate, the independence probes, the training loops' handling, the errors that refuse a
+# silent wrong answer. `make test` stays the whole suite, and what CI runs.
+FAST_TESTS := test_reference_kernels.py test_whole_layers.py test_reference_models.py test_single_backward.py \
+	test_shared_layers.py test_conv.py test_clipping_groups.py test_adaptive_clipping.py test_automatic_clipping.py \
+	test_dp_optimizer.py test_guarantee.py test_training_loops.py test_fixed_batches.py test_independence.py \
+	test_independence_probes.py test_errors.py test_opacus_training_step.py test_picked_rows.py
 
 # gpt2-small in bf16 on a CUDA GPU, the tiny preset in fp32 (eager fallback) otherwise; then
 # the benchmark suites in quick mode (minutes on a CPU; a line per suite, pytest's output in
@@ -54,6 +64,9 @@ test: $(STAMP)
 	# The benchmark suites at small sizes, once each and untimed: collection and one round (in
 	# one process: its suites spawn ranks and share built models).
 	DPGRAD_BENCH_QUICK=1 $(PY) -m pytest -q -p no:cacheprovider benchmarks
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) $(addprefix tests/,$(FAST_TESTS))
 
 # The full suites on a GPU (quick mode without one), into benchmarks/results and the README.
 bench: $(STAMP)

@@ -140,6 +140,15 @@ def test_every_wrapper_test_module_runs_on_both_backends():
     assert not set(listed) & BACKEND_INDEPENDENT
 
 
+def test_fast_tests_name_existing_modules():
+    """``make test-fast``'s modules (the Makefile's FAST_TESTS) exist: a renamed module would
+    leave the edit loop without its tests, and pytest exits 5 when it runs none."""
+    root = Path(__file__).resolve().parent.parent
+    listed = (root / "Makefile").read_text().split("FAST_TESTS :=", 1)[1].split("\n\n", 1)[0].replace("\\", " ").split()
+    modules = {p.name for p in (root / "tests").glob("test_*.py")}
+    assert listed and set(listed) <= modules, f"FAST_TESTS names missing modules: {set(listed) - modules}"
+
+
 def _package_imports() -> dict:
     """{module: the package's modules it imports}, for every module of dpgrad (kernels/ as
     dpgrad.kernels), imports inside functions included. ``from P import name`` counts as an
