@@ -72,7 +72,7 @@ def unfold(x: torch.Tensor, geom: ConvGeometry, rows_contiguous: bool = True) ->
     """The unfolded input: x (B, C_in, *S) -> (B*g, T, C_in/g * K), each row the patch one
     output position reads, its columns in the weight's (C_in/g, *k) order. A copy of
     B*T*C_in*K elements. With ``rows_contiguous=False`` a 2-D convolution's comes from
-    ``F.unfold`` (im2col, about twice as fast on a CPU) as a transposed view, its columns
+    ``F.unfold`` (im2col, faster than the strided copy on a CPU) as a transposed view, its columns
     contiguous instead (for products that take either layout, as torch's do)."""
     if not rows_contiguous and geom.dims == 2:
         xp, padding = padded(x, geom)

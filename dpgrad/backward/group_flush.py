@@ -14,9 +14,9 @@ it goes, and the records fill that room without raising the peak. Once memory in
 the mark, the complete groups are clipped, all at once; the rest at the end of the pass. On
 other devices, whose memory torch does not count, the complete groups are clipped together
 whenever their records hold ``UNCOUNTED_SERVE_BYTES`` (a small model's at the end of the pass,
-as on a GPU with room, a large one's a few layers at a time). The sums are held (in ``held``) until the end of the pass, when they are withheld
-on the device (zeros) if the pass's finite check failed and handed to ``p.grad``, as flat
-clipping's are.
+as on a GPU with room, a large one's a few layers at a time). The sums are held (in ``held``)
+until the end of the pass, when they are withheld on the device (zeros) if the pass's finite
+check failed and handed to ``p.grad``, as flat clipping's are.
 """
 
 from __future__ import annotations
@@ -44,11 +44,10 @@ class GroupFlush:
         self.flushed: List[Tuple[List[nn.Parameter], torch.Tensor]] = []  # (params, norm rows)
         self.ready: List[Record] = []  # the records of complete groups, not clipped yet
         self.mark = MemoryMark()
-        self._ready_bytes = 0  # what ``ready`` holds, on a device whose memory is not counted
 
     def clear(self) -> None:
         """Forget a pass (ended, or abandoned by an error)."""
-        self.flushed, self.ready, self._ready_bytes = [], [], 0
+        self.flushed, self.ready = [], []
         self.mark.clear()
 
     @staticmethod
@@ -62,25 +61,12 @@ class GroupFlush:
         stats = torch.cuda.memory.memory_stats_as_nested_dict(device)
         return stats.get("allocated_bytes", {}).get("all", {}).get("peak" if peak else "current")
 
-    def _due(self, record: Record, now: List[Record]) -> bool:
-        """Whether the complete groups are to be clipped now that ``now`` (``record``'s and
-        others) are set aside: memory in use has passed the pass's mark (``MemoryMark``), or,
-        on a device whose memory is not counted, the records set aside hold
-        ``UNCOUNTED_SERVE_BYTES`` (then the passes that follow let go early)."""
-        due = self.mark.passed(record.backprops.device, now)
-        if due is not None:
-            return due
-        self._ready_bytes += sum(record_bytes(rec) for rec in now)
-        due = self._ready_bytes >= UNCOUNTED_SERVE_BYTES
-        self.mark.let_go |= due
-        return due
-
     def after(self, record: Record) -> None:
         """Set aside (``ready``) the kept records whose clipping groups are complete now that
         ``record`` is in: no layer with a parameter in them has a call of a forward pass still
         to be recorded (``_unrecorded``), and no kept record of another, incomplete group
         shares a group with them (a group's norm takes all of its records at once); and clip
-        all that are set aside if memory in use has passed the pass's mark (``_due``)."""
+        all that are set aside once they are due (``MemoryMark.due``)."""
         path = self.path
         self.mark.note(record.backprops.device)
         complete: Dict[int, bool] = {}
@@ -107,12 +93,11 @@ class GroupFlush:
             return
         path._records = [rec for rec, r in zip(path._records, ready) if not r]
         self.ready += now
-        if self._due(record, now):
+        device = record.backprops.device
+        if self.mark.due(device, now):
             # Memory short (not merely uncounted): the norms by the candidates that hold least.
-            counted = self.mark.counted(record.backprops.device)
-            self._ready_bytes = 0
             with torch.no_grad(), region("dpgrad.clip_group"), \
-                    get_tuner().short_of_memory() if counted else contextlib.nullcontext():
+                    get_tuner().short_of_memory() if self.mark.counted(device) else contextlib.nullcontext():
                 self.flush(self.ready)
 
     def flush(self, records: List[Record]) -> None:
@@ -149,7 +134,9 @@ class MemoryMark:
     served early (``GroupFlush``, ``EarlyNorms``). ``found_short`` stays set, pass after pass,
     once memory in use has passed a pass's mark: the passes that follow ask autograd for the
     lowest hooked outputs only (``ClippingPath.memory_short``), so that the backprops of
-    records let go of are not held by autograd instead."""
+    records let go of are not held by autograd instead. On a device whose memory torch does
+    not count, the records set aside are due whenever they hold ``UNCOUNTED_SERVE_BYTES``
+    (``due``)."""
 
     def __init__(self):
         # The mark of each device (None where its memory is not counted).
@@ -161,9 +148,10 @@ class MemoryMark:
         # Set, pass after pass, once records were let go of early on a device whose memory is
         # not counted (``ClippingPath.lets_go_early``).
         self.let_go = False
+        self._uncounted = 0  # what records set aside hold, where memory is not counted, since last due
 
     def clear(self) -> None:
-        self._marks, self._room = {}, {}
+        self._marks, self._room, self._uncounted = {}, {}, 0
 
     def note(self, device: torch.device) -> None:
         """Read ``device``'s mark at the pass's first record there."""
@@ -193,9 +181,23 @@ class MemoryMark:
             self.found_short = True
         return used > mark
 
+    def due(self, device: torch.device, now: List[Record]) -> bool:
+        """Whether the records set aside are to be served now that ``now`` are set aside too:
+        memory in use on ``device`` has passed its mark (``passed``), or, where it is not
+        counted, what was set aside since they were last due holds ``UNCOUNTED_SERVE_BYTES``
+        (then ``let_go`` is set: the passes that follow let go early)."""
+        passed = self.passed(device, now)
+        if passed is not None:
+            return passed
+        self._uncounted += sum(record_bytes(rec) for rec in now)
+        if self._uncounted < UNCOUNTED_SERVE_BYTES:
+            return False
+        self._uncounted, self.let_go = 0, True
+        return True
 
-# On a device whose memory torch does not count (a CPU), what records set aside by
-# ``EarlyNorms`` may hold before they are served.
+
+# On a device whose memory torch does not count (a CPU), what records set aside (``EarlyNorms``,
+# complete clipping groups in ``GroupFlush``) may hold before they are served.
 UNCOUNTED_SERVE_BYTES = 1 << 23
 
 
@@ -224,10 +226,9 @@ class EarlyNorms:
         self.served: List[Tuple[List[nn.Parameter], torch.Tensor, list]] = []  # (params, rows, groups)
         self.mark = MemoryMark()
         self._seen: set = set()  # the layers recorded in this pass
-        self._ready_bytes = 0  # what the records set aside hold, on a device whose memory is not counted
 
     def clear(self) -> None:
-        self.ready, self.served, self._seen, self._ready_bytes = [], [], set(), 0
+        self.ready, self.served, self._seen = [], [], set()
         self.mark.clear()
 
     def _eligible(self, record: Record, keep_groups: bool) -> bool:
@@ -255,19 +256,13 @@ class EarlyNorms:
             return
         self.path._records.pop()
         self.ready.append(record)
-        if self.mark.counted(device):
-            due = self.mark.passed(device, [record])
-        else:
-            self._ready_bytes += record_bytes(record)
-            due = self._ready_bytes >= UNCOUNTED_SERVE_BYTES
-            self.mark.let_go |= due
-        if due:
+        if self.mark.due(device, [record]):
             self.serve(keep_groups)
 
     def serve(self, keep_groups: bool) -> None:
         """The norms of the records set aside; their inputs and backprops are let go of."""
         path = self.path
-        records, self.ready, self._ready_bytes = [path.batch_front(rec) for rec in self.ready], [], 0
+        records, self.ready = [path.batch_front(rec) for rec in self.ready], []
         with torch.no_grad(), region("dpgrad.early_norms"), get_tuner().short_of_memory():
             params, rows, groups = path._norm_rows(records, memory_bound=keep_groups)
         records.clear()
