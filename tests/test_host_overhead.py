@@ -315,11 +315,11 @@ def test_finish_step_does_not_grow_with_depth(kind, mode, setting):
 # together (concatenated when small, a Triton launch per group), a layer adds no more than
 # ``OPS_PER_LAYER_ADDED``, whatever the clipping of single backward (flat, per block with the
 # blocks waiting for the end of the pass as on a GPU with room, per layer on a CPU, automatic;
-# double backward's second pass is a backward of its own); with a product per layer on the eager backend (what it does at real
-# sizes) each layer adds its norm's product and reduction, its clipped sum's scaling and
-# product, and the zeroing of its sum on the device should the norms not be finite, beyond
-# what the non-private step does for it (``EAGER_BY_LAYER_OPS``, per model family: GPT-2's
-# layers have biases and LayerNorms).
+# double backward's second pass is a backward of its own); with a product per layer on the
+# eager backend (what it does at real sizes) each layer adds its norm's product and reduction,
+# its clipped sum's scaling and product, and the zeroing of its sum on the device should the
+# norms not be finite, beyond what the non-private step does for it (``EAGER_BY_LAYER_OPS``,
+# per model family: GPT-2's layers have biases and LayerNorms).
 OPS_PER_LAYER_ADDED = 2
 EAGER_BY_LAYER_OPS = {"gpt2": 7.5, "llama": 6}
 
