@@ -18,7 +18,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 DASHBOARD := build/dashboard
-# The test modules that go through the samplers, run a second time on the Triton kernels.
+# The test modules that go through the samplers: `make test`'s second pass runs those of their
+# tests that tests/triton_pass.txt names (marked kernel_paths) on the Triton kernels.
 BACKEND_TESTS := test_reference_models.py test_single_backward.py test_opacus_suite.py \
 	test_hf_models.py test_opacus_training_step.py test_errors.py test_opacus_integration.py \
 	test_mixed_precision.py test_gpu_dp_step.py test_gpu_graphs.py test_dp_optimizer.py test_fsdp.py test_clipping_groups.py \
@@ -58,9 +59,10 @@ XDIST := -n $(JOBS) --dist loadgroup
 test: $(STAMP)
 	$(PY) -m pytest -q $(XDIST)
 	# Again with every sampler on the Triton kernels (Triton's interpreter when there is no GPU):
-	# the tests that run the wrappers and samplers. The kernels' own tests choose their backend
+	# the fewest tests of the wrappers and samplers that reach every kernel and dispatch path
+	# to one (tests/triton_pass.py chooses them). The kernels' own tests choose their backend
 	# and ran above; the tools, store and package tests do not reach a kernel.
-	DPGRAD_BACKEND=triton $(PY) -m pytest -q -p no:cacheprovider $(XDIST) $(addprefix tests/,$(BACKEND_TESTS))
+	DPGRAD_BACKEND=triton $(PY) -m pytest -q -p no:cacheprovider $(XDIST) -m kernel_paths $(addprefix tests/,$(BACKEND_TESTS))
 	# The benchmark suites at small sizes, once each and untimed: collection and one round (in
 	# one process: its suites spawn ranks and share built models).
 	DPGRAD_BENCH_QUICK=1 $(PY) -m pytest -q -p no:cacheprovider benchmarks

@@ -140,6 +140,24 @@ def test_every_wrapper_test_module_runs_on_both_backends():
     assert not set(listed) & BACKEND_INDEPENDENT
 
 
+def test_the_triton_pass_names_tests_of_its_modules():
+    """tests/triton_pass.txt (the second pass's tests) names tests of BACKEND_TESTS's modules
+    that exist (the pass itself stops on a listed test it does not collect)."""
+    from triton_pass import listed
+
+    root = Path(__file__).resolve().parent.parent
+    modules = (root / "Makefile").read_text().split("BACKEND_TESTS :=", 1)[1].split("\n\n", 1)[0]
+    modules = set(modules.replace("\\", " ").split())
+    tests = listed()
+    assert tests
+    for test in tests:
+        path, name = test.split("::", 1)
+        assert Path(path).name in modules, f"{test}: its module is not in the Makefile's BACKEND_TESTS"
+        # (a test of a class: the class, whose tests may be inherited)
+        defined = "class {}(" if "::" in name else "def {}("
+        assert defined.format(name.split("[", 1)[0].split("::")[0]) in (root / path).read_text(), f"{test}: no such test"
+
+
 def test_fast_tests_name_existing_modules():
     """``make test-fast``'s modules (the Makefile's FAST_TESTS) exist: a renamed module would
     leave the edit loop without its tests, and pytest exits 5 when it runs none."""
