@@ -116,6 +116,20 @@ def test_quantiles_and_machine():
     assert results.device_slug({"gpu": "NVIDIA H100 80GB HBM3"}) == "nvidia-h100-80gb-hbm3"
 
 
+@pytest.mark.parametrize("took, rounds", [([5, 1, 1, 9], 3), ([1, 2, 4, 8, 16, 32], 6), ([3, 3, 3], 2)])
+def test_warm_up_runs_until_two_rounds_agree_or_its_limit(monkeypatch, took, rounds):
+    """The benchmarks' warm-up, on a clock that each round moves by its time: it stops at the
+    second of two rounds within 10% of each other, after at least two, or at its limit."""
+    now, ran = [0.0], []
+
+    def run():
+        ran.append(took[len(ran)])
+        now[0] += ran[-1]
+
+    monkeypatch.setattr(results.time, "perf_counter", lambda: now[0])
+    assert results.warm_up(run, max_rounds=6) == rounds == len(ran)
+
+
 def test_commit_of_an_installed_copy_named_by_the_environment(monkeypatch):
     """An installed copy knows no commit of its own ("unknown" in its results); one measured
     against the checkout (gpu_session.sh compare) is named by DPGRAD_COMMIT."""
