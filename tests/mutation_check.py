@@ -288,7 +288,8 @@ def run(cmd: list, cwd: Path, timeout: float, env: dict):
 # The modules that test an area most directly run first (the same tests, in another order: a
 # kill under -x comes in seconds rather than after the whole list).
 FIRST = {
-    COEF: ("test_clipping_groups.py", "test_automatic_clipping.py", "test_adaptive_clipping.py"),
+    COEF: ("test_reference_models.py", "test_clipping_groups.py", "test_automatic_clipping.py",
+           "test_adaptive_clipping.py"),
     SUMS: ("test_reference_kernels.py", "test_clipping_groups.py", "test_shared_layers.py"),
     PLAN: ("test_shared_layers.py", "test_single_backward.py", "test_clipping_groups.py"),
     NOISE: ("test_dp_optimizer.py", "test_clipping_groups.py", "test_adaptive_clipping.py"),
