@@ -129,10 +129,15 @@ BACKEND_INDEPENDENT = {
 }
 
 
+def _makefile_list(name: str) -> list:
+    """The Makefile's ``name := ...`` (backslash-continued lines up to a blank line), split."""
+    makefile = (Path(__file__).resolve().parent.parent / "Makefile").read_text()
+    return makefile.split(f"{name} :=", 1)[1].split("\n\n", 1)[0].replace("\\", " ").split()
+
+
 def test_every_wrapper_test_module_runs_on_both_backends():
     root = Path(__file__).resolve().parent.parent
-    makefile = (root / "Makefile").read_text()
-    listed = makefile.split("BACKEND_TESTS :=", 1)[1].split("\n\n", 1)[0].replace("\\", " ").split()
+    listed = _makefile_list("BACKEND_TESTS")
     modules = {p.name for p in (root / "tests").glob("test_*.py")}
     assert set(listed) <= modules, f"BACKEND_TESTS names missing modules: {set(listed) - modules}"
     unplaced = modules - set(listed) - BACKEND_INDEPENDENT
@@ -146,8 +151,7 @@ def test_the_triton_pass_names_tests_of_its_modules():
     from triton_pass import listed
 
     root = Path(__file__).resolve().parent.parent
-    modules = (root / "Makefile").read_text().split("BACKEND_TESTS :=", 1)[1].split("\n\n", 1)[0]
-    modules = set(modules.replace("\\", " ").split())
+    modules = set(_makefile_list("BACKEND_TESTS"))
     tests = listed()
     assert tests
     for test in tests:
@@ -162,7 +166,7 @@ def test_fast_tests_name_existing_modules():
     """``make test-fast``'s modules (the Makefile's FAST_TESTS) exist: a renamed module would
     leave the edit loop without its tests, and pytest exits 5 when it runs none."""
     root = Path(__file__).resolve().parent.parent
-    listed = (root / "Makefile").read_text().split("FAST_TESTS :=", 1)[1].split("\n\n", 1)[0].replace("\\", " ").split()
+    listed = _makefile_list("FAST_TESTS")
     modules = {p.name for p in (root / "tests").glob("test_*.py")}
     assert listed and set(listed) <= modules, f"FAST_TESTS names missing modules: {set(listed) - modules}"
 
