@@ -240,3 +240,32 @@ def test_step_dispatches_a_few_operations_and_a_view_per_parameter():
     assert ours.ops <= len(params) + 12, ours.names
     assert ours.syncs == 0
 
+
+
+def test_the_accountant_and_the_noise_for_a_budget_are_opacus_own():
+    """``dpgrad.opacus.budget``'s RDP accountant (one step's RDP kept per sample rate and noise)
+    gives Opacus's epsilon to the bit, over a history of several entries and again from what it
+    kept, and so does its PRV accountant (whose domain it bounds); its noise for a budget is
+    Opacus's ``get_noise_multiplier``'s, to the bit."""
+    from opacus.accountants import PRVAccountant, RDPAccountant
+    from opacus.accountants.utils import get_noise_multiplier
+
+    from dpgrad.opacus import budget
+
+    history = [(1.3, 0.02, 40), (0.9, 0.05, 7), (1.3, 0.02, 3)]
+    ours, theirs = budget.create_accountant("rdp"), RDPAccountant()
+    assert isinstance(ours, RDPAccountant)
+    for _ in range(2):  # the second time from the steps' RDP kept
+        ours.history, theirs.history = list(history), list(history)
+        for delta in (1e-5, 1e-3):
+            assert ours.get_privacy_spent(delta=delta) == theirs.get_privacy_spent(delta=delta)
+    ours.history, theirs.history = [], []
+    assert ours.get_privacy_spent(delta=1e-5) == theirs.get_privacy_spent(delta=1e-5) == (0, 0)
+    prv, opacus_prv = budget.create_accountant("prv"), PRVAccountant()
+    assert isinstance(prv, PRVAccountant) and prv.mechanism() == "prv"
+    prv.history, opacus_prv.history = list(history), list(history)
+    assert prv.get_epsilon(delta=1e-5) == opacus_prv.get_epsilon(delta=1e-5)
+    for epsilon, rate, steps in ((3.0, 0.01, 200), (0.5, 0.02, 50)):
+        assert budget.noise_multiplier(target_epsilon=epsilon, target_delta=1e-5, sample_rate=rate, steps=steps,
+                                       mechanism="rdp") == get_noise_multiplier(
+            target_epsilon=epsilon, target_delta=1e-5, sample_rate=rate, steps=steps, accountant="rdp")

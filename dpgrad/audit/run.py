@@ -70,7 +70,7 @@ class AuditResult:
 def accountant_epsilon(config: AuditConfig) -> float:
     """Opacus's RDP accountant's epsilon at ``config.delta`` for the audit's sampling rate,
     noise and steps (what ``privacy_engine.get_epsilon`` says of the real run)."""
-    from opacus.accountants import RDPAccountant
+    from dpgrad.opacus.budget import RDPAccountant
 
     accountant = RDPAccountant()
     accountant.history = [(config.noise_multiplier, config.sample_rate, config.steps)]

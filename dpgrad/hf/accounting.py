@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Dict, Optional
 
-from dpgrad.opacus.budget import accountant_quiet
+from dpgrad.opacus.budget import accountant_quiet, noise_multiplier
 
 logger = logging.getLogger(__name__)
 
@@ -22,8 +22,6 @@ class PrivacyAccounting:
         """The optimizer made private, unless it is already (a later ``train()`` of the same
         model): a new one (``model_init`` builds a new model for each ``train()``) gets the same
         noise and the same accountant, whose steps count against the budget."""
-        from opacus.accountants.utils import get_noise_multiplier
-
         if self._dp_optimizer is not None and self._dp_optimizer in (self.optimizer,
                                                                      getattr(self.optimizer, "optimizer", None)):
             return  # as it is, or inside accelerate's wrapper
@@ -32,9 +30,9 @@ class PrivacyAccounting:
         if privacy.target_epsilon is not None:
             if self.noise_multiplier is None:
                 with accountant_quiet(privacy.accountant):
-                    self.noise_multiplier = get_noise_multiplier(
+                    self.noise_multiplier = noise_multiplier(
                         target_epsilon=privacy.target_epsilon, target_delta=self.target_delta,
-                        sample_rate=self.sample_rate, steps=steps, accountant=privacy.accountant)
+                        sample_rate=self.sample_rate, steps=steps, mechanism=privacy.accountant)
             self.allowed_steps = self._allowed_steps(steps)
         if self.world_size > 1 and self._sharded():
             # FSDP2: each rank adds the noise of its own shards (Opacus's FSDP optimizer taking its
@@ -63,7 +61,7 @@ class PrivacyAccounting:
         very history the accountant will then hold: its ``step`` adds a step of the last entry's
         noise and rate to that entry, and the same steps as two entries are another computation
         (PRV's convolutions, RDP's sums) whose rounding can put them on the other side of the
-        target than the epsilon that ``get_noise_multiplier`` and ``privacy_spent`` compute."""
+        target than the epsilon that ``noise_multiplier`` and ``privacy_spent`` compute."""
         history = list(self.accountant.history)
         noise, rate = self.noise_multiplier, self.sample_rate
         if steps and history and tuple(history[-1][:2]) == (noise, rate):
@@ -79,7 +77,7 @@ class PrivacyAccounting:
 
     def _allowed_steps(self, planned: int) -> int:
         """The steps in all (those taken included) that keep epsilon at most ``target_epsilon``,
-        at most ``planned``: all of them when the noise was chosen for them (``get_noise_multiplier``
+        at most ``planned``: all of them when the noise was chosen for them (``noise_multiplier``
         returns a noise whose planned steps spend at most the target, computed as
         ``_epsilon_after`` computes it), fewer if they would spend more (a resumed run planning
         more steps than the checkpoint's run)."""

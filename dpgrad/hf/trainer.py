@@ -76,7 +76,7 @@ from dpgrad.hf.privacy import PrivacyArguments
 from dpgrad.hf.sampling import Indexed, LogicalBatch, PoissonSampler, sampling_generator, sampling_units
 from dpgrad.hf.sharding import FSDP2Sharding
 from dpgrad.loss import DPLossFastGradientClipping
-from dpgrad.opacus.budget import accountant_quiet, default_delta, warn_if_delta_large
+from dpgrad.opacus.budget import accountant_quiet, create_accountant, default_delta, warn_if_delta_large
 
 logger = logging.getLogger(__name__)
 
@@ -161,8 +161,6 @@ class DPTrainer(PrivacyAccounting, PrivacyCheckpoints, FSDP2Sharding, transforme
                              "give PrivacyArguments.target_delta")
         if privacy_args.target_delta is not None:
             warn_if_delta_large(self.target_delta, len(self._units))
-        from opacus.accountants import create_accountant
-
         self.accountant = create_accountant(privacy_args.accountant)
         self.noise_multiplier = privacy_args.noise_multiplier
         self.allowed_steps: Optional[int] = None  # with target_epsilon: the steps the budget allows

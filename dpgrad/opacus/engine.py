@@ -366,9 +366,7 @@ def make_private_with_epsilon(
     """
     import warnings
 
-    from opacus.accountants.utils import get_noise_multiplier
-
-    from dpgrad.opacus.budget import accountant_quiet, warn_if_delta_large
+    from dpgrad.opacus.budget import accountant_quiet, noise_multiplier, warn_if_delta_large
 
     if not target_epsilon > 0 or not 0 < target_delta < 1:
         raise ValueError(f"the budget needs target_epsilon > 0 and 0 < target_delta < 1, not "
@@ -381,10 +379,11 @@ def make_private_with_epsilon(
     rows = len(getattr(data_loader, "dataset", ()) or ())
     warn_if_delta_large(target_delta, rows)
     mechanism = privacy_engine.accountant.mechanism()
+    sample_rate = 1 / len(data_loader)
     with accountant_quiet(mechanism):
-        noise_multiplier = get_noise_multiplier(
-            target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=1 / len(data_loader),
-            epochs=epochs, accountant=mechanism, epsilon_tolerance=epsilon_tolerance,
+        noise = noise_multiplier(
+            target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=sample_rate,
+            steps=int(epochs / sample_rate), mechanism=mechanism, epsilon_tolerance=epsilon_tolerance,
         )
     return make_private(privacy_engine, module=module, optimizer=optimizer, data_loader=data_loader,
-                        noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, **kwargs)
+                        noise_multiplier=noise, max_grad_norm=max_grad_norm, **kwargs)
