@@ -7,6 +7,7 @@ model (DPGRAD_TUNE=off: the same choices on every machine); tuning tests turn ti
 """
 
 import atexit
+import gc
 import os
 import shutil
 import tempfile
@@ -44,6 +45,19 @@ def _cuda_error_ends_the_process():
 
             print(f"\nCUDA error after this test, ending the process: {exc}", file=sys.stderr, flush=True)
             os._exit(3)
+
+
+def pytest_collection_finish(session):
+    """What the imports and the collection made (torch's, transformers' and the test modules'
+    objects, hundreds of thousands) lives as long as the session: moved out of the collector's
+    reach, so that each full collection (Python's own, and the one the Trainer runs at each
+    ``train()``) looks at the tests' objects only, not at every module's again."""
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_unconfigure(config):
+    gc.unfreeze()  # the interpreter's exit frees them as usual
 
 
 def pytest_collection_modifyitems(config, items):
