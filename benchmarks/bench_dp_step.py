@@ -458,6 +458,11 @@ def _try_step(bench, case) -> None:
             bench.metrics["capture_time"] = results.metric("capture_time", _capture_ms[case])
     else:
         bench.metrics["peak_memory"] = results.metric("peak_memory", results.peak_allocated(synced_step))
-    if not bench.benchmark_fixture.disabled:
-        results.warm_up(synced_step)  # until two steps in a row agree within 10%
+    if bench.benchmark_fixture.disabled:
+        # Untimed runs (--benchmark-disable: make test's pass over the suites) stop here, having
+        # run the step twice: its first step and a later one. (pytest-benchmark warns of a
+        # fixture that was not called.)
+        bench.benchmark_fixture.pedantic(lambda: None)
+        return
+    results.warm_up(synced_step)  # until two steps in a row agree within 10%
     bench.benchmark_fixture.pedantic(synced_step, rounds=ROUNDS, iterations=1, warmup_rounds=1)

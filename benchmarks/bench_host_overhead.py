@@ -118,6 +118,9 @@ def first_step_time(provider: str, name: str, check_independence: bool, rounds: 
 def test_host_overhead(bench, name, provider):
     bench.describe("host_overhead", "host_overhead", dict(model=name, batch=BATCH, seq_len=SEQ_LEN, dtype=DTYPE),
                    provider, time_metric="step_time")
+    # Untimed runs (--benchmark-disable: make test's pass over the suites) take one round of
+    # each timing, and no timed steps; conftest writes nothing for them.
+    untimed = bench.benchmark_fixture.disabled
     try:
         step = make_step(provider, _model(name), BATCH, SEQ_LEN, DEVICE)
         for _ in range(WARMUP_STEPS):
@@ -145,18 +148,18 @@ def test_host_overhead(bench, name, provider):
         bench.metrics["first_step_probe_ops"] = results.metric("first_step_probe_ops", first[0].ops - first[1].ops)
         bench.metrics["first_step_probe_syncs"] = results.metric("first_step_probe_syncs",
                                                                  first[0].syncs - first[1].syncs)
-        on, off = (first_step_time(provider, name, on) for on in (True, False))
+        on, off = (first_step_time(provider, name, on, rounds=1 if untimed else 3) for on in (True, False))
         bench.metrics["first_step_probe_time"] = results.metric("first_step_probe_time", (on - off) * 1e3)
 
-    # Untimed runs (--benchmark-disable: make test's pass over the suites) take one round of
-    # each; conftest writes nothing for them.
-    rounds = 1 if bench.benchmark_fixture.disabled else ROUNDS
-    bench.metrics["host_time"] = results.metric("host_time", 0) | results.quantiles(host_times(step.run, rounds), 1e3)
+    bench.metrics["host_time"] = results.metric("host_time", 0) | results.quantiles(
+        host_times(step.run, 1 if untimed else ROUNDS), 1e3)
+    if untimed:
+        bench.benchmark_fixture.pedantic(lambda: None)  # (pytest-benchmark warns of a fixture not called)
+        return
 
     def synced_step():
         step.run()
         _sync()
 
-    if not bench.benchmark_fixture.disabled:
-        results.warm_up(synced_step)  # until two steps in a row agree within 10%
+    results.warm_up(synced_step)  # until two steps in a row agree within 10%
     bench.benchmark_fixture.pedantic(synced_step, rounds=ROUNDS, iterations=1, warmup_rounds=1)
