@@ -12,6 +12,7 @@ import io
 import json
 import os
 import re
+import runpy
 import subprocess
 import sys
 
@@ -424,10 +425,19 @@ def test_every_option_has_a_help_text(capsys):
 
 
 @pytest.mark.parametrize("script", ["privacy_engine.py", "finetune_lm.py", "fsdp_privacy_engine.py", "digits_cnn.py"])
-def test_examples_help_is_whole(script):
-    """An example's --help: the description a whole sentence, every option with a help text."""
-    out = subprocess.run([sys.executable, os.path.join("examples", script), "--help"], capture_output=True, text=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), check=True).stdout
+def test_examples_help_is_whole(script, monkeypatch, capsys):
+    """An example's --help: the description a whole sentence, every option with a help text.
+    Run in this process as ``python examples/<script> --help`` runs it (its directory first on
+    the path, argparse's 80 columns of a pipe): the help is printed, and the process would
+    exit, before the example does anything."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", script)
+    monkeypatch.syspath_prepend(os.path.dirname(path))
+    monkeypatch.setattr(sys, "argv", [path, "--help"])
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit) as exc:
+        runpy.run_path(path, run_name="__main__")
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
     description = out.split("\n\n")[1]
     assert description.rstrip().endswith("."), description
     helps = _option_helps(out)

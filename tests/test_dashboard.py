@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import timed_bench_run
 from dpgrad.tools import cli, dashboard, results, results_tables
 from dpgrad.tools import dashboard_charts as charts
 from dpgrad.tools import dashboard_colours as colour_check
@@ -393,9 +394,10 @@ def _run_chromium(tmp_path, page: Path, *mode):
     return subprocess.run(args, capture_output=True, text=True, timeout=180)
 
 
-def _opened(tmp_path, page: Path) -> _Page:
-    """The page as Chromium drew it, with no console error."""
-    dom = _run_chromium(tmp_path, page, "--dump-dom")
+def _opened(tmp_path, page: Path, *mode) -> _Page:
+    """The page as Chromium drew it, with no console error (``mode``: more of Chromium's flags
+    for the same run, such as a screenshot's)."""
+    dom = _run_chromium(tmp_path, page, "--dump-dom", *mode)
     assert dom.returncode == 0, dom.stderr[-2000:]
     errors = [line for line in dom.stderr.splitlines() if ":CONSOLE" in line and ("Uncaught" in line or "rror" in line)]
     assert not errors, errors
@@ -419,7 +421,8 @@ def test_dashboard_draws_every_chart_in_chromium(tmp_path):
     docs = results.load(_write(tmp_path, sample_docs()))
     page = tmp_path / "report.html"
     page.write_text(dashboard.render(docs))
-    parsed = _opened(tmp_path, page)
+    shot = tmp_path / "shot.png"  # the screenshot taken by the same run, once the page is drawn
+    parsed = _opened(tmp_path, page, f"--screenshot={shot}")
     figures = parsed.figures
     assert len(figures) == 8  # four charts for each of the two machines
     assert parsed.body.get("data-charts") == "5"  # drawn by plotly: all but the CPU run's empty three
@@ -436,9 +439,7 @@ def test_dashboard_draws_every_chart_in_chromium(tmp_path):
     assert figures["memory-0"]["axes"] == ["peak memory (GiB)"]  # 10 GiB steps
     assert "10.5 GiB" in figures["memory-0"]["labels"]
 
-    shot = tmp_path / "shot.png"
-    run = _run_chromium(tmp_path, page, f"--screenshot={shot}")
-    assert run.returncode == 0 and shot.exists(), run.stderr[-2000:]
+    assert shot.exists()
     from PIL import Image
 
     image = Image.open(shot).convert("RGB")
@@ -580,23 +581,22 @@ def test_each_series_has_one_colour_in_every_chart(tmp_path):
 
 
 # ---------------------------------------------------------------------------- the suites' writer
-def _own_session_env() -> dict:
-    """This environment without pytest-xdist's worker variables: a pytest run in a subprocess
-    is a session of its own (pytest-benchmark turns itself off in an xdist worker)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+@pytest.fixture(scope="module")
+def timed_run(tmp_path_factory):
+    """A timed run of part of the quick suites through benchmarks/run_suites.py, as ``make
+    report`` runs them (pytest-benchmark in a subprocess; tests/timed_bench_run.py): bench_kernels'
+    embedding norms at T=32, and bench_dp_step's smallest case, non-private and dpgrad's single
+    backward, each case repeated three times. test_run_suites.py reads its display."""
+    run = timed_bench_run.timed_run(tmp_path_factory)
+    assert run.proc.returncode == 0, (run.log.read_text() if run.log.exists() else "")[-3000:] + run.proc.stderr[-3000:]
+    return run
 
 
-def test_quick_suite_writes_results_files(tmp_path):
+@pytest.mark.xdist_group(timed_bench_run.GROUP)
+def test_quick_suite_writes_results_files(timed_run):
     """A timed run of part of the quick suite writes a results file with every metric and the
-    ratios to the same run's baselines (pytest-benchmark in a subprocess)."""
-    env = {**_own_session_env(), "DPGRAD_RESULTS_DIR": str(tmp_path), "DPGRAD_BENCH_QUICK": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--benchmark-enable",
-         "--benchmark-min-rounds=1", str(REPO / "benchmarks" / "bench_kernels.py"), "-k", "embedding_norm and T32"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (path,) = tmp_path.glob("kernels_*.json")
+    ratios to the same run's baselines."""
+    (path,) = timed_run.results.glob("kernels_*.json")
     (doc,) = results.load([path])
     assert doc["machine"]["commit"] and doc["settings"]["quick"] is True
     providers = {r["provider"]: r for r in doc["results"]}
@@ -611,20 +611,12 @@ def test_quick_suite_writes_results_files(tmp_path):
     assert re.fullmatch(r"kernels_(cpu|[a-z0-9-]+)\.json", path.name)
 
 
-def test_repeated_cases_give_the_median_repeat_and_each_repeat(tmp_path):
+@pytest.mark.xdist_group(timed_bench_run.GROUP)
+def test_repeated_cases_give_the_median_repeat_and_each_repeat(timed_run):
     """A timed run of the DP-step suite with each case repeated three times writes one row per
     provider: every metric lists its three repeats, its p50 is their median (between the p20
-    and p80 of all its rounds), and a ratio is taken within each repeat (pytest-benchmark in a
-    subprocess)."""
-    env = {**_own_session_env(), "DPGRAD_RESULTS_DIR": str(tmp_path), "DPGRAD_BENCH_QUICK": "1",
-           "DPGRAD_BENCH_REPEATS": "3"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--benchmark-enable",
-         str(REPO / "benchmarks" / "bench_dp_step.py"), "-k", "tiny-8-64-fp32 and not hf and (non-private or single) and not per"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (doc,) = results.load(tmp_path.glob("dp_step_*.json"))
+    and p80 of all its rounds), and a ratio is taken within each repeat."""
+    (doc,) = results.load(timed_run.results.glob("dp_step_*.json"))
     rows = {r["provider"]: r for r in doc["results"]}
     assert set(rows) == {"non-private", "dpgrad-single"} and all(r["status"] == "ok" for r in rows.values())
     base, single = rows["non-private"]["metrics"], rows["dpgrad-single"]["metrics"]

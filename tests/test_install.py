@@ -10,6 +10,8 @@ importing dpgrad outside them warns once, naming the versions and the fix.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import re
 import shutil
@@ -130,39 +132,46 @@ def _venv_with_this_environment(path: Path) -> Path:
 def test_the_wheel_installs_and_runs_outside_the_checkout(built, tmp_path):
     """Installed with pip in a new virtual environment, imported from elsewhere: dpgrad and its
     kernels come from that environment, importing it warns of no version, and the console script
-    runs a DP training step."""
-    pytest.importorskip("opacus")
+    runs a DP training step. One process of that environment does both: the imports, then the
+    console script that pip wrote (an executable file naming that environment's Python), run as
+    its shebang would run it."""
+    if importlib.util.find_spec("opacus") is None:  # the environment's Opacus, for dpgrad.opacus
+        pytest.skip("opacus is not installed")
     files, _, wheel = built
     python = _venv_with_this_environment(tmp_path / "venv")
     proc = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
                            "--ignore-installed", "--no-index", "--quiet", str(wheel)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    script = tmp_path / "venv" / "bin" / "dpgrad"
+    assert os.access(script, os.X_OK), "the console script is not executable"
+    shebang = script.read_text().splitlines()[:2]
+    assert shebang[0].startswith("#!") and any(str(python) in line for line in shebang), shebang
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(DPGRAD_BACKEND="eager", DPGRAD_TUNE="off")
-    code = ("import warnings\n"
+    code = ("import json, runpy, sys, warnings\n"
             "with warnings.catch_warnings(record=True) as seen:\n"
             "    warnings.simplefilter('always')\n"
             "    import dpgrad, dpgrad.opacus, dpgrad.kernels\n"
-            "print(dpgrad.__file__); print(dpgrad.kernels.__file__); print(dpgrad.__version__)\n"
-            "print([str(w.message) for w in seen if w.category.__name__ == 'UnsupportedVersionWarning'])\n")
-    out = subprocess.run([str(python), "-c", code], cwd=elsewhere, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    package, kernels, version, version_warnings = out.stdout.strip().splitlines()
+            "versions = [str(w.message) for w in seen if w.category.__name__ == 'UnsupportedVersionWarning']\n"
+            "print(json.dumps([dpgrad.__file__, dpgrad.kernels.__file__, dpgrad.__version__, versions]), flush=True)\n"
+            "sys.argv = [sys.argv[1], 'demo', '--steps', '2', '--batch-size', '4', '--seq-len', '16']\n"
+            "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    out = subprocess.run([str(python), "-c", code, str(script)], cwd=elsewhere, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    imported, *demo = out.stdout.strip().splitlines()
+    package, kernels, version, version_warnings = json.loads(imported)
     venv = str((tmp_path / "venv").resolve())
     assert package.startswith(venv) and package.endswith("dpgrad/__init__.py"), package
     assert kernels.startswith(venv) and kernels.endswith("dpgrad/kernels/__init__.py"), kernels
     assert version == __version__
-    assert version_warnings == "[]"
+    assert version_warnings == []
 
-    demo = subprocess.run([str(tmp_path / "venv" / "bin" / "dpgrad"), "demo", "--steps", "2", "--batch-size", "4",
-                           "--seq-len", "16"], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
-    assert demo.returncode == 0, demo.stdout[-2000:] + demo.stderr[-3000:]
-    rows = [line.split() for line in demo.stdout.strip().splitlines()[2:]]
-    assert [r[0] for r in rows] == ["1", "2"], demo.stdout
+    rows = [line.split() for line in demo[2:]]
+    assert [r[0] for r in rows] == ["1", "2"], out.stdout
 
 
 # ------------------------------------------------------------------ the supported versions
@@ -247,31 +256,60 @@ def test_the_warning_comes_once_per_process(monkeypatch):
     assert "2.5.1" in str(seen[0].message) and "3.5.0" in str(seen[0].message)
 
 
-def _python(code: str, tmp_path, script: str = "main.py") -> subprocess.CompletedProcess:
-    """Run ``code`` as a script of its own in ``tmp_path`` with this checkout's dpgrad."""
-    (tmp_path / script).write_text(code)
+# The two checks of a fresh import of this checkout's dpgrad in one script: torch is imported,
+# then the process forks, each side a process that has not imported dpgrad. The child, as a
+# user's script would, sets an unsupported torch version and imports dpgrad; the parent, once
+# the child has ended, imports it with the installed versions. Each prints a line of its own.
+IMPORTS = """\
+import json, os, sys, warnings
+import torch
+if os.fork() == 0:
+    torch.__version__ = '2.14.0.dev20261101'
+    import dpgrad.opacus
+    import dpgrad
+    print(json.dumps({"triton": 'triton' in sys.modules}), flush=True)
+    sys.stderr.flush()
+    os._exit(0)
+_, status = os.wait()
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter('always')
+    import dpgrad
+print(json.dumps({"child": status, "warnings": [str(w.message) for w in seen
+                                                if w.category.__name__ == 'UnsupportedVersionWarning']}))
+"""
+USERS_IMPORT_LINE = IMPORTS.splitlines().index("    import dpgrad.opacus") + 1
+
+
+@pytest.fixture(scope="module")
+def fresh_imports(tmp_path_factory) -> tuple:
+    """(the process, {"triton": ...} of the child, {"child": its exit status, "warnings": ...} of
+    the parent): ``IMPORTS`` run as a script of its own with this checkout's dpgrad."""
+    if not hasattr(os, "fork"):
+        pytest.skip("the script forks")
+    tmp_path = tmp_path_factory.mktemp("imports")
+    (tmp_path / "main.py").write_text(IMPORTS)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, script], cwd=tmp_path, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "main.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    child = next((line for line in lines if "triton" in line), None)
+    parent = next((line for line in lines if "warnings" in line), None)
+    return proc, child, parent
 
 
-def test_importing_dpgrad_warns_at_the_users_import_line(tmp_path):
+def test_importing_dpgrad_warns_at_the_users_import_line(fresh_imports):
     """The real lookup of torch's version, an unsupported one set before dpgrad is imported: one
     warning, which points at the line of the user's script that imported dpgrad."""
-    proc = _python("import torch\ntorch.__version__ = '2.14.0.dev20261101'\nimport dpgrad.opacus\nimport dpgrad\n"
-                   "import sys\nprint('triton' in sys.modules)\n", tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc, child, parent = fresh_imports
+    assert child is not None and parent is not None and parent["child"] == 0, proc.stderr[-3000:]
     assert proc.stderr.count("UnsupportedVersionWarning") == 1, proc.stderr
-    assert "main.py:3: UnsupportedVersionWarning: dpgrad" in proc.stderr, proc.stderr
+    assert f"main.py:{USERS_IMPORT_LINE}: UnsupportedVersionWarning: dpgrad" in proc.stderr, proc.stderr
     assert "2.14.0.dev20261101" in proc.stderr
-    assert proc.stdout.split() == ["False"], "the check imports Triton"
+    assert child["triton"] is False, "the check imports Triton"
 
 
-def test_importing_dpgrad_with_the_installed_versions_does_not_warn(tmp_path):
+def test_importing_dpgrad_with_the_installed_versions_does_not_warn(fresh_imports):
     assert sv.unsupported() == [], "this environment's torch or Triton is outside the supported ranges"
-    proc = _python("import warnings\nwith warnings.catch_warnings(record=True) as seen:\n"
-                   "    warnings.simplefilter('always')\n    import dpgrad\n"
-                   "print([str(w.message) for w in seen if w.category.__name__ == 'UnsupportedVersionWarning'])\n",
-                   tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip() == "[]", proc.stdout
+    proc, _, parent = fresh_imports
+    assert proc.returncode == 0 and parent is not None, proc.stderr[-3000:]
+    assert parent["warnings"] == [], parent

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -59,16 +60,28 @@ def test_privacy_engine_example_runs(monkeypatch, capsys):
 
 
 def test_digits_example_learns(monkeypatch, capsys):
-    """The CNN of examples/digits_cnn.py learns under DP: after 12 of its 40 epochs it is well
-    above chance (the README states the full run's figure), at the accountant's epsilon."""
+    """The CNN of examples/digits_cnn.py learns under DP: after 7 of its 40 epochs it is far
+    above chance (0.1; the README states the full run's figure), at the epsilon Opacus's
+    accountant gives for its noise, sample rate and steps."""
     pytest.importorskip("opacus")
     pytest.importorskip("sklearn")
+    from opacus import PrivacyEngine
+    from opacus.accountants import create_accountant
+
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "examples"))
     import digits_cnn
 
-    accuracy, epsilon = digits_cnn.main(epochs=12, verbose=False)
-    assert accuracy > 0.6, accuracy
-    assert epsilon == pytest.approx(3.46, abs=0.01)
+    epochs = 7
+    accuracy, epsilon = digits_cnn.main(epochs=epochs, verbose=False)
+    # 0.73 here, 0.63 to 0.75 over the seeds 0 to 6: at least 0.13 above the bound, as at 12
+    # epochs (0.73 to 0.79) above 0.6.
+    assert accuracy > 0.5, accuracy
+    # Poisson batches of expected size 256: a sample rate of one over the batches an epoch
+    # (Opacus's DPDataLoader), noise 2.0, delta 1e-5.
+    batches = math.ceil(len(digits_cnn.digits()[1]) / 256)
+    accountant = create_accountant(PrivacyEngine().accountant.mechanism())
+    accountant.history = [(2.0, 1 / batches, epochs * batches)]
+    assert epsilon == pytest.approx(accountant.get_epsilon(1e-5), abs=0.01)
 
 
 @pytest.mark.parametrize("model", ["gpt2", "llama-lora"])

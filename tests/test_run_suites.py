@@ -9,30 +9,40 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
+import timed_bench_run
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(tmp_path, *args, progress=None):
-    env = dict(os.environ, DPGRAD_BENCH_QUICK="1", DPGRAD_RESULTS_DIR=str(tmp_path / "results"))
-    env.pop("DPGRAD_PROGRESS", None)
-    if progress is not None:
-        env["DPGRAD_PROGRESS"] = progress
-    log = tmp_path / "bench.log"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run_suites.py"), "--log", str(log),
-                           "-q", "-p", "no:cacheprovider", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
-    return proc, log
+def _suites_module():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import run_suites
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return run_suites
 
 
-def test_one_line_per_suite_without_a_terminal_and_pytest_s_output_in_the_log(tmp_path):
-    proc, log = _run(tmp_path, "-k", "hf-gpt2-2l-non-private or hf-gpt2-2l-dpgrad-single")
+@pytest.mark.xdist_group(timed_bench_run.GROUP)
+def test_one_line_per_suite_without_a_terminal_and_pytest_s_output_in_the_log(tmp_path_factory):
+    """The run of tests/timed_bench_run.py, as `make report` makes it (timed, results files
+    written): nine cases of two suites, bench_dp_step's six and bench_kernels' three (its
+    eager-kernel row skipped on a CPU)."""
+    run = timed_bench_run.timed_run(tmp_path_factory)
+    proc, log = run.proc, run.log
     assert proc.returncode == 0, proc.stderr
+    kernels = "3 passed" if torch.cuda.is_available() else "2 passed, 1 skipped"
+    total = "9 passed" if torch.cuda.is_available() else "8 passed, 1 skipped"
     lines = proc.stderr.splitlines()
-    assert lines[0] == "benchmarks: 2 cases in 1 suite"
-    assert lines[1].split()[:3] == ["bench_host_overhead", "2", "passed"] and lines[1].endswith(" s")
-    assert lines[2] == f"benchmarks: 2 passed; pytest's output in {log}"
-    assert len(lines) == 3 and proc.stdout == "" and "█" not in proc.stderr
-    assert "2 passed" in log.read_text()
+    assert lines[0] == "benchmarks: 9 cases in 2 suites"
+    assert lines[1].split()[:-2] == ["bench_dp_step", "6", "passed"] and lines[1].endswith(" s")
+    assert " ".join(lines[2].split()[:-2]) == f"bench_kernels {kernels}" and lines[2].endswith(" s")
+    assert lines[3] == f"benchmarks: {total}; pytest's output in {log}"
+    assert len(lines) == 4 and proc.stdout == "" and "█" not in proc.stderr
+    assert total in log.read_text()
 
 
 def test_bars_on_a_terminal(monkeypatch):
@@ -40,11 +50,7 @@ def test_bars_on_a_terminal(monkeypatch):
     child's plugin sends (the run above carries them through the pipe)."""
     import io
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from run_suites import Suites
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    Suites = _suites_module().Suites
     monkeypatch.setenv("DPGRAD_PROGRESS", "1")
 
     class Terminal(io.StringIO):
@@ -62,11 +68,19 @@ def test_bars_on_a_terminal(monkeypatch):
     assert "bench_host_overhead ████████████████████ 1/1 [" in text
 
 
-def test_a_failing_run_shows_the_end_of_pytest_s_report_and_its_exit_status(tmp_path):
-    proc, log = _run(tmp_path, "-k", "no_such_benchmark")
+def test_a_failing_run_shows_the_end_of_pytest_s_report_and_its_exit_status(tmp_path, capsys):
+    env = dict(os.environ, DPGRAD_BENCH_QUICK="1", DPGRAD_RESULTS_DIR=str(tmp_path / "results"))
+    env.pop("DPGRAD_PROGRESS", None)
+    log = tmp_path / "bench.log"
+    # Nothing selected: pytest's own status 5. Of the suites, bench_fsdp_memory's alone is
+    # collected (the others import Opacus: seconds more, and the same report).
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run_suites.py"), "--log", str(log),
+                           "-q", "-p", "no:cacheprovider", "--ignore-glob=*/bench_[!f]*.py", "-k", "no_such_benchmark"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 5  # pytest's own status: nothing ran
     assert "benchmarks: nothing ran" in proc.stderr and "deselected" in proc.stderr
     assert proc.stderr.rstrip().endswith(f"benchmarks: pytest exited 5; the whole output is in {log}")
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run_suites.py"), "--log",
-                           str(tmp_path / "no" / "such" / "x.log")], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "cannot write there" in proc.stderr
+    # A log it cannot write: refused before pytest starts (the script's main, in this process).
+    with pytest.raises(SystemExit) as exc:
+        _suites_module().main(["--log", str(tmp_path / "no" / "such" / "x.log")])
+    assert exc.value.code == 2 and "cannot write there" in capsys.readouterr().err

@@ -8,10 +8,10 @@ keep their entries (lock + re-read + merge). CPU only, no Triton import.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import subprocess
 import sys
+import textwrap
 import warnings
 
 import pytest
@@ -111,14 +111,54 @@ def test_cpu_device_name_is_stable():
     assert tune_store.device_name("cpu") == name
 
 
-def test_versions_do_not_import_triton():
-    code = (
-        "import sys, dpgrad.tuning.store as s; v = s.versions(); "
-        "assert 'triton' not in sys.modules, 'triton imported'; print(sorted(v))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "['dpgrad', 'torch', 'triton']"
+# One fresh interpreter holds the checks that need one (each prints a line of its own): what
+# importing the store and reading the versions imports; then processes writing at once,
+# forked from it after those imports (the interpreter has run nothing else, so forking is
+# safe), each with its own store and file descriptors.
+FRESH = textwrap.dedent("""
+    import json, multiprocessing, sys
+    import dpgrad.tuning.store as s
+
+    v = s.versions()
+    print(json.dumps({"versions": sorted(v), "triton_imported": "triton" in sys.modules}), flush=True)
+
+    directory, device, record, n_procs, n_keys = json.loads(sys.argv[1])
+
+    def put_many(prefix, barrier):
+        store = s.TuneStore(device, directory)
+        store.get("load-now")  # every process starts from the same (empty) file
+        barrier.wait()
+        for i in range(n_keys):
+            store.put(f"{prefix}-{i}", dict(record, config={"i": i}))
+
+    ctx = multiprocessing.get_context("fork")
+    barrier = ctx.Barrier(n_procs)
+    procs = [ctx.Process(target=put_many, args=(f"p{p}", barrier)) for p in range(n_procs)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=120)
+    print(json.dumps({"exitcodes": [proc.exitcode for proc in procs]}), flush=True)
+""")
+N_PROCS, N_KEYS = 3, 50
+
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory):
+    """(the fresh interpreter's process, its output lines, the writers' store directory)."""
+    directory = tmp_path_factory.mktemp("writers")
+    args = json.dumps([str(directory), DEVICE, RECORD, N_PROCS, N_KEYS])
+    proc = subprocess.run([sys.executable, "-c", FRESH, args], capture_output=True, text=True, timeout=300)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return proc, lines, directory
+
+
+@pytest.mark.xdist_group("test_tuning_store")  # the tests of the fresh interpreter share it
+def test_versions_do_not_import_triton(fresh):
+    proc, lines, _ = fresh
+    assert lines and "versions" in lines[0], proc.stderr[-3000:]
+    assert lines[0]["triton_imported"] is False, "triton imported"
+    assert lines[0]["versions"] == ["dpgrad", "torch", "triton"]
     v = versions()
     assert v["dpgrad"] == dpgrad.__version__ and v["torch"] == torch.__version__
 
@@ -257,14 +297,6 @@ def test_stale_file_is_ignored_with_the_reason_and_retuned(tmp_path, overrides, 
 # ---------------------------------------------------------------------------- writers
 
 
-def _put_many(directory, prefix, n, barrier):
-    store = TuneStore(DEVICE, directory)
-    store.get("load-now")  # every process starts from the same (empty) file
-    barrier.wait()
-    for i in range(n):
-        store.put(f"{prefix}-{i}", dict(RECORD, config={"i": i}))
-
-
 def test_temporary_files_of_a_killed_writer_are_removed(tmp_path):
     """A writer killed between writing its temporary file and renaming it leaves the file;
     the next write, under the lock, removes it."""
@@ -280,23 +312,15 @@ def test_temporary_files_of_a_killed_writer_are_removed(tmp_path):
     _assert_valid_file(store.path, {"a", "b"})
 
 
-def test_processes_writing_at_once_keep_all_entries(tmp_path):
+@pytest.mark.xdist_group("test_tuning_store")
+def test_processes_writing_at_once_keep_all_entries(fresh):
     # Each process loaded an empty file before any wrote, so without the re-read + merge
     # under the lock the last writer's file would hold only its own keys.
-    ctx = multiprocessing.get_context("spawn")
-    n_procs, n_keys = 3, 50
-    barrier = ctx.Barrier(n_procs)
-    procs = [
-        ctx.Process(target=_put_many, args=(str(tmp_path), f"p{p}", n_keys, barrier))
-        for p in range(n_procs)
-    ]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=120)
-    assert [proc.exitcode for proc in procs] == [0] * n_procs
-    keys = {f"p{p}-{i}" for p in range(n_procs) for i in range(n_keys)}
-    data = _assert_valid_file(store_path(DEVICE, tmp_path), keys)
+    proc, lines, directory = fresh
+    assert proc.returncode == 0 and len(lines) == 2, proc.stderr[-3000:]
+    assert lines[1]["exitcodes"] == [0] * N_PROCS
+    keys = {f"p{p}-{i}" for p in range(N_PROCS) for i in range(N_KEYS)}
+    data = _assert_valid_file(store_path(DEVICE, directory), keys)
     assert data["entries"]["p1-7"]["config"] == {"i": 7}
 
 
