@@ -4,6 +4,7 @@ guides build into a site with mkdocs in strict mode (a broken link or reference 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 import shutil
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sybil = pytest.importorskip("sybil")
 from sybil.parsers.markdown import PythonCodeBlockParser, SkipParser  # noqa: E402
@@ -29,6 +31,12 @@ def _examples(path: Path) -> list:
 def test_every_python_example_runs(page, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)  # what an example writes lands here
     monkeypatch.setenv("DPGRAD_BACKEND", "eager")
+    if not torch.cuda.is_available():
+        # On a CPU an example's torch.compile traces the step and breaks its graph as on a GPU
+        # (Dynamo) but runs the pieces eagerly, leaving out Inductor's C++ build, most of a minute
+        # on a fresh machine; test_graphs.py and test_guarantee.py compile such steps with
+        # Inductor and compare them with the eager ones.
+        monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
     examples = _examples(page)
     for example in examples:
         example.evaluate()
