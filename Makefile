@@ -63,9 +63,9 @@ test: $(STAMP)
 	# to one (tests/triton_pass.py chooses them). The kernels' own tests choose their backend
 	# and ran above; the tools, store and package tests do not reach a kernel.
 	DPGRAD_BACKEND=triton $(PY) -m pytest -q -p no:cacheprovider $(XDIST) -m kernel_paths $(addprefix tests/,$(BACKEND_TESTS))
-	# The benchmark suites at small sizes, once each and untimed: collection and one round (in
-	# one process: its suites spawn ranks and share built models).
-	DPGRAD_BENCH_QUICK=1 $(PY) -m pytest -q -p no:cacheprovider benchmarks
+	# The benchmark suites at small sizes, once each and untimed: collection and one round (a
+	# suite's cases on one worker: they share its built models and spawned ranks).
+	DPGRAD_BENCH_QUICK=1 $(PY) -m pytest -q -p no:cacheprovider -n $(JOBS) --dist loadfile benchmarks
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) $(addprefix tests/,$(FAST_TESTS))

@@ -34,10 +34,13 @@ _runs: Dict[int, list] = {}
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed")
 
 
-def _run(world: int) -> list:
-    """Every provider's results on each rank of one world size, [rank][provider]."""
+def _run(world: int, timed: bool) -> list:
+    """Every provider's results on each rank of one world size, [rank][provider] (an untimed
+    run, make test's, times one step of each instead of ``TIMED_STEPS``)."""
     if world not in _runs:
-        _runs[world] = spawn(world, [("dp_step_memory", dict(provider=p)) for p in PROVIDERS], "fsdp_memory_ranks")
+        steps = R.TIMED_STEPS if timed else 1
+        _runs[world] = spawn(world, [("dp_step_memory", dict(provider=p, timed_steps=steps)) for p in PROVIDERS],
+                             "fsdp_memory_ranks")
     return _runs[world]
 
 
@@ -49,7 +52,7 @@ def test_fsdp_memory(bench, world, provider):
     bench.describe("fsdp_memory", "fsdp_memory",
                    dict(model=f"tiny-{R.CFG.n_layers}l-d{R.CFG.d_model}", world=world, batch=R.BATCH_PER_RANK,
                         seq_len=R.SEQ_LEN, dtype="fp32"), provider, time_metric="step_time")
-    ranks = [out[PROVIDERS.index(provider)] for out in _run(world)]
+    ranks = [out[PROVIDERS.index(provider)] for out in _run(world, not bench.benchmark_fixture.disabled)]
     bench.metrics["peak_memory"] = results.metric("peak_memory", max(r["peak"] for r in ranks))
     bench.metrics["state_memory"] = results.metric("state_memory", max(r["state"] for r in ranks))
     bench.metrics["step_time"] = results.metric("step_time", 0) | results.quantiles(ranks[0]["times"], 1e3)

@@ -42,9 +42,10 @@ def _state(net: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, int]:
             "optimizer": _local_bytes(optimizer_state)}
 
 
-def dp_step_memory(rank: int, world: int, provider: str) -> dict:
+def dp_step_memory(rank: int, world: int, provider: str, timed_steps: int = TIMED_STEPS) -> dict:
     """Peak bytes of a step on this rank (parameters, gradients and optimizer state live when
-    it starts, plus the most it allocates at once), the state alone, and step times (s)."""
+    it starts, plus the most it allocates at once), the state alone, and the times (s) of
+    ``timed_steps`` steps."""
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -80,7 +81,7 @@ def dp_step_memory(rank: int, world: int, provider: str) -> dict:
 
     step()  # the optimizer's state, FSDP's lazy initialisation, dpgrad's first-use tuning
     times: List[float] = []
-    for _ in range(TIMED_STEPS):
+    for _ in range(timed_steps):
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
