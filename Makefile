@@ -53,19 +53,23 @@ demo: $(STAMP)
 # The test passes run on every core (pytest-xdist), test by test, but for the modules whose
 # module-scoped fixtures (ranks spawned, a report, the kernels compiled) run once: their tests
 # share a worker (pytest.mark.xdist_group).
+# Each pytest process rewrites the test modules' assertions; with bytecode written, the later
+# processes (the second pass, spawned ranks) read them back instead.
+unexport PYTHONDONTWRITEBYTECODE
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 XDIST := -n $(JOBS) --dist loadgroup
 
+# The first pass: the tests and the benchmark suites at small sizes, once each and untimed
+# (collection and one round; a suite's cases that share built models and spawned ranks run on
+# one worker: benchmarks/conftest.py groups them). The suites are named first, so that their
+# long groups start first and no worker waits at the end for one.
 test: $(STAMP)
-	$(PY) -m pytest -q $(XDIST)
+	DPGRAD_BENCH_QUICK=1 $(PY) -m pytest -q $(XDIST) benchmarks tests
 	# Again with every sampler on the Triton kernels (Triton's interpreter when there is no GPU):
 	# the fewest tests of the wrappers and samplers that reach every kernel and dispatch path
 	# to one (tests/triton_pass.py chooses them). The kernels' own tests choose their backend
 	# and ran above; the tools, store and package tests do not reach a kernel.
 	DPGRAD_BACKEND=triton $(PY) -m pytest -q -p no:cacheprovider $(XDIST) -m kernel_paths $(addprefix tests/,$(BACKEND_TESTS))
-	# The benchmark suites at small sizes, once each and untimed: collection and one round (a
-	# suite's cases on one worker: they share its built models and spawned ranks).
-	DPGRAD_BENCH_QUICK=1 $(PY) -m pytest -q -p no:cacheprovider -n $(JOBS) --dist loadfile benchmarks
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) $(addprefix tests/,$(FAST_TESTS))

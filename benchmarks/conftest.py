@@ -144,6 +144,18 @@ def pytest_unconfigure(config):
     gc.unfreeze()  # the interpreter's exit frees them as usual (nanobind reports what it does not)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist's ``--dist loadgroup`` (``make test``'s first pass, beside the tests),
+    the cases that share what a suite builds run on one worker: a suite's cases of one model
+    (``name``), or all of a suite's cases where they name no model. This hook sees every
+    collected item: only the suites' own are grouped."""
+    here = Path(__file__).parent
+    for item in items:
+        if item.path.parent == here:
+            name = item.callspec.params.get("name") if hasattr(item, "callspec") else None
+            item.add_marker(pytest.mark.xdist_group(f"{item.path.stem}-{name}" if name else item.path.stem))
+
+
 @pytest.fixture
 def bench(benchmark, request):
     row = BenchRow(benchmark)
