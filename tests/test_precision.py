@@ -60,7 +60,15 @@ def exact_gram(A, G):
 
 
 # (B, T, d, p): K = T for the direct norm, d and p for the Gram norm.
-SHAPES = [(3, 7, 45, 29), (2, 257, 24, 40), (1, 16, 1030, 700)]
+# - (1, 257, 24, 40): the direct norm's long K, T = 257 (17 K-tiles of the interpreter's BK = 16,
+#   a tail of one); one sample, whose bound is its own: a second one is only another draw, at
+#   the cost of 153 more Gram tile pairs under the interpreter.
+# - (1, 16, 1030, 130): the Gram norm's long K. Both Gram matrices are built by the same loop
+#   (linear_norm_gram._gram_tile, K in steps of BK = 32), so A's d = 1030 (33 K-tiles, a tail
+#   of 6) is the long accumulation that p = 700 was too; p = 130 (5 K-tiles, a tail of 2) is
+#   still accumulated over several tiles, and the direct norm's (p, d) tiles, which cost the
+#   interpreter one program step each and have nothing to do with K, are 165 instead of 726.
+SHAPES = [(3, 7, 45, 29), (1, 257, 24, 40), (1, 16, 1030, 130)]
 
 
 @pytest.mark.parametrize("ops", BACKENDS)
@@ -90,7 +98,10 @@ def test_per_sample_gradients_and_clipped_sums_within_fp32_accumulation(ops, dty
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_embedding_norms_within_fp32_accumulation(ops, dtype):
     g = torch.Generator().manual_seed(2)
-    B, T, V, d = 3, 300, 5, 33  # few tokens: long segments
+    # Few tokens: long segments, each a running fp32 sum of about T / V = 60 rows (8 steps of
+    # the interpreter's BR = 8). K is T: one sample of 300 tokens keeps it; the interpreter runs
+    # a program per position and d-tile, so more samples only cost.
+    B, T, V, d = 1, 300, 5, 33
     ids = torch.randint(0, V, (B, T), generator=g).to(DEVICE)
     G = torch.randn(B, T, d, generator=g).to(dtype).to(DEVICE)
     exact = R.embedding_sq_norm(ids.cpu(), G.double().cpu(), V)

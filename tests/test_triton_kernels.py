@@ -39,7 +39,7 @@ LINEAR_SHAPES = [
     (2, 70, 19, 66),
     (1, 1, 33, 17),
     (5, 1, 8, 130),
-    (1, 129, 16, 16),
+    (1, 65, 16, 16),  # long T, a tail of one token in every T-tile (BT 32 and 16), 5 Gram row blocks
     (4, 3, 1, 2),
     (0, 5, 7, 3),
     (2, 0, 6, 5),
@@ -47,7 +47,7 @@ LINEAR_SHAPES = [
 # (B, T, V, d, padding_idx)
 EMBEDDING_SHAPES = [
     (3, 17, 11, 45, 0),
-    (4, 33, 50, 70, 3),
+    (4, 9, 50, 70, 3),  # three d-tiles of the interpreter's BD = 32 (a full one between), padding mid-table
     (2, 40, 3, 16, None),  # few tokens: long segments
     (1, 1, 5, 3, None),
     (2, 9, 7, 33, 2),
@@ -426,7 +426,9 @@ def test_wrappers_run_on_the_forced_backend(monkeypatch):
 
 
 # (L, B, T, d, p): a group of L layers of one shape launched at once.
-GROUPED_SHAPES = [(3, 2, 37, 45, 29), (2, 1, 1, 33, 17), (4, 3, 5, 8, 130), (2, 0, 5, 7, 3)]
+# The third: four layers, p = 66 across three p-tiles of the interpreter's 32 (the last group of
+# the clipped sum's rasterisation partial) and two of the token sums' 64, each with a tail.
+GROUPED_SHAPES = [(3, 2, 37, 45, 29), (2, 1, 1, 33, 17), (4, 2, 5, 8, 66), (2, 0, 5, 7, 3)]
 
 
 def _layers(L, B, T, d, p, dtype, strided, seed):
