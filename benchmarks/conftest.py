@@ -144,6 +144,7 @@ def pytest_unconfigure(config):
     gc.unfreeze()  # the interpreter's exit frees them as usual (nanobind reports what it does not)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist's ``--dist loadgroup`` (``make test``'s first pass, beside the tests),
     the cases that share what a suite builds run on one worker: a suite's cases of one model
