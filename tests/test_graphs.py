@@ -401,6 +401,7 @@ def test_a_graph_for_each_shape(rerun):
 
 
 @pytest.mark.parametrize("single", [True, False], ids=["single", "double"])
+@pytest.mark.xdist_group("inductor")  # with test_guarantee's: Inductor's first compile paid once
 def test_the_step_under_torch_compile_is_the_eager_step(single):
     torch._dynamo.reset()
     params, losses, history, *_ = _train("eager", single=single)

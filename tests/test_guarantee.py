@@ -766,6 +766,7 @@ class EmbedNorm(nn.Module):
 @compiling
 @pytest.mark.skipif(not (os.environ.get("CXX") or shutil.which("g++")),
                     reason="Inductor compiles for the CPU with a C++ compiler")
+@pytest.mark.xdist_group("inductor")  # Inductor's first compile in a process (most of a minute cold) paid once
 def test_compiled_by_inductor(monkeypatch):
     """torch.compile's default backend, single backward: exact, or, where it donates buffers
     (on a machine with several threads a step of this model does), refused with the fix,
