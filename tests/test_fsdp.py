@@ -44,9 +44,10 @@ OPACUS = importlib.util.find_spec("opacus") is not None
 BF16_RTOL = 1e-2
 CLIPPED = [dict(kind=k, single=s, reduction=r) for k in KINDS for s in MODES.values()
            for r in (("mean",) if BACKEND_PASS else ("mean", "sum"))]
-# Three ranks: the mean reduction (the sum's scaling is the same on any number of ranks, and
-# two ranks take both).
-THREE = [kw for kw in CLIPPED if kw["reduction"] == "mean"]
+# Three ranks (shards of uneven sizes): the transformer with the mean reduction (the sum's
+# scaling is the same on any number of ranks, and two ranks take both; LoRA's adapters are
+# sharded like any other parameter, and two ranks take them).
+THREE = [kw for kw in CLIPPED if kw["reduction"] == "mean" and kw["kind"] == "transformer"]
 BF16 = [dict(kind="transformer", single=s, reduction="mean", precision="bf16") for s in MODES.values()]
 LEAVES = [dict(kind="transformer", single=s, reduction="mean", leaves=True) for s in MODES.values()]
 LAYERS = [dict(kind="layers", single=s, reduction="mean") for s in MODES.values()]
