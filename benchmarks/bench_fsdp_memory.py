@@ -36,11 +36,11 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 
 def _run(world: int, timed: bool) -> list:
     """Every provider's results on each rank of one world size, [rank][provider] (an untimed
-    run, make test's, times one step of each instead of ``TIMED_STEPS``)."""
+    run, make test's, times one step of each instead of ``TIMED_STEPS``, on the smaller model)."""
     if world not in _runs:
         steps = R.TIMED_STEPS if timed else 1
-        _runs[world] = spawn(world, [("dp_step_memory", dict(provider=p, timed_steps=steps)) for p in PROVIDERS],
-                             "fsdp_memory_ranks")
+        jobs = [("dp_step_memory", dict(provider=p, timed_steps=steps, quick=not timed)) for p in PROVIDERS]
+        _runs[world] = spawn(world, jobs, "fsdp_memory_ranks")
     return _runs[world]
 
 
@@ -49,8 +49,9 @@ def _run(world: int, timed: bool) -> list:
 def test_fsdp_memory(bench, world, provider):
     if bench.benchmark_fixture.disabled and world != WORLDS[0]:
         pytest.skip("untimed pass: the smallest world size only")
+    cfg = R.CFG if not bench.benchmark_fixture.disabled else R.QUICK_CFG
     bench.describe("fsdp_memory", "fsdp_memory",
-                   dict(model=f"tiny-{R.CFG.n_layers}l-d{R.CFG.d_model}", world=world, batch=R.BATCH_PER_RANK,
+                   dict(model=f"tiny-{cfg.n_layers}l-d{cfg.d_model}", world=world, batch=R.BATCH_PER_RANK,
                         seq_len=R.SEQ_LEN, dtype="fp32"), provider, time_metric="step_time")
     ranks = [out[PROVIDERS.index(provider)] for out in _run(world, not bench.benchmark_fixture.disabled)]
     bench.metrics["peak_memory"] = results.metric("peak_memory", max(r["peak"] for r in ranks))

@@ -21,6 +21,8 @@ from dpgrad.tools import results
 from dpgrad.tools.models import TinyTransformer, TinyTransformerConfig, synthetic_batch
 
 CFG = TinyTransformerConfig(vocab_size=4096, max_seq_len=64, d_model=256, n_heads=4, n_layers=4, d_ff=1024)
+# An untimed run (make test's) checks that each step runs and is recorded, on a smaller model.
+QUICK_CFG = TinyTransformerConfig(vocab_size=512, max_seq_len=64, d_model=64, n_heads=4, n_layers=2, d_ff=256)
 BATCH_PER_RANK, SEQ_LEN = 4, 64
 TIMED_STEPS = 3
 
@@ -42,17 +44,18 @@ def _state(net: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, int]:
             "optimizer": _local_bytes(optimizer_state)}
 
 
-def dp_step_memory(rank: int, world: int, provider: str, timed_steps: int = TIMED_STEPS) -> dict:
+def dp_step_memory(rank: int, world: int, provider: str, timed_steps: int = TIMED_STEPS, quick: bool = False) -> dict:
     """Peak bytes of a step on this rank (parameters, gradients and optimizer state live when
     it starts, plus the most it allocates at once), the state alone, and the times (s) of
-    ``timed_steps`` steps."""
+    ``timed_steps`` steps; of ``QUICK_CFG``'s model where ``quick``."""
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     parallel, step_kind = provider.split("-", 1)
     torch.set_num_threads(1)  # the ranks share the machine's cores
+    cfg = QUICK_CFG if quick else CFG
     torch.manual_seed(0)
-    net = TinyTransformer(CFG)
+    net = TinyTransformer(cfg)
     if parallel == "fsdp2":
         for block in net.blocks:
             fully_shard(block)
@@ -60,21 +63,21 @@ def dp_step_memory(rank: int, world: int, provider: str, timed_steps: int = TIME
         model = net
     else:
         model = DDP(net)
-    ids = synthetic_batch(CFG, BATCH_PER_RANK, SEQ_LEN, torch.Generator().manual_seed(rank))
+    ids = synthetic_batch(cfg, BATCH_PER_RANK, SEQ_LEN, torch.Generator().manual_seed(rank))
     if step_kind == "non-private":
         criterion = None
     else:
         model = dpgrad.GradSampleModuleFastGradientClipping(model, max_grad_norm=1.0,
                                                             single_backward=step_kind == "dpgrad-single")
-        criterion = dpgrad.DPLossFastGradientClipping(model, None, nn.CrossEntropyLoss(ignore_index=CFG.padding_idx))
+        criterion = dpgrad.DPLossFastGradientClipping(model, None, nn.CrossEntropyLoss(ignore_index=cfg.padding_idx))
     optimizer = torch.optim.Adam(net.parameters(), lr=1e-4)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
         logits = model(ids[:, :-1])
-        flat, targets = logits.reshape(-1, CFG.vocab_size), ids[:, 1:].reshape(-1)
+        flat, targets = logits.reshape(-1, cfg.vocab_size), ids[:, 1:].reshape(-1)
         if criterion is None:
-            nn.functional.cross_entropy(flat, targets, ignore_index=CFG.padding_idx).backward()
+            nn.functional.cross_entropy(flat, targets, ignore_index=cfg.padding_idx).backward()
         else:
             criterion(flat, targets, shape=logits.shape[:2]).backward()
         optimizer.step()
