@@ -287,10 +287,14 @@ def _finish_counts(kind: str, n_layer: int, mode: str, setting: str):
 # The Triton runs, slow under the interpreter, in single-backward mode only: its finish step
 # does all the double-backward one does, and the clipped sums. Per block, where the GPU's
 # memory has room for the blocks' records until the end of the pass (``GroupFlush``), the
-# blocks are clipped together in the finish, as one group of layers of each shape.
-@pytest.mark.parametrize("mode, setting", [("single", "eager"), ("double", "eager"), ("single", "triton"),
-                                           ("per-block", "eager"), ("per-block", "triton")])
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+# blocks are clipped together in the finish, as one group of layers of each shape: on the
+# Triton kernels for Llama only (GPT-2's Conv1D layers take the Linear sampler and kernels,
+# their weight stored transposed, which GPT-2's flat clipping on the Triton kernels counts).
+@pytest.mark.parametrize("kind, mode, setting", [
+    pytest.param(kind, mode, setting, id=f"{kind}-{mode}-{setting}") for kind in ("gpt2", "llama")
+    for mode, setting in [("single", "eager"), ("double", "eager"), ("single", "triton"), ("per-block", "eager"),
+                          ("per-block", "triton")]
+    if (kind, mode, setting) != ("gpt2", "per-block", "triton")])
 def test_finish_step_does_not_grow_with_depth(kind, mode, setting):
     if setting != "eager":
         pytest.importorskip("triton")
