@@ -114,6 +114,22 @@ def test_records_served_early_when_memory_is_short_are_exact(name, mode, monkeyp
     assert second.records_peak < held.records_peak
 
 
+def test_the_lowest_marked_outputs_of_a_graph_reaching_a_node_twice():
+    """``lowest_marked_edges`` (the walk behind the pass above) where one node is reached twice
+    from one parent (``h * h``): the marked output below everything else is found once, the
+    marked one above it not at all."""
+    from dpgrad.backward.autograd_graph import lowest_marked_edges
+
+    mark = object()
+    x = torch.randn(3, requires_grad=True)
+    h = x * 2
+    above = (h * h).sin()
+    for out in (h, above):
+        out.grad_fn.metadata.setdefault(mark, (0, set()))[1].add(out.output_nr)
+    found = lowest_marked_edges(above.sum().grad_fn, mark)
+    assert [(edge.node, edge.output_nr) for edge in found] == [(h.grad_fn, 0)]
+
+
 @pytest.mark.parametrize("memory", ["short", "counted", "not counted"])
 def test_passes_after_memory_ran_short_ask_autograd_for_the_lowest_outputs(memory, monkeypatch):
     """Autograd holds the gradient of every output a pass asks it for until the pass ends: once
