@@ -49,7 +49,7 @@ def _run(world: int, timed: bool) -> list:
 def test_fsdp_memory(bench, world, provider):
     if bench.benchmark_fixture.disabled and world != WORLDS[0]:
         pytest.skip("untimed pass: the smallest world size only")
-    cfg = R.CFG if not bench.benchmark_fixture.disabled else R.QUICK_CFG
+    cfg = R.config(quick=bench.benchmark_fixture.disabled)
     bench.describe("fsdp_memory", "fsdp_memory",
                    dict(model=f"tiny-{cfg.n_layers}l-d{cfg.d_model}", world=world, batch=R.BATCH_PER_RANK,
                         seq_len=R.SEQ_LEN, dtype="fp32"), provider, time_metric="step_time")

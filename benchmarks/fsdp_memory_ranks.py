@@ -27,6 +27,11 @@ BATCH_PER_RANK, SEQ_LEN = 4, 64
 TIMED_STEPS = 3
 
 
+def config(quick: bool) -> TinyTransformerConfig:
+    """The model of a run: ``QUICK_CFG`` for an untimed one, ``CFG`` for a timed one."""
+    return QUICK_CFG if quick else CFG
+
+
 def _local_bytes(tensors) -> int:
     """Bytes this rank holds of ``tensors`` (its shard of a DTensor)."""
     total = 0
@@ -53,7 +58,7 @@ def dp_step_memory(rank: int, world: int, provider: str, timed_steps: int = TIME
 
     parallel, step_kind = provider.split("-", 1)
     torch.set_num_threads(1)  # the ranks share the machine's cores
-    cfg = QUICK_CFG if quick else CFG
+    cfg = config(quick)
     torch.manual_seed(0)
     net = TinyTransformer(cfg)
     if parallel == "fsdp2":

@@ -118,14 +118,14 @@ def test_the_lowest_marked_outputs_of_a_graph_reaching_a_node_twice():
     """``lowest_marked_edges`` (the walk behind the pass above) where one node is reached twice
     from one parent (``h * h``): the marked output below everything else is found once, the
     marked one above it not at all."""
-    from dpgrad.backward.autograd_graph import lowest_marked_edges
+    from dpgrad.backward.autograd_graph import lowest_marked_edges, mark_output
 
     mark = object()
     x = torch.randn(3, requires_grad=True)
     h = x * 2
     above = (h * h).sin()
     for out in (h, above):
-        out.grad_fn.metadata.setdefault(mark, (0, set()))[1].add(out.output_nr)
+        mark_output(out, mark)
     found = lowest_marked_edges(above.sum().grad_fn, mark)
     assert [(edge.node, edge.output_nr) for edge in found] == [(h.grad_fn, 0)]
 
