@@ -6,7 +6,8 @@ rate, noise, steps and canaries. Each figure is the median (p20, p80) over twent
 (different canaries and memberships; five under ``DPGRAD_BENCH_QUICK=1``, as ``make report``
 runs it); a correct implementation audits like the idealised mechanism and at or below the
 accountant. The audit model is small and runs on the CPU: the same figures on every machine,
-in about two minutes. The test suite's pass (timing disabled) runs one seed.
+in about two minutes. The test suite's pass (timing disabled) runs one seed of one case
+(``UNTIMED``).
 ``benchmarks/audit_papers.py`` sets the audit beside figures papers report."""
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from dpgrad.audit.run import AuditConfig, audit  # noqa: E402
 # with 1000 canaries; and 250 and 4000 canaries at two of them.
 NOISES = [1.0, 1.5, 2.0, 3.0, 5.0]
 CASES = [(noise, 1000) for noise in NOISES] + [(noise, m) for noise in (1.0, 3.0) for m in (250, 4000)]
+# make test's untimed pass (one seed each): one noise multiplier and number of canaries, every
+# provider; the others run the same code.
+UNTIMED = [dict(noise=1.0, canaries=1000)]
 SETTING = dict(samples=1000, steps=100, sample_rate=0.1)
 PROVIDERS = {"dpgrad-single": ("dpgrad", True), "dpgrad-double": ("dpgrad", False), "idealised": ("idealised", True)}
 

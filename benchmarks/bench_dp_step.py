@@ -97,6 +97,8 @@ CPU_PROVIDERS = ["non-private", "dpgrad-single", "dpgrad-single-per-block", "dpg
 CPU_MODELS = os.environ.get("DPGRAD_BENCH_CASES", "") == "cpu"
 if CPU_MODELS:
     CASES = CPU_CASES
+# make test's untimed pass: each case but the tiny model's longer sequence (the code of T = 64).
+UNTIMED = [dict(name=n, batch=b, seq_len=t, dtype=d) for n, b, t, d in CASES if (n, t) != ("tiny", 256)]
 # The providers measured with activation checkpointing (Opacus's hooks and torch.func are not).
 CHECKPOINTED = ("non-private", "dpgrad-double", "dpgrad-single", "dpgrad-single-per-block", "dpgrad-single-per-layer")
 # dpgrad's single backward also with group-wise clipping: one threshold per transformer block

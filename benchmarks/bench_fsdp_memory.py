@@ -29,6 +29,8 @@ from dpgrad.tools.ranks import spawn
 PROVIDERS = [f"{parallel}-{step}" for parallel in ("ddp", "fsdp2")
              for step in ("non-private", "dpgrad-single", "dpgrad-double")]
 WORLDS = (2, 4)
+# make test's untimed pass: the smallest world size only.
+UNTIMED = [dict(world=WORLDS[0])]
 _runs: Dict[int, list] = {}
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed")
@@ -47,8 +49,6 @@ def _run(world: int, timed: bool) -> list:
 @pytest.mark.parametrize("provider", PROVIDERS)
 @pytest.mark.parametrize("world", WORLDS)
 def test_fsdp_memory(bench, world, provider):
-    if bench.benchmark_fixture.disabled and world != WORLDS[0]:
-        pytest.skip("untimed pass: the smallest world size only")
     cfg = R.config(quick=bench.benchmark_fixture.disabled)
     bench.describe("fsdp_memory", "fsdp_memory",
                    dict(model=f"tiny-{cfg.n_layers}l-d{cfg.d_model}", world=world, batch=R.BATCH_PER_RANK,

@@ -151,10 +151,30 @@ def pytest_collection_modifyitems(config, items):
     (``name``), or all of a suite's cases where they name no model. This hook sees every
     collected item: only the suites' own are grouped."""
     here = Path(__file__).parent
+    untimed = not _timed(config)
+    kept, dropped = [], []
     for item in items:
         if item.path.parent == here:
-            name = item.callspec.params.get("name") if hasattr(item, "callspec") else None
+            params = item.callspec.params if hasattr(item, "callspec") else {}
+            if untimed and not _untimed_takes(item.module, params):
+                dropped.append(item)
+                continue
+            name = params.get("name")
             item.add_marker(pytest.mark.xdist_group(f"{item.path.stem}-{name}" if name else item.path.stem))
+        kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
+def _untimed_takes(module, params: dict) -> bool:
+    """Whether an untimed run (``--benchmark-disable``: ``make test``'s pass, which checks that
+    each case runs and is recorded) takes a suite's case: all of them, unless the suite names
+    the ones it takes in ``UNTIMED`` (dicts of parameters; a case is taken where one of them is
+    a subset of its own), leaving out cases that run the same code on other figures (another
+    noise multiplier, a longer sequence). Timed runs take every case."""
+    wanted = getattr(module, "UNTIMED", None)
+    return wanted is None or any(all(params.get(k) == v for k, v in w.items()) for w in wanted)
 
 
 @pytest.fixture

@@ -55,6 +55,24 @@ EMBEDDING_SHAPES = [
 ]
 
 
+# Every input dtype in both layouts (contiguous, strided). On a GPU each shape takes all six;
+# under the interpreter, where the kernels' code is the same for every dtype and layout and only
+# the loads' addresses and the roundings differ, each shape takes two (one contiguous, one
+# strided), rotating so that each of the six meets at least two shapes.
+ALL_LAYOUTS = [(torch.float32, False), (torch.bfloat16, True), (torch.float16, False),
+               (torch.float32, True), (torch.bfloat16, False), (torch.float16, True)]
+
+
+def shapes_and_layouts(shapes):
+    params = []
+    for i, shape in enumerate(shapes):
+        first = 2 * i % len(ALL_LAYOUTS)
+        for dtype, strided in ALL_LAYOUTS if DEVICE == "cuda" else ALL_LAYOUTS[first:first + 2]:
+            layout = "strided" if strided else "contiguous"
+            params.append(pytest.param(shape, dtype, strided, id=f"{shape}-{dtype}-{layout}"))
+    return params
+
+
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
     monkeypatch.setattr(triton_common, "POISON", True)
@@ -98,9 +116,7 @@ def upcast(*ts):
     return [t.double() for t in ts]
 
 
-@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", LINEAR_SHAPES, ids=str)
+@pytest.mark.parametrize("shape, dtype, strided", shapes_and_layouts(LINEAR_SHAPES))
 def test_linear_per_sample_fused(shape, dtype, strided):
     """Gradients, bias and both norm epilogues of one pass, in the input and an fp32 output dtype."""
     B, T, d, p = shape
@@ -120,9 +136,7 @@ def test_linear_per_sample_fused(shape, dtype, strided):
 
 
 @pytest.mark.parametrize("algorithm", ["direct", "gram"])
-@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", LINEAR_SHAPES, ids=str)
+@pytest.mark.parametrize("shape, dtype, strided", shapes_and_layouts(LINEAR_SHAPES))
 def test_linear_weight_norm(shape, dtype, strided, algorithm):
     B, T, d, p = shape
     A = tensor((B, T, d), dtype, strided, seed=3)
@@ -168,9 +182,7 @@ def test_linear_frozen_weight_paths():
     assert_rel_per_sample(no_cols.bias_sq_norm[:, None], ref_bias.square().sum(1, keepdim=True), 1e-5, "bias norm")
 
 
-@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", LINEAR_SHAPES, ids=str)
+@pytest.mark.parametrize("shape, dtype, strided", shapes_and_layouts(LINEAR_SHAPES))
 def test_linear_clipped_sum(shape, dtype, strided):
     B, T, d, p = shape
     A = tensor((B, T, d), dtype, strided, seed=10)
@@ -203,9 +215,7 @@ def test_linear_clipped_sum_batch_splits(monkeypatch):
         assert_rel_per_sample(b[None], br[None], 1e-5, f"{target} programs")
 
 
-@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", EMBEDDING_SHAPES, ids=str)
+@pytest.mark.parametrize("shape, dtype, strided", shapes_and_layouts(EMBEDDING_SHAPES))
 def test_embedding_kernels(shape, dtype, strided):
     B, T, V, d, padding_idx = shape
     ids = token_ids(B, T, V, padding_idx, strided, seed=16)
