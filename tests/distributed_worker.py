@@ -295,8 +295,16 @@ def fsdp_refused(rank: int, world: int) -> str:
     return "no error"
 
 
+def environment(rank: int, world: int, name: str) -> dict:
+    """This rank's process, and the value of the environment variable ``name`` it sees."""
+    import os
+
+    return {"pid": os.getpid(), "value": os.environ.get(name)}
+
+
 SCENARIOS = {
     "adaptive_steps": adaptive_steps,
+    "environment": environment,
     "fsdp_refused": fsdp_refused,
     "mixing_refused": mixing_refused,
     "clipped_gradients": clipped_gradients,

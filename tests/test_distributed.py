@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import numpy as np
 import pytest
@@ -214,3 +215,17 @@ def test_samples_mixed_are_refused_on_every_rank(ranks, order, where, words):
     reduces anything."""
     for message in _result(ranks, "mixing_refused", order=order, where=where):
         assert words in message and "(grads untouched: True)" in message, message
+
+
+def test_ranks_see_the_callers_environment_as_it_is_at_each_call(ranks, monkeypatch):
+    """dpgrad.tools.ranks forks the ranks from a server process started at the first call (the
+    ``ranks`` fixture's): a variable set after that call reaches the ranks of the next, each a
+    new process; one removed is gone."""
+    name = "DPGRAD_RANKS_TEST_VARIABLE"
+    monkeypatch.setenv(name, "first")
+    first = spawn(2, [("environment", dict(name=name))], "distributed_worker")
+    monkeypatch.delenv(name)
+    second = spawn(1, [("environment", dict(name=name))], "distributed_worker")
+    assert [r[0]["value"] for r in first] == ["first", "first"] and second[0][0]["value"] is None
+    pids = {r[0]["pid"] for r in first + second}
+    assert len(pids) == 3 and os.getpid() not in pids
