@@ -185,3 +185,13 @@ def test_a_grid_over_the_limits_is_refused_naming_the_kernel():
     with pytest.raises(ValueError, match="_k: a grid of \\(1, 70000\\) blocks, 70000 along y"):
         triton_common.checked_grid("_k", lambda meta: (1, 70000))({})
     assert triton_common.checked_grid("_k", (2**31 - 1, 65535, 65535)) == (2**31 - 1, 65535, 65535)
+
+
+def test_the_tool_run_under_the_interpreter_says_to_run_it_without():
+    """``python -m dpgrad.tools.kernel_compile`` (as docs/kernels.md runs it) with Triton's
+    interpreter on compiles nothing: it stops with a usage error that says so."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "dpgrad.tools.kernel_compile", "--only", "linear"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "run without TRITON_INTERPRET: the interpreter compiles nothing" in proc.stderr, proc.stderr[-2000:]
