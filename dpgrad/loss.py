@@ -200,6 +200,7 @@ class DPTensorFastGradientClipping(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
+    @eager_when_compiled  # (traced, a compiler's graph would run it on the subclass without its dispatch)
     def detach(self) -> torch.Tensor:
         """The batch's loss (mean or sum over samples; in a padded batch, over its sampled
         samples), detached, as a plain tensor."""
