@@ -148,20 +148,32 @@ def test_a_batch_the_size_of_the_buckets_first_is_refused_with_the_reason():
 
 
 class PositionsFirst(nn.Module):
-    """Positions embedded (1, T) before any layer saw the batch; the model's input shows it."""
+    """Positions embedded before any layer saw the batch, on (1, T) ids or on (T,) (a table
+    without the batch, its first size not the batch's); the model's input shows the batch."""
 
-    def __init__(self):
+    def __init__(self, row: bool = True):
         super().__init__()
         self.pos, self.tok, self.head = nn.Embedding(8, D), nn.Embedding(V, D), nn.Linear(D, 3)
+        self.row = row
 
     def forward(self, ids):
-        return self.head((self.pos(torch.arange(ids.shape[1])[None]) + self.tok(ids)).mean(1))
+        positions = torch.arange(ids.shape[1])
+        return self.head((self.pos(positions[None] if self.row else positions) + self.tok(ids)).mean(1))
 
 
+@pytest.mark.parametrize("row", [True, False], ids=["(1,T)", "(T,)"])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_a_broadcast_row_before_the_batch_is_seen_is_exact(mode):
+def test_a_broadcast_row_before_the_batch_is_seen_is_exact(mode, row):
     torch.manual_seed(2)
-    check_ghost(PositionsFirst(), *batch(4, 6), MODES[mode])
+    check_ghost(PositionsFirst(row), *batch(4, 6), MODES[mode])
+    if not row:  # as many samples as positions: the table, seen at another batch size, is remembered
+        check_ghost(PositionsFirst(row), *batch(6, 6), MODES[mode], warmup=batch(4, 6, seed=7))
+
+
+def test_a_table_before_the_batch_is_seen_has_per_sample_gradients():
+    """GradSampleModule: B rows of per-sample gradients, not one per position."""
+    torch.manual_seed(3)
+    check_per_sample_gradients(PositionsFirst(row=False), *batch(3, 5))
 
 
 def test_a_shared_output_returned_by_the_model_is_refused():

@@ -56,8 +56,8 @@ from dpgrad.kernels.backend import name_layers
 from dpgrad.checks.guarantee import VerifiedLayouts
 from dpgrad.checks.independence import Probe
 from dpgrad.checks.independence_check import IndependenceCheck, check_every
-from dpgrad.backward.layer_inputs import (batch_to_front, broadcast_inputs, check_batch, folded_rows, one_row,
-                                          recomputing, shared_before, shared_call)
+from dpgrad.backward.layer_inputs import (batch_to_front, broadcast_inputs, check_batch, folded_rows,
+                                          recomputing, shared_before, shared_call, without_batch)
 from dpgrad.backward.picked_rows import PickedScopes
 from dpgrad.backward.split_calls import SplitCalls
 from dpgrad.backward.whole_calls import WholeCalls, batch_front_of
@@ -219,9 +219,9 @@ class BackwardPath(HookedLayers, ModelHooks, SplitCalls, WholeCalls):
         params = self.layer_params(layer)
         if not params:
             return None
-        if self._forward_batch is None and self.batch_first and (self._input_batch or 0) > 1 and one_row(inputs):
-            # A row broadcast over the batch before any layer saw the batch: the model's input holds it.
-            self._forward_batch = self._input_batch
+        if self._forward_batch is None and self.batch_first and without_batch(layer, inputs, self._input_batch,
+                                                                              self._shared_layers):
+            self._forward_batch = self._input_batch  # the model's input holds the batch
         picked = self._picked(layer, inputs, out)
         if picked is not None:  # rows picked from the batch's tokens (a module per expert)
             return None if recomputing() else self._picked_call(layer, self.layer_names[layer], params, inputs, out,

@@ -103,10 +103,18 @@ def unfold(a, batch: int, n: int, copies: int = 1):
     return a
 
 
-def one_row(inputs) -> bool:
-    """Whether a layer's first tensor input has one row (batch first)."""
+def without_batch(layer: nn.Module, inputs, batch: Optional[int], shared: dict) -> bool:
+    """Whether a layer's first tensor input, called before any layer saw the batch, cannot hold
+    the model input's ``batch`` (batch first): one row of a batch of several (a row broadcast
+    over the batch), a first size other than the batch's where its second is not the batch's
+    either (a table, as a position table on (T,) ids, not the batch time-first), or an input
+    ``shared_before`` (such a table seen at another batch size, its first size now the batch's)."""
     x = next((a for a in inputs if isinstance(a, torch.Tensor)), None)
-    return x is not None and x.dim() > 0 and x.shape[0] == 1
+    if not batch or x is None or x.dim() == 0:
+        return False
+    if x.shape[0] == batch:
+        return shared_before(layer, inputs, shared)
+    return x.shape[0] == 1 or x.dim() < 2 or x.shape[1] != batch
 
 
 def input_batch(args: tuple, kwargs: dict, batch_dim: int) -> Tuple[Optional[int], Optional[int]]:
