@@ -576,9 +576,11 @@ def test_a_deep_copy_of_a_model_hooked_in_place_is_a_plain_model(mode):
 
 # ---------------------------------------------------------------------------- checkpointing
 class Checkpointed(Net):
-    def __init__(self, use_reentrant):
+    """Net with its first layers (``outside``: all but the first) in one activation checkpoint."""
+
+    def __init__(self, use_reentrant, outside=False):
         super().__init__()
-        self.use_reentrant = use_reentrant
+        self.use_reentrant, self.outside = use_reentrant, outside
 
     def plain(self) -> Net:
         """The same model without checkpointing (torch.func, the reference, cannot run it)."""
@@ -588,9 +590,10 @@ class Checkpointed(Net):
 
     def forward(self, x):
         def block(t):
-            return self.twice(torch.tanh(self.l1(t)))[0]
+            return self.twice(t if self.outside else torch.tanh(self.l1(t)))[0]
 
-        h = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.use_reentrant)
+        h = torch.utils.checkpoint.checkpoint(block, torch.tanh(self.l1(x)) if self.outside else x,
+                                              use_reentrant=self.use_reentrant)
         return self.l2(h)
 
 
@@ -628,6 +631,22 @@ def test_reentrant_checkpointing_with_per_sample_gradients_is_exact():
     x.requires_grad_(True)
     step(wrapped, x, y)
     check_exact(model, wrapped, reference_model, x.detach(), y)
+
+
+def test_reentrant_checkpointing_after_a_hooked_layer_with_per_sample_gradients():
+    """The independence check's probe cannot backpropagate through the checkpoint to the layer
+    before it: refused, naming both ways out; exact without the check."""
+    torch.manual_seed(0)
+    model = Checkpointed(use_reentrant=True, outside=True)
+    reference_model = model.plain()
+    x, y = batch(B=3)
+    check_refused(model, wrap(model, "gsm"), x, y, ["reentrant activation checkpointing", "use_reentrant=False",
+                                                    "check_independence=False"], error=RuntimeError)
+    model = Checkpointed(use_reentrant=True, outside=True)
+    model.load_state_dict(reference_model.state_dict())
+    wrapped = dpgrad.GradSampleModule(model, loss_reduction="sum", check_independence=False)
+    step(wrapped, x, y)
+    check_exact(model, wrapped, reference_model, x, y)
 
 
 class _RunAgain(torch.autograd.Function):

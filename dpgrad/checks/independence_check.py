@@ -54,6 +54,26 @@ from dpgrad.checks.independence import (
     probe_sets,
 )
 
+# What a probe says where it meets a reentrant checkpoint, which torch.autograd.grad cannot pass.
+REENTRANT = (
+    "the model uses reentrant activation checkpointing (torch.utils.checkpoint with use_reentrant=True, the default "
+    "of Hugging Face's gradient_checkpointing_enable() before transformers 5), and dpgrad's independence check "
+    "backpropagates its probes to the hooked layers with torch.autograd.grad, which a reentrant checkpoint refuses. "
+    "Use non-reentrant checkpointing: torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False), or "
+    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}). " + TURN_OFF
+    + " " + NOTHING_REACHED)
+
+
+def _probe_grad(outputs, targets, vectors):
+    """The gradients a probe backpropagates (``grad_keeping_graph``), a reentrant checkpoint refused."""
+    try:
+        return grad_keeping_graph(outputs, targets, vectors, allow_unused=True)
+    except RuntimeError as error:
+        if "use_reentrant=True" in str(error):
+            raise RuntimeError(REENTRANT) from error
+        raise
+
+
 # Recomputes the per-sample losses with the outputs and targets of some samples changed (None:
 # unchanged), for the loss's forward probe; its second argument gives a generator per device.
 Recompute = Callable[[Optional[Sequence[int]], Callable[[torch.device], torch.Generator]], torch.Tensor]
@@ -155,7 +175,7 @@ class IndependenceCheck:
             vectors = [self.draws.on_rows(t, probe.rows, d) for t, d in placed]
             path._probing = probe
             try:
-                grad_keeping_graph(tensors, targets, vectors, allow_unused=True)
+                _probe_grad(tensors, targets, vectors)
             finally:
                 path._probing = None
         found, reached = probes.read()
@@ -285,7 +305,7 @@ class IndependenceCheck:
             weights = self.draws.on_rows(losses, probe.rows, 0)
             path._probing = probe
             try:
-                grads = grad_keeping_graph(losses, targets, weights, allow_unused=True)
+                grads = _probe_grad(losses, targets, weights)
             finally:
                 path._probing = None
             for i, (grad, shape) in enumerate(zip(grads, edges.output_shapes)):
