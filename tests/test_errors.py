@@ -180,6 +180,29 @@ def test_batchnorm_under_strict_raises_before_any_change(wrapper):
     assert_trains_normally(model, pristine, x, y)
 
 
+@pytest.mark.parametrize("function", ["weight_norm", "spectral_norm"])
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_a_weight_computed_by_a_forward_pre_hook_is_refused_before_any_change(wrapper, function):
+    """torch.nn.utils.weight_norm and spectral_norm (not the parametrizations): the layer's
+    weight is a tensor their hook computes, whose gradient is not its parameters' (the norm of
+    weight_g's and weight_v's per-sample gradients differs from the weight's once g moves off
+    the norms of v)."""
+    cls, kwargs = WRAPPERS[wrapper]
+    model, _ = make(WithBatchNorm)
+    model.block[1] = nn.Identity()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's deprecation of weight_norm
+        getattr(torch.nn.utils, function)(model.fc)
+    hooks = dict(model.fc._forward_pre_hooks)
+    with pytest.raises(NotImplementedError) as err:
+        cls(model, **kwargs)
+    says(err, "layer 'fc' (Linear)", f"torch.nn.utils.{function}", f"torch.nn.utils.parametrizations.{function}",
+         f"remove_{function}", "requires_grad_(False)", "strict=False")
+    assert dict(model.fc._forward_pre_hooks) == hooks and not hasattr(model.fc, "ft_compute_sample_grad")
+    for p in model.parameters():
+        assert not hasattr(p, "grad_sample")
+
+
 def test_batchnorm_strict_false_warns_and_skips_it():
     model, _ = make(WithBatchNorm)
     x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))

@@ -275,6 +275,40 @@ def test_a_module_computing_with_its_childs_parameters(wrapper, inner):
     assert ("inner" in layers) == (inner is not ReadsTheDtype), sorted(layers)
 
 
+class Symmetric(nn.Module):
+    def forward(self, w):
+        return w.triu() + w.triu(1).transpose(-1, -2)
+
+
+def parametrized(kind: str) -> nn.Module:
+    """A Linear whose weight (or bias) torch.nn.utils.parametrize computes from parameters of
+    its own; weight_norm's magnitudes moved off the weight's norms, where its per-sample norm
+    would equal the computed weight's."""
+    from torch.nn.utils import parametrizations, parametrize
+
+    layer = nn.Linear(6, 6)
+    if kind == "weight_norm":
+        parametrizations.weight_norm(layer)
+        with torch.no_grad():
+            layer.parametrizations.weight.original0.mul_(torch.linspace(0.5, 3.0, 6)[:, None])
+    elif kind == "symmetric":
+        parametrize.register_parametrization(layer, "weight", Symmetric())
+    else:  # spectral_norm, in eval mode (in training mode its power iteration changes its buffers)
+        parametrizations.spectral_norm(layer).eval()
+    return layer
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "symmetric", "spectral_norm"])
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_a_parametrized_layer_is_taken_whole(wrapper, kind):
+    """Per-sample gradients of the parametrization's own parameters (not of the weight it
+    computes), the layer and its parametrizations one layer."""
+    torch.manual_seed(12)
+    wrapped = check_step(wrapper, Around(parametrized(kind)), 4, seed=13)
+    inner = wrapped._module.inner
+    assert inner in wrapped._path.functorch_layers and wrapped._path.layer_names[inner] == "inner"
+
+
 G = 6  # the gated layer's width
 
 

@@ -11,6 +11,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 import torch.nn as nn
+from torch.nn.utils.parametrize import is_parametrized as parametrized
 
 from dpgrad.backward.functional_calls import FunctionalHooks
 from dpgrad.samplers import registry
@@ -75,9 +76,11 @@ class HookedLayers:
         if module in seen:
             return
         seen.add(module)
-        # One layer with its children's parameters: a registered wrapper (peft's ParamWrapper), or
+        # One layer with its children's parameters: a registered wrapper (peft's ParamWrapper), a
+        # parametrized module (its parametrizations' parameters, torch.nn.utils.parametrize), or
         # a module computing with a child's weight itself rather than calling the child.
-        unit = registry.taken_whole(module) is not None or (bool(prefix) and uses_child_parameters(module))
+        unit = registry.taken_whole(module) is not None or parametrized(module) or (
+            bool(prefix) and uses_child_parameters(module))
         if own_trainable(module) or (unit and any(p.requires_grad for p in module.parameters())):
             yield prefix, module
             if unit or type(module) not in self.GRAD_SAMPLERS:

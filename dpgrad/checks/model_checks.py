@@ -18,6 +18,8 @@ import warnings
 from typing import Callable, List, Optional, Tuple
 
 import torch.nn as nn
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 
 def own_trainable(module: nn.Module) -> bool:
@@ -107,12 +109,26 @@ def validate(module: nn.Module, *, strict: bool = False, sampled: Callable[[nn.M
                 "the others and per-sample gradients are undefined. Construct it with "
                 "scale_grad_by_freq=False, freeze it with requires_grad_(False), or pass "
                 "strict=False to skip it.", name))
+        elif isinstance(hook := _computed_weight(m), (WeightNorm, SpectralNorm)):
+            function = "weight_norm" if isinstance(hook, WeightNorm) else "spectral_norm"
+            errors.append(NotImplementedError(
+                f"layer '{name}' ({type(m).__name__}) has its {hook.name} from torch.nn.utils.{function}, "
+                f"computed by a forward pre-hook into a tensor that is no parameter, from which per-sample "
+                f"gradients of its parameters cannot be taken. Use the parametrization instead, "
+                f"torch.nn.utils.parametrizations.{function} (torch.nn.utils.remove_{function}(layer) first), "
+                "which dpgrad takes per sample (spectral_norm in eval mode, where it changes no buffer); freeze the layer with requires_grad_(False), or pass strict=False "
+                "to skip it.", name))
     if strict and errors:
         raise NotImplementedError("\n".join(e.args[0] for e in errors))
     if errors:
         warnings.warn("strict=False: these layers get no per-sample gradients: "
                       + ", ".join(repr(e.args[1]) for e in errors), stacklevel=caller_level())
     return errors
+
+
+def _computed_weight(m: nn.Module):
+    """The forward pre-hook of ``torch.nn.utils.weight_norm`` or ``spectral_norm`` on ``m``, or None."""
+    return next((h for h in m._forward_pre_hooks.values() if isinstance(h, (WeightNorm, SpectralNorm))), None)
 
 
 def caller_level() -> int:

@@ -37,6 +37,7 @@ import inspect
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Type, Union
 
 import torch.nn as nn
+from torch.nn.utils.parametrize import is_parametrized
 
 from dpgrad.backward.fsdp import fsdp_module_class
 
@@ -137,7 +138,11 @@ def samplers_unmet(module: nn.Module) -> bool:
     """Whether ``module``'s class took samplers that this module does not meet, and torch.func
     takes it whole: from a ``STRUCTURAL`` predicate it does not meet (another instance did), or
     from a ``FUNCTIONAL_CALLS`` base while it holds parameters of its own that the base's
-    function is not given (Dory's LM head, an nn.Linear subclass with a ``logit_scale``)."""
+    function is not given (Dory's LM head, an nn.Linear subclass with a ``logit_scale``), or
+    parametrized (``torch.nn.utils.parametrize``: its weight computed from parameters of its
+    parametrizations, which the samplers would not see)."""
+    if is_parametrized(module):
+        return True
     predicate = _STRUCTURED.get(type(module))
     if predicate is not None:
         return not predicate(module)
