@@ -180,6 +180,16 @@ def test_batchnorm_under_strict_raises_before_any_change(wrapper):
     assert_trains_normally(model, pristine, x, y)
 
 
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_a_sparse_embedding_is_refused_before_any_change(wrapper):
+    cls, kwargs = WRAPPERS[wrapper]
+    model = nn.Sequential(nn.EmbeddingBag(7, 4, sparse=True), nn.Linear(4, 3))
+    with pytest.raises(NotImplementedError) as err:
+        cls(model, **kwargs)
+    says(err, "layer '0' (EmbeddingBag)", "sparse=True", "sparse=False", "requires_grad_(False)", "strict=False")
+    assert_untouched(model)
+
+
 @pytest.mark.parametrize("function", ["weight_norm", "spectral_norm"])
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))
 def test_a_weight_computed_by_a_forward_pre_hook_is_refused_before_any_change(wrapper, function):
@@ -395,6 +405,26 @@ def test_input_without_batch_dimension(wrapper):
         wrapped(x[0]).sum().backward()  # one sample, (d,), square first layer
     says(err, "'body.0'", "shape (4,)", "x.unsqueeze(0)")
     assert_step_correct(wrapped, pristine, x, y)
+
+
+class _ByKeyword(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.l(input=x)
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_a_layer_called_by_keyword_is_refused_naming_the_call(wrapper):
+    cls, kwargs = WRAPPERS[wrapper]
+    model = _ByKeyword()
+    wrapped = cls(model, loss_reduction="sum", **kwargs)
+    with pytest.raises(ValueError) as err:
+        wrapped(torch.randn(5, 4))
+    says(err, "layer 'l' (Linear)", "no tensor among its positional inputs", "layer(x), not layer(input=x)")
+    assert all(p.grad is None and getattr(p, "grad_sample", None) is None for p in model.parameters())
 
 
 class _OwnParameterModel(nn.Module):

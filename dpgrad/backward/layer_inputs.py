@@ -152,11 +152,17 @@ def check_batch(layer: nn.Module, name: str, inputs, batch: Optional[int], batch
     batch_dim = 0 if batch_first else 1
     x = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else next(
         (a for a in inputs if isinstance(a, torch.Tensor)), None)
-    # A Linear given one sample's (d,) would otherwise take its features for the batch.
-    if x is None or x.dim() <= batch_dim + feature_dims(layer):
-        shape = None if x is None else tuple(x.shape)
+    if x is None:
         raise ValueError(
-            f"layer '{name}' got an input of shape {shape} with no batch dimension "
+            f"layer '{name}' ({type(layer).__name__}) got no tensor among its positional inputs, where dpgrad "
+            "reads each sample's rows: call it with its input positionally (layer(x), not layer(input=x)). A "
+            "module called with no input that returns its own parameter (a learned token) has no rows of the "
+            "samples: hold that nn.Parameter in the module that combines it with the batch's tensors instead."
+        )
+    # A Linear given one sample's (d,) would otherwise take its features for the batch.
+    if x.dim() <= batch_dim + feature_dims(layer):
+        raise ValueError(
+            f"layer '{name}' got an input of shape {tuple(x.shape)} with no batch dimension "
             f"{batch_dim} (batch_first={batch_first}, so inputs are "
             f"{'[B, ...]' if batch_first else '[K, B, ...]'}): feed a batch of samples, "
             f"e.g. x.unsqueeze({batch_dim}) for a single one"

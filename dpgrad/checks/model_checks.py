@@ -109,6 +109,12 @@ def validate(module: nn.Module, *, strict: bool = False, sampled: Callable[[nn.M
                 "the others and per-sample gradients are undefined. Construct it with "
                 "scale_grad_by_freq=False, freeze it with requires_grad_(False), or pass "
                 "strict=False to skip it.", name))
+        elif isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
+            errors.append(NotImplementedError(
+                f"layer '{name}' ({type(m).__name__}) has sparse=True: its gradient is a sparse tensor, which "
+                "per-sample clipping does not take, and the Gaussian noise of a DP step reaches every row anyway. "
+                "Construct it with sparse=False (and an optimizer for dense gradients), freeze it with "
+                "requires_grad_(False), or pass strict=False to skip it.", name))
         elif isinstance(hook := _computed_weight(m), (WeightNorm, SpectralNorm)):
             function = "weight_norm" if isinstance(hook, WeightNorm) else "spectral_norm"
             errors.append(NotImplementedError(
