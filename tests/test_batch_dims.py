@@ -167,15 +167,16 @@ class TimeFirstAttention(nn.Module):
     """``nn.MultiheadAttention`` as torch builds it by default (batch_first=False) in a batch-first
     model: query, key and value (T, B, D), its key padding mask (B, T) batch first."""
 
-    def __init__(self):
+    def __init__(self, need_weights=False):
         super().__init__()
         self.tok, self.att, self.head = nn.Embedding(V, D), nn.MultiheadAttention(D, 2), nn.Linear(D, 3)
+        self.need_weights = need_weights
 
     def forward(self, ids):
         x = self.tok(ids).transpose(0, 1)
         padding = ids == 0
         padding[:, 0] = False  # every sample attends to something
-        a, _ = self.att(x, x, x, key_padding_mask=padding, need_weights=False)
+        a, _ = self.att(x, x, x, key_padding_mask=padding, need_weights=self.need_weights)
         return self.head(a.transpose(0, 1).mean(1))
 
 
@@ -190,6 +191,15 @@ def test_a_time_first_attention_taken_whole_is_exact(B, T, mode):
     """Taken whole (its in-projection is a parameter of its own): its query, key and value are
     split along dimension 1, its padding mask along 0."""
     check_ghost(attention_model(), *batch(B, T), MODES[mode])
+
+
+def test_a_time_first_attention_returning_its_weights_is_refused_naming_need_weights():
+    """Its weights (B, T, S) hold the batch first, its output along dimension 1."""
+    torch.manual_seed(4)
+    wrapped = dpgrad.GradSampleModuleFastGradientClipping(TimeFirstAttention(need_weights=True))
+    with pytest.raises(ValueError, match=r"(?s)layer 'att' \(MultiheadAttention\).*along dimension 1.*output "
+                                         r"tensor 1.*need_weights=False"):
+        wrapped(batch(3, 5)[0])
 
 
 class CheckpointedTimeFirst(TimeFirst):

@@ -102,7 +102,8 @@ class WholeCalls:
     def _moved_batch(self, layer: nn.Module, args, output) -> Optional[int]:
         """The dimension other than the model's that this call holds the batch along, in its
         first input and in each output tensor that carries gradients (``batch_dim_of``), or 0
-        (also where an output holds it elsewhere); None where it cannot be told yet."""
+        (also where an output holds it elsewhere; refused, naming the fix, where one holds it
+        first while the input's first size is not the batch's); None where it cannot be told yet."""
         if self.independence.rerunning:
             return self._batch_dims.get(layer) or 0
         if not (self.hooks_enabled and torch.is_grad_enabled()) or recomputing():
@@ -111,9 +112,11 @@ class WholeCalls:
             return 0
         dim = self._call_batch_dim(layer, args[:1])
         batch = self._input_batch if self._forward_batch is None else self._forward_batch
-        if dim and any(t.dim() <= dim or t.shape[dim] != batch for t in _grad_outputs(output)):
-            return 0
-        return dim
+        outs = _grad_outputs(output)
+        elsewhere = [k for k, t in enumerate(outs) if t.dim() <= dim or t.shape[dim] != batch] if dim else []
+        if dim and elsewhere and args[0].shape[0] != batch and outs[elsewhere[0]].shape[:1] == (batch,):
+            raise _batch_first_output(self.layer_names[layer], layer, dim, args[0], elsewhere[0], outs[elsewhere[0]])
+        return 0 if dim and elsewhere else dim
 
     def _hook_output(self, layer: nn.Module, kept: list, out: torch.Tensor, output, record: Callable,
                      rows: Optional[int] = None):
@@ -144,6 +147,8 @@ class WholeCalls:
                  for k, o in enumerate(outs) if o.dim() <= dim or o.shape[dim] not in (rows, flat)}
         if sites and dim != 0:
             k = next(iter(sites))
+            if outs[k].shape[:1] == (self._forward_batch,) and x is not None:
+                raise _batch_first_output(name, layer, dim, x, k, outs[k])
             raise ValueError(
                 f"layer '{name}' ({type(layer).__name__}) has no per-sample gradient sampler, and its output tensor "
                 f"{k} of shape {tuple(outs[k].shape)}, which carries gradients, has no row per sample along "
@@ -256,6 +261,17 @@ def _computed_from(t: torch.Tensor, x: torch.Tensor, limit: int = 256) -> bool:
 def _behind(start, limit: int) -> set:
     """The autograd nodes behind ``start`` (``nodes_behind``) but parameters' AccumulateGrad."""
     return {node for node in nodes_behind(start, limit) if type(node).__name__ != "AccumulateGrad"}
+
+
+def _batch_first_output(name: str, layer: nn.Module, dim: int, x: torch.Tensor, k: int, out: torch.Tensor):
+    """The error for a call taking the batch along ``dim`` whose output ``k`` holds it first."""
+    return ValueError(
+        f"layer '{name}' ({type(layer).__name__}) takes its input with the batch along dimension {dim} (shape "
+        f"{tuple(x.shape)}), but its output tensor {k}, of shape {tuple(out.shape)}, which carries gradients, holds "
+        "it along dimension 0 (nn.MultiheadAttention's attention weights, batch first whatever its batch_first): "
+        "dpgrad reads a layer's outputs with the batch along one dimension. Return only what is used "
+        "(nn.MultiheadAttention: need_weights=False), or build the layer batch first (batch_first=True) and give "
+        "it (B, T, ...).")
 
 
 def _grad_outputs(output) -> list:
