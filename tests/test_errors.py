@@ -190,6 +190,16 @@ def test_a_sparse_embedding_is_refused_before_any_change(wrapper):
     assert_untouched(model)
 
 
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_a_fused_recurrent_layer_is_refused_naming_opacus_dp_layer(wrapper):
+    cls, kwargs = WRAPPERS[wrapper]
+    model = nn.Sequential(nn.GRU(4, 5, batch_first=True))
+    with pytest.raises(NotImplementedError) as err:
+        cls(model, **kwargs)
+    says(err, "layer '0' (GRU)", "opacus.layers.DPGRU", "batch_first=True", "requires_grad_(False)", "strict=False")
+    assert_untouched(model)
+
+
 @pytest.mark.parametrize("function", ["weight_norm", "spectral_norm"])
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))
 def test_a_weight_computed_by_a_forward_pre_hook_is_refused_before_any_change(wrapper, function):

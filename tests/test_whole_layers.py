@@ -309,6 +309,27 @@ def test_a_parametrized_layer_is_taken_whole(wrapper, kind):
     assert inner in wrapped._path.functorch_layers and wrapped._path.layer_names[inner] == "inner"
 
 
+class Recurrent(nn.Module):
+    """Opacus's DPLSTM (Linear layers per gate, which dpgrad clips per sample), batch first."""
+
+    def __init__(self, d):
+        super().__init__()
+        from opacus.layers import DPLSTM
+
+        self.rnn = DPLSTM(d, d, batch_first=True)
+
+    def forward(self, x):
+        return self.rnn(x)[0]
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_opacus_dp_lstm_in_place_of_torch_s_is_exact(wrapper):
+    """What the refusal of nn.LSTM names instead (tests/test_errors.py)."""
+    pytest.importorskip("opacus")
+    torch.manual_seed(14)
+    check_step(wrapper, Around(Recurrent(6)), 3, seed=15)
+
+
 G = 6  # the gated layer's width
 
 

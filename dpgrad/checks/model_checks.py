@@ -115,6 +115,14 @@ def validate(module: nn.Module, *, strict: bool = False, sampled: Callable[[nn.M
                 "per-sample clipping does not take, and the Gaussian noise of a DP step reaches every row anyway. "
                 "Construct it with sparse=False (and an optimizer for dense gradients), freeze it with "
                 "requires_grad_(False), or pass strict=False to skip it.", name))
+        elif isinstance(m, nn.RNNBase):
+            errors.append(NotImplementedError(
+                f"layer '{name}' ({type(m).__name__}) is torch's fused recurrent layer (its weights flattened for one "
+                "kernel over the whole batch), which dpgrad's torch.func recomputation cannot run one sample at a "
+                "time. Use Opacus's drop-in "
+                f"opacus.layers.DP{type(m).__name__} (built from Linear layers, which dpgrad clips per sample; with "
+                "batch_first=True in a batch-first model), freeze it with requires_grad_(False), or pass "
+                "strict=False to skip it.", name))
         elif isinstance(hook := _computed_weight(m), (WeightNorm, SpectralNorm)):
             function = "weight_norm" if isinstance(hook, WeightNorm) else "spectral_norm"
             errors.append(NotImplementedError(
