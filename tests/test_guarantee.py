@@ -813,6 +813,28 @@ def test_compiled_by_inductor(monkeypatch):
 
 @compiling
 @pytest.mark.parametrize("mode", MODES)
+def test_model_compiled_and_run_before_wrapping_is_refused(mode):
+    """The whole model compiled in place and run: its cached graph runs none of the layers'
+    hooks (the model's own run), refused at the end of the forward pass, then exact once reset."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Net()
+    reference_model = copy.deepcopy(model)
+    model.compile(backend="aot_eager")
+    x, y = batch()
+    model(x)
+    wrapped = wrap(model, mode)
+    check_refused(model, wrapped, x, y, ["parameter 'l1.weight'", "torch.compile compiled before the model was "
+                                         "wrapped", "torch._dynamo.reset()"])
+    torch._dynamo.reset()
+    model.zero_grad(set_to_none=True)
+    step(wrapped, x, y)
+    check_exact(model, wrapped, reference_model, x, y)
+    torch._dynamo.reset()
+
+
+@compiling
+@pytest.mark.parametrize("mode", MODES)
 def test_layer_compiled_and_run_before_wrapping_is_refused(mode):
     """Its cached graph runs without the hooks that wrapping added."""
     torch._dynamo.reset()

@@ -75,6 +75,10 @@ class ModelHooks:
         edges.set_outputs(tensors)
         if not calls or not edges.outputs:
             self.independence.call = None
+            if edges.outputs and self.hooks_enabled and torch.is_grad_enabled():
+                # No hooked call, yet outputs with a graph: any trainable parameter they reach
+                # went around the hooks (a model torch.compile compiled before it was wrapped).
+                self._verify(edges.outputs, [], edges.marked_elsewhere)
             return
         first = sequence_number(calls[0][1])
         extra = sum(n >= first for n in passing) - (first in passing)
