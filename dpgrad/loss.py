@@ -132,8 +132,8 @@ class DPTensorFastGradientClipping(torch.Tensor):
 
     A 0-d tensor holding the batch's loss (the mean or sum of the per-sample losses; in a padded
     batch, over its sampled samples), so that what loops do with a loss works: ``item()``,
-    ``float()``, ``f"{loss:.3f}"``, ``torch.isfinite(loss)``, ``loss.detach()`` (plain tensors).
-    Scalar arithmetic (``loss / k``, ``w * loss``, ``loss + other``...) applies to every
+    ``float()``, ``f"{loss:.3f}"``, ``torch.isfinite(loss)``, ``loss.detach()``, ``copy.deepcopy``
+    and pickling (plain tensors); ``loss.mean()``, ``loss.sum()``, ``loss.clone()`` are the loss. Scalar arithmetic (``loss / k``, ``w * loss``, ``loss + other``...) applies to every
     sample's loss and gives another such loss. ``scaler.scale(loss)`` (a ``torch.amp.GradScaler``)
     gives the loss scaled for mixed precision: its backward clips the norms of the unscaled
     gradients and leaves the clipped gradient times the scale in ``p.grad``, which
@@ -194,6 +194,8 @@ class DPTensorFastGradientClipping(torch.Tensor):
                 self, scale = args  # a GradScaler's loss scale, removed by scaler.step before the noise
                 return self._derived(self.loss_per_sample * scale, scale=scale)
             return arithmetic(*args, **kwargs)
+        if func in _ITSELF and len(args) == 1 and not kwargs and isinstance(args[0], cls):
+            return args[0]._derived(args[0].loss_per_sample)  # the batch's loss is a scalar: mean() is itself
         if func is torch.autograd.backward and len(args) == 1 and isinstance(args[0], cls) and not kwargs:
             return args[0].backward()
         # Anything else on the batch's loss, as on a plain tensor (what it returns is plain).
@@ -221,6 +223,9 @@ class DPTensorFastGradientClipping(torch.Tensor):
 
     def __reduce_ex__(self, protocol):
         return self.detach().__reduce_ex__(protocol)  # a saved loss is its value
+
+    def __deepcopy__(self, memo):
+        return self.detach().clone()  # as saved: its value
 
     @eager_when_compiled
     def backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None) -> None:
@@ -278,6 +283,8 @@ _ARITHMETIC = {
     **dict.fromkeys([_T.__neg__, _T.neg, _T.neg_, torch.neg], _neg),
 }
 _MULTIPLY = {_T.__mul__, _T.__rmul__, _T.mul, torch.mul}
+# What gives a scalar itself (``loss.mean()`` in a loop written for losses of several devices).
+_ITSELF = {_T.mean, torch.mean, _T.sum, torch.sum, _T.clone, torch.clone, _T.squeeze, torch.squeeze, _T.contiguous}
 
 
 class DPLossFastGradientClipping:

@@ -11,6 +11,8 @@ and the GradScaler's overflow.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 pytest.importorskip("opacus")
@@ -158,6 +160,18 @@ def test_the_loss_is_a_tensor_where_loops_use_one():
     scaled = torch.amp.GradScaler("cpu", init_scale=8.0).scale(loss)
     assert type(scaled) is type(loss) and float(scaled.loss_scale) == 8.0
     assert (loss * torch.tensor(8.0)).loss_scale is None  # a weight is not a loss scale
+    saved = copy.deepcopy({"loss": loss})["loss"]
+    assert type(saved) is torch.Tensor and saved.item() == loss.item()
+    for same in (loss.mean(), torch.sum(loss), loss.clone()):  # a loop written for a loss per device
+        assert type(same) is type(loss)
+        torch.testing.assert_close(same.loss_per_sample, loss.loss_per_sample, rtol=0, atol=0)
+    wrapped.zero_grad()
+    loss.backward()
+    clipped = [p.grad.clone() for p in model.parameters()]
+    wrapped.zero_grad()
+    criterion(wrapped(x[:6]), y[:6]).mean().backward()
+    for p, g in zip(model.parameters(), clipped):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
 
 
 def _scaled_run(batches, init_scale=2.0 ** 10, physical=None):
