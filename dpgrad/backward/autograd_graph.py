@@ -38,14 +38,13 @@ from dpgrad.checks.guarantee import sequence_number
 
 # What a backward pass that keeps the graph says when the model's compiled backward cannot run twice.
 DONATED_BUFFERS = (
-    "the model runs through torch.compile with donated buffers (Inductor's compiled backward reuses "
-    "the memory of what it saved, so it can run only once), and dpgrad backpropagates through the "
-    "graph twice: its independence probe on a new layout, and the norm pass of double backward, "
-    "keep the graph for the backward pass that follows. Set "
-    "torch._functorch.config.donated_buffer = False (import torch._functorch.config) before the "
-    "first compiled call, or call torch._dynamo.reset() after setting it; with "
-    "single_backward=True, check_independence=False also does, giving up that check. Nothing has "
-    "reached p.grad from this pass."
+    "the model runs through torch.compile with donated buffers (its compiled backward reuses the memory of "
+    "what it saved, so it can run only once), and dpgrad backpropagates through the graph twice: its "
+    "independence probe on a new layout, and the norm pass of double backward, keep the graph for the "
+    "backward pass that follows. Set torch._functorch.config.donated_buffer = False (import "
+    "torch._functorch.config) before the first compiled call, or call torch._dynamo.reset() after setting "
+    "it; check_independence=False also does (with the ghost-clipping wrapper, under single_backward=True), "
+    "giving up that check. Nothing has reached p.grad or p.grad_sample from this pass."
 )
 
 
