@@ -85,6 +85,18 @@ def in_region(name: str):
     return decorate
 
 
+@contextlib.contextmanager
+def refusing_reentrant(message: str):
+    """Inside: torch's refusal of ``torch.autograd.grad`` through a reentrant activation
+    checkpoint raised as ``RuntimeError(message)``, which says what to do."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "use_reentrant=True" in str(error):
+            raise RuntimeError(message) from error
+        raise
+
+
 def grad_keeping_graph(outputs, inputs, grad_outputs=None, **kwargs):
     """``torch.autograd.grad`` with ``retain_graph=True``, a compiled backward that cannot run
     twice (donated buffers) refused with what to do (``DONATED_BUFFERS``)."""

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 import torch
 
 from dpgrad.backward import grad_marks
-from dpgrad.backward.autograd_graph import grad_keeping_graph
+from dpgrad.backward.autograd_graph import grad_keeping_graph, refusing_reentrant
 from dpgrad.backward.finite_checks import FiniteCheck, FiniteReports
 from dpgrad.checks.guarantee import sequence_number
 from dpgrad.clipping.coefficients import clipping_coefficients
@@ -121,15 +121,11 @@ class ClippedBackward:
             return self._clip_one_sample(reduced, max_grad_norm, anew)
         self._norm_pass = NormPass.KEEP_FOR_CLIPPING if self.single_backward else NormPass.NORMS_ONLY
         try:
-            try:
+            with refusing_reentrant(REENTRANT_CHECKPOINT):
                 if self.single_backward:
                     torch.autograd.grad(reduced, targets, seed, allow_unused=True)
                 else:  # the second pass goes through the same graph
                     grad_keeping_graph(reduced, targets, seed, allow_unused=True)
-            except RuntimeError as error:
-                if "use_reentrant=True" in str(error):
-                    raise RuntimeError(REENTRANT_CHECKPOINT) from error
-                raise
             del targets
             self._edges.release()
             norms = self.norm_sample()

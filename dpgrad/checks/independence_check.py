@@ -28,7 +28,7 @@ from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from dpgrad.backward.autograd_graph import grad_keeping_graph, region
+from dpgrad.backward.autograd_graph import grad_keeping_graph, refusing_reentrant, region
 from dpgrad.checks.forward_probe import HeldState, Perturb, probe_runs
 from dpgrad.checks.guarantee import VerifiedLayouts, tensors_in
 from dpgrad.checks.independence import (
@@ -63,15 +63,6 @@ REENTRANT = (
     "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}). " + TURN_OFF
     + " " + NOTHING_REACHED)
 
-
-def _probe_grad(outputs, targets, vectors):
-    """The gradients a probe backpropagates (``grad_keeping_graph``), a reentrant checkpoint refused."""
-    try:
-        return grad_keeping_graph(outputs, targets, vectors, allow_unused=True)
-    except RuntimeError as error:
-        if "use_reentrant=True" in str(error):
-            raise RuntimeError(REENTRANT) from error
-        raise
 
 
 # Recomputes the per-sample losses with the outputs and targets of some samples changed (None:
@@ -175,7 +166,8 @@ class IndependenceCheck:
             vectors = [self.draws.on_rows(t, probe.rows, d) for t, d in placed]
             path._probing = probe
             try:
-                _probe_grad(tensors, targets, vectors)
+                with refusing_reentrant(REENTRANT):
+                    grad_keeping_graph(tensors, targets, vectors, allow_unused=True)
             finally:
                 path._probing = None
         found, reached = probes.read()
@@ -305,7 +297,8 @@ class IndependenceCheck:
             weights = self.draws.on_rows(losses, probe.rows, 0)
             path._probing = probe
             try:
-                grads = _probe_grad(losses, targets, weights)
+                with refusing_reentrant(REENTRANT):
+                    grads = grad_keeping_graph(losses, targets, weights, allow_unused=True)
             finally:
                 path._probing = None
             for i, (grad, shape) in enumerate(zip(grads, edges.output_shapes)):
