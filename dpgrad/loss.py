@@ -133,8 +133,9 @@ class DPTensorFastGradientClipping(torch.Tensor):
     A 0-d tensor holding the batch's loss (the mean or sum of the per-sample losses; in a padded
     batch, over its sampled samples), so that what loops do with a loss works: ``item()``,
     ``float()``, ``f"{loss:.3f}"``, ``torch.isfinite(loss)``, ``loss.detach()``, ``copy.deepcopy``
-    and pickling (plain tensors); ``loss.mean()``, ``loss.sum()``, ``loss.clone()`` are the loss. Scalar arithmetic (``loss / k``, ``w * loss``, ``loss + other``...) applies to every
-    sample's loss and gives another such loss. ``scaler.scale(loss)`` (a ``torch.amp.GradScaler``)
+    and pickling (plain tensors); ``loss.mean()``, ``loss.sum()``, ``loss.clone()`` are the loss.
+    Scalar arithmetic (``loss / k``, ``w * loss``, ``loss + other``...) applies to every sample's
+    loss and gives another such loss. ``scaler.scale(loss)`` (a ``torch.amp.GradScaler``)
     gives the loss scaled for mixed precision: its backward clips the norms of the unscaled
     gradients and leaves the clipped gradient times the scale in ``p.grad``, which
     ``scaler.step(optimizer)`` removes (``loss_scale`` holds it).

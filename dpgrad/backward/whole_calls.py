@@ -116,7 +116,7 @@ class WholeCalls:
         elsewhere = [k for k, t in enumerate(outs) if t.dim() <= dim or t.shape[dim] != batch] if dim else []
         if dim and elsewhere and args[0].shape[0] != batch and outs[elsewhere[0]].shape[:1] == (batch,):
             raise _batch_first_output(self.layer_names[layer], layer, dim, args[0], elsewhere[0], outs[elsewhere[0]])
-        return 0 if dim and elsewhere else dim
+        return 0 if elsewhere else dim
 
     def _hook_output(self, layer: nn.Module, kept: list, out: torch.Tensor, output, record: Callable,
                      rows: Optional[int] = None):

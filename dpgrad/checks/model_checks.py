@@ -81,6 +81,10 @@ def _own_method(child: Optional[nn.Module], name: str) -> bool:
     return child is not None and not hasattr(nn.Module, name) and callable(getattr(type(child), name, None))
 
 
+# How a refusal of a trainable layer ends: the other ways out.
+_OR_FREEZE = "freeze it with requires_grad_(False), or pass strict=False to skip it."
+
+
 def validate(module: nn.Module, *, strict: bool = False, sampled: Callable[[nn.Module], bool] = lambda m: False
              ) -> List[NotImplementedError]:
     """Trainable layers dpgrad cannot treat per sample (a trainable BatchNorm, an Embedding that
@@ -107,31 +111,28 @@ def validate(module: nn.Module, *, strict: bool = False, sampled: Callable[[nn.M
                 f"layer '{name}' (Embedding) has scale_grad_by_freq=True: each row's gradient is "
                 "scaled by its frequency in the whole batch, so one sample's gradient depends on "
                 "the others and per-sample gradients are undefined. Construct it with "
-                "scale_grad_by_freq=False, freeze it with requires_grad_(False), or pass "
-                "strict=False to skip it.", name))
+                "scale_grad_by_freq=False, " + _OR_FREEZE, name))
         elif isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
             errors.append(NotImplementedError(
                 f"layer '{name}' ({type(m).__name__}) has sparse=True: its gradient is a sparse tensor, which "
                 "per-sample clipping does not take, and the Gaussian noise of a DP step reaches every row anyway. "
-                "Construct it with sparse=False (and an optimizer for dense gradients), freeze it with "
-                "requires_grad_(False), or pass strict=False to skip it.", name))
+                "Construct it with sparse=False (and an optimizer for dense gradients), " + _OR_FREEZE, name))
         elif isinstance(m, nn.RNNBase):
             errors.append(NotImplementedError(
                 f"layer '{name}' ({type(m).__name__}) is torch's fused recurrent layer (its weights flattened for one "
                 "kernel over the whole batch), which dpgrad's torch.func recomputation cannot run one sample at a "
                 "time. Use Opacus's drop-in "
                 f"opacus.layers.DP{type(m).__name__} (built from Linear layers, which dpgrad clips per sample; with "
-                "batch_first=True in a batch-first model), freeze it with requires_grad_(False), or pass "
-                "strict=False to skip it.", name))
-        elif isinstance(hook := _computed_weight(m), (WeightNorm, SpectralNorm)):
+                "batch_first=True in a batch-first model), " + _OR_FREEZE, name))
+        elif (hook := _computed_weight(m)) is not None:
             function = "weight_norm" if isinstance(hook, WeightNorm) else "spectral_norm"
             errors.append(NotImplementedError(
                 f"layer '{name}' ({type(m).__name__}) has its {hook.name} from torch.nn.utils.{function}, "
                 f"computed by a forward pre-hook into a tensor that is no parameter, from which per-sample "
                 f"gradients of its parameters cannot be taken. Use the parametrization instead, "
                 f"torch.nn.utils.parametrizations.{function} (torch.nn.utils.remove_{function}(layer) first), "
-                "which dpgrad takes per sample (spectral_norm in eval mode, where it changes no buffer); freeze the layer with requires_grad_(False), or pass strict=False "
-                "to skip it.", name))
+                "which dpgrad takes per sample (spectral_norm in eval mode, where it changes no buffer); "
+                + _OR_FREEZE, name))
     if strict and errors:
         raise NotImplementedError("\n".join(e.args[0] for e in errors))
     if errors:
