@@ -110,7 +110,7 @@ def without_batch(layer: nn.Module, inputs, batch: Optional[int], shared: dict) 
     either (a table, as a position table on (T,) ids, not the batch time-first), or an input
     ``shared_before`` (such a table seen at another batch size, its first size now the batch's)."""
     x = next((a for a in inputs if isinstance(a, torch.Tensor)), None)
-    if not batch or x is None or x.dim() == 0:
+    if batch is None or x is None or x.dim() == 0:
         return False
     if x.shape[0] == batch:
         return shared_before(layer, inputs, shared)
